@@ -1,0 +1,42 @@
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gemma3_text, llama
+
+
+def tiny_llama(dtype=mx.float32, layers=4):
+    """A random-init Llama with SmolLM2's head layout (3 kv heads of 64, GQA 3)."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=192, num_hidden_layers=layers, intermediate_size=256,
+                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=500,
+                           head_dim=64, rope_theta=100000.0)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    return model
+
+
+def tiny_gemma3(window=32):
+    """A random-init Gemma 3 text model: sliding-window layers plus a global one."""
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4,
+                                 intermediate_size=256, num_attention_heads=2, head_dim=64,
+                                 num_key_value_heads=1, vocab_size=500, sliding_window=window,
+                                 sliding_window_pattern=2)
+    mx.random.seed(1)
+    return gemma3_text.Model(args)
+
+
+@pytest.fixture(scope="session")
+def llama_model():
+    return tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def _restore_attention():
+    yield
+    import veloxquant
+    veloxquant.uninstall()
+
+
+def feed(model, tokens, cache, chunk):
+    """Logits for `tokens` fed through `cache` in chunks, as generation prefills."""
+    outs = [model(tokens[:, s:s + chunk], cache=cache) for s in range(0, tokens.shape[1], chunk)]
+    return mx.concatenate(outs, axis=1)

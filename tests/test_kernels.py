@@ -1,0 +1,188 @@
+"""Fused affine decode attention: reference vs decoded attention, dispatch vs
+reference on the backend present, and (gpu-marked) the CUDA kernel vs the
+reference. Run the CUDA part with `pytest -m gpu tests/test_kernels.py` on a
+machine whose MLX has the CUDA backend; elsewhere it is skipped."""
+import json
+import os
+
+import mlx.core as mx
+import pytest
+
+from veloxquant.kernels import backend, choice, fused_affine_partial
+from veloxquant.kernels.reference import affine_partial_attention as reference
+from veloxquant.runtime.attention import partial_attention
+from veloxquant.stages.store import Affine
+
+TOL = 1e-3
+
+
+def spec(bits, group, axis):
+    return {"bits": bits, "group": group, "axis": axis}
+
+
+def make(B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype=mx.float16, seed=0):
+    key = mx.random.key(seed)
+    kq, kk, kv = mx.random.split(key, 3)
+    q = (1.5 * mx.random.normal((B, Hq, Lq, D), key=kq)).astype(qdtype)
+    k = 2.0 * mx.random.normal((B, Hkv, L, D), key=kk) + 0.5
+    v = mx.random.normal((B, Hkv, L, D), key=kv)
+    return q, Affine(**kspec).encode(k), Affine(**vspec).encode(v)
+
+
+def decoded(q, ke, ve, kspec, vspec, scale):
+    return partial_attention(q, Affine(**kspec).decode(ke, mx.float32), Affine(**vspec).decode(ve, mx.float32), scale)
+
+
+def maxerr(a, b):
+    return max(float(mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max()) for x, y in zip(a, b))
+
+
+KIVI2 = (spec(2, 32, "channel"), spec(2, 32, "token"))
+CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec)
+    (1, 8, 2, 1, 128, 96, *KIVI2),
+    (2, 9, 3, 1, 64, 64, spec(4, 32, "channel"), spec(4, 32, "token")),
+    (1, 4, 1, 3, 256, 64, spec(8, 64, "channel"), spec(8, 64, "token")),
+    (1, 4, 2, 2, 64, 40, spec(4, 32, "token"), spec(2, 16, "token")),
+    (1, 2, 2, 1, 128, 128, spec(2, 128, "channel"), spec(4, 64, "channel")),
+    (1, 6, 3, 1, 64, 33, spec(3, 32, "token"), spec(5, 64, "token")),  # odd widths: reference only
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[6]['bits']}{c[6]['axis'][0]}-{c[7]['bits']}{c[7]['axis'][0]}")
+def test_reference_matches_attention_on_decoded_tensors(case):
+    B, Hq, Hkv, Lq, D, L, ks, vs = case
+    q, ke, ve = make(*case)
+    scale = D ** -0.5
+    assert maxerr(reference(q, ke, ve, ks, vs, scale), decoded(q, ke, ve, ks, vs, scale)) <= TOL
+
+
+@pytest.mark.parametrize("case", CASES[:3])
+def test_dispatch_matches_reference_on_present_backend(case):
+    q, ke, ve = make(*case)
+    ks, vs = case[6], case[7]
+    scale = case[4] ** -0.5
+    out, lse = fused_affine_partial(q, ke, ve, ks, vs, scale)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert out.dtype == mx.float32 and lse.dtype == mx.float32
+    assert maxerr((out, lse), reference(q, ke, ve, ks, vs, scale)) <= TOL
+
+
+def test_reference_merges_with_other_tiers_exactly():
+    # The lse makes a tier's partial mergeable: two halves merge to the whole.
+    from veloxquant.runtime.attention import merge_partials
+    ks, vs = KIVI2
+    q, ke, ve = make(1, 4, 2, 1, 64, 128, ks, vs)
+    half = lambda enc, n, g: {k: a[:, :, : n // (g if k != "codes" else 1)] for k, a in enc.items()}
+    rest = lambda enc, n, g: {k: a[:, :, n // (g if k != "codes" else 1):] for k, a in enc.items()}
+    a = reference(q, half(ke, 64, 32), half(ve, 64, 1), ks, vs, 0.125)
+    b = reference(q, rest(ke, 64, 32), rest(ve, 64, 1), ks, vs, 0.125)
+    whole = reference(q, ke, ve, ks, vs, 0.125)
+    assert maxerr((merge_partials([a, b]),), (whole[0],)) <= 1e-5
+
+
+def test_dispatch_never_selects_a_kernel_off_cuda():
+    q, ke, ve = make(1, 8, 2, 1, 128, 64, *KIVI2)
+    impl, why = choice(q, ke, ve, *KIVI2, scale=0.1)
+    if backend() != "cuda":
+        assert impl == "reference" and why
+    os.environ["VELOXQUANT_KERNELS"] = "off"
+    try:
+        assert choice(q, ke, ve, *KIVI2, scale=0.1)[0] == "reference"
+    finally:
+        del os.environ["VELOXQUANT_KERNELS"]
+
+
+def test_unsupported_calls_are_named():
+    from veloxquant.kernels import cuda
+    q, ke, ve = make(1, 6, 3, 1, 64, 33, spec(3, 32, "token"), spec(5, 64, "token"))
+    assert "bits" in cuda.unsupported(q, ke, ve, spec(3, 32, "token"), spec(5, 64, "token"))
+    q, ke, ve = make(1, 4, 1, 9, 64, 32, *KIVI2)
+    assert "queries" in cuda.unsupported(q, ke, ve, *KIVI2)
+    q, ke, ve = make(1, 4, 1, 1, 96, 32, spec(4, 32, "channel"), spec(4, 32, "token"))
+    assert "head_dim" in cuda.unsupported(q, ke, ve, spec(4, 32, "channel"), spec(4, 32, "token"))
+
+
+def test_kernel_layout_fits_every_supported_config():
+    from veloxquant.kernels import cuda
+    for D in (64, 128, 256):
+        for bits in (2, 4, 8):
+            for g in (32, 64, 128):
+                for kax, vax in (("channel", "token"), ("token", "token"), ("channel", "channel")):
+                    if "token" in (kax, vax) and g > D:
+                        continue
+                    kspec, vspec = (bits, g, kax), (bits, g, vax)
+                    for L in (g, 1024, 131072):
+                        ch = cuda.choose_chunk(L, 8, D, 4, kspec, vspec)
+                        assert ch % 16 == 0 and (kax == "token" or ch % g == 0)
+                        assert cuda.smem_bytes(ch, D, 4, *kspec, *vspec) <= cuda.SMEM_CAP
+
+
+# ---------------------------------------------------------------- CUDA only
+S = spec
+GPU_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype)
+    (1, 32, 8, 1, 128, 4096, *KIVI2, mx.float16),
+    (1, 32, 8, 1, 128, 32768, S(4, 32, "channel"), S(4, 32, "token"), mx.float16),
+    (1, 32, 8, 1, 128, 8192, S(8, 32, "channel"), S(8, 32, "token"), mx.bfloat16),
+    (1, 9, 3, 1, 64, 4000, S(2, 32, "channel"), S(2, 32, "token"), mx.float16),
+    (1, 4, 1, 1, 256, 16384, S(4, 64, "channel"), S(4, 64, "token"), mx.float16),
+    (2, 8, 2, 4, 128, 1056, S(4, 32, "token"), S(2, 32, "token"), mx.float32),
+    (1, 8, 8, 1, 64, 96, S(2, 32, "channel"), S(8, 32, "channel"), mx.float16),
+    (1, 12, 4, 8, 128, 640, S(4, 128, "channel"), S(4, 128, "channel"), mx.bfloat16),
+    (1, 16, 2, 1, 256, 2048, S(2, 64, "token"), S(4, 32, "token"), mx.float16),
+    (1, 4, 4, 2, 64, 77, S(4, 64, "token"), S(8, 64, "token"), mx.float16),
+]
+
+
+def _record(name, err):
+    path = os.environ.get("VELOXQUANT_PARITY_OUT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"D{c[4]}-L{c[5]}-{c[6]['bits']}{c[6]['axis'][0]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_kernel_matches_reference(case):
+    from veloxquant.kernels import cuda
+    B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
+    q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
+    scale = D ** -0.5
+    assert cuda.unsupported(q, ke, ve, ks, vs) == ""
+    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale)
+    want = reference(q, ke, ve, ks, vs, scale)
+    err = maxerr(got, want)
+    _record(f"B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
+            f"V{vs['bits']}{vs['axis'][0]}{vs['group']} q{qdt}", err)
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("vgroup", [64, 128])
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
+    # A tier's storage is often a view into a longer buffer. With one kv head
+    # the view stays row-contiguous (no copy) and starts at an offset that
+    # breaks 16-byte (vgroup 64) or 4-byte (vgroup 128) alignment of the value
+    # metadata; the kernel's staging must still be exact.
+    from veloxquant.kernels import cuda
+    ks, vs = S(4, 32, "channel"), S(4, vgroup, "token")
+    L = 2080
+    q, ke, _ = make(1, 4, 1, 1, 128, L + 96, ks, vs)
+    _, _, ve = make(1, 4, 1, 1, 128, L + 97, ks, vs, seed=1)
+    ke = {n: a[:, :, (96 if n == "codes" else 3):] for n, a in ke.items()}
+    ve = {n: a[:, :, 97:] for n, a in ve.items()}
+    want = reference(q, ke, ve, ks, vs, 0.09)
+    for ch in (64, 128, 256, 512):
+        err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
+        _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
+        assert err <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_dispatch_on_cuda_uses_the_kernel_once_verified():
+    from veloxquant.kernels import dispatch
+    q, ke, ve = make(1, 8, 2, 1, 128, 256, *KIVI2)
+    impl, why = choice(q, ke, ve, *KIVI2, scale=0.1)
+    assert impl == ("cuda" if "cuda" in dispatch.VERIFIED_BACKENDS else "reference"), why

@@ -1,0 +1,128 @@
+"""The error corpus: every file in tests/recipes_bad/ must fail with a clear message
+at the exact file:line:column its first line names.
+
+First line of each file:  # expect: [PATH:]LINE:COL SUBSTRING
+PATH (relative to tests/recipes_bad/) is given only when the error is in another
+file than the one checked (e.g. the file of an `extends` cycle that closes it).
+
+`veloxquant check` runs as a subprocess once over the whole corpus (starting
+Python with mlx-lm takes seconds, so not once per file); each file is also
+checked in-process through the CLI's main() and through load_recipe +
+compile_recipe.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from veloxquant import cli
+from veloxquant.compiler import SMOLLM2_135M, apply_sets, compile_recipe
+from veloxquant.errors import RecipeError
+from veloxquant.recipe import load_recipe
+
+BAD = Path(__file__).parent / "recipes_bad"
+FILES = sorted(BAD.glob("*.yaml"))  # helper files of cycles live in subfolders
+_EXPECT = re.compile(r"#\s*expect:\s*(?:(?P<path>\S+?):)?(?P<line>\d+):(?P<col>\d+)\s+(?P<text>.+?)\s*$")
+
+
+def expectation(path: Path):
+    first = path.read_text().splitlines()[0]
+    m = _EXPECT.fullmatch(first)
+    assert m, f"{path.name}: first line must be '# expect: LINE:COL substring', got {first!r}"
+    where = (BAD / m["path"]).resolve() if m["path"] else path.resolve()
+    return str(where), int(m["line"]), int(m["col"]), m["text"]
+
+
+def test_corpus_is_big_enough():
+    assert len(FILES) >= 24
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_in_process(path):
+    file, line, col, text = expectation(path)
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
+    err = info.value
+    assert err.location is not None, str(err)
+    assert (err.location.file, err.location.line, err.location.column) == (file, line, col), str(err)
+    assert text in str(err)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_cli_main(path, capsys):
+    file, line, col, text = expectation(path)
+    code = cli.main(["check", str(path)])
+    out, err = capsys.readouterr()
+    assert code != 0
+    assert "Traceback" not in out + err
+    assert not out.startswith("ok")
+    assert f"{file}:{line}:{col}" in err and text in err, err
+
+
+@pytest.fixture(scope="module")
+def corpus_run():
+    """One `python -m veloxquant.cli check` over every file of the corpus."""
+    proc = subprocess.run([sys.executable, "-m", "veloxquant.cli", "check", *map(str, FILES)],
+                          capture_output=True, text=True, timeout=300, cwd=BAD.parent.parent)
+    blocks = re.split(r"^(?=error )", proc.stderr, flags=re.M)
+    return proc, [b for b in blocks if b.strip()]
+
+
+def test_subprocess_fails_cleanly(corpus_run):
+    proc, blocks = corpus_run
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stdout == ""  # no file passed
+    assert len(blocks) == len(FILES), proc.stderr
+
+
+@pytest.mark.parametrize("index", range(len(FILES)), ids=[p.stem for p in FILES])
+def test_subprocess_message(corpus_run, index):
+    _, blocks = corpus_run
+    file, line, col, text = expectation(FILES[index])
+    block = blocks[index] if index < len(blocks) else ""
+    assert block.startswith(f"error {file}:{line}:{col}"), block
+    assert text in block, block
+
+
+# --set: errors that belong to the command line, not to a file.
+
+def test_set_wrong_type_names_the_param():
+    with pytest.raises(RecipeError) as info:
+        apply_sets(load_recipe("kivi"), ["bits=two"])
+    assert "parameter 'bits' is int, got 'two'" in str(info.value)
+    assert info.value.location.file == "--set" and info.value.location.field == "bits"
+
+
+def test_set_float_for_int():
+    with pytest.raises(RecipeError, match="parameter 'window' is int, got 2.5"):
+        apply_sets(load_recipe("kivi"), ["window=2.5"])
+
+
+def test_set_unknown_param_suggests():
+    with pytest.raises(RecipeError) as info:
+        apply_sets(load_recipe("kivi"), ["bitz=4"])
+    assert "has no parameter 'bitz'" in str(info.value) and "did you mean 'bits'" in str(info.value)
+
+
+def test_set_without_equals():
+    with pytest.raises(RecipeError, match="--set expects name=value"):
+        apply_sets(load_recipe("kivi"), ["bits"])
+
+
+def test_set_out_of_range_reported_at_the_ref():
+    recipe = load_recipe("kivi")
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(recipe, SMOLLM2_135M, ["bits=9"])
+    err = info.value
+    assert "parameter 'bits' must be between 1 and 8, got 9" in str(err)
+    # the name of the $bits reference in kivi.yaml (line 11: "  >> keys:   affine(bits=$bits, ...")
+    assert (Path(err.location.file).name, err.location.line, err.location.column) == ("kivi.yaml", 11, 27)
+
+
+def test_set_error_through_cli(capsys):
+    assert cli.main(["check", "kivi", "--set", "bits=two"]) != 0
+    out, err = capsys.readouterr()
+    assert "--set (bits): parameter 'bits' is int, got 'two'" in err and "Traceback" not in err

@@ -1,0 +1,135 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+import veloxquant as vq
+from veloxquant.runtime import hook
+from conftest import feed, tiny_gemma3, tiny_llama
+
+TOKENS = mx.random.randint(0, 500, (1, 300), key=mx.random.key(7))
+
+
+def maxdiff(a, b):
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 80])
+def test_fp16_recipe_matches_mlx_kvcache_exactly_in_float16(chunk):
+    model = tiny_llama(mx.float16, layers=2)  # float16 is slow on CPU: keep it small
+    tokens = TOKENS[:, :80]
+    ref = feed(model, tokens, [KVCache() for _ in model.layers], chunk)
+    got = feed(model, tokens, vq.make_prompt_cache(model, "fp16"), chunk)
+    assert maxdiff(ref, got) == 0.0
+
+
+def test_identity_store_is_exact_in_float32(llama_model, tmp_path):
+    recipe = tmp_path / "raw.yaml"
+    recipe.write_text("veloxquant: 1\nname: raw\npipeline: identity\n")
+    ref = feed(llama_model, TOKENS, [KVCache() for _ in llama_model.layers], 64)
+    got = feed(llama_model, TOKENS, vq.make_prompt_cache(llama_model, str(recipe)), 64)
+    assert maxdiff(ref, got) == 0.0
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "kivi", "kivi_sink", "streaming_llm"])
+def test_hook_and_decoded_modes_agree(llama_model, recipe):
+    # 8-bit: at 2 bits float32 reordering noise can flip a code and blur the comparison.
+    sets = {"streaming_llm": ["window=100"], "fp16": []}.get(recipe, ["window=64", "bits=8"])
+    hooked = vq.make_prompt_cache(llama_model, recipe, sets)
+    a = feed(llama_model, TOKENS, hooked, 50)
+    vq.uninstall(llama_model)
+    plain = vq.make_prompt_cache(llama_model, recipe, sets, use_hook=False)
+    b = feed(llama_model, TOKENS, plain, 50)
+    assert hooked[0].attended and not plain[0].attended
+    assert maxdiff(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 300])
+def test_streaming_llm_matches_mlx_rotating_cache(llama_model, chunk):
+    # mlx-lm's RotatingKVCache(keep=4) is StreamingLLM: sinks + a window (+ the new token).
+    ref = feed(llama_model, TOKENS, [RotatingKVCache(max_size=4 + 100 + 1, keep=4) for _ in llama_model.layers], 1)
+    got = feed(llama_model, TOKENS, vq.make_prompt_cache(llama_model, "streaming_llm", ["window=100"]), chunk)
+    assert maxdiff(ref, got) < 5e-3  # ours stores fp16, the reference float32
+
+
+def test_kivi_sink_with_zero_sinks_is_kivi_bit_for_bit(llama_model):
+    a = feed(llama_model, TOKENS, vq.make_prompt_cache(llama_model, "kivi", ["window=64"]), 50)
+    b = feed(llama_model, TOKENS, vq.make_prompt_cache(llama_model, "kivi_sink", ["window=64", "sinks=0"]), 50)
+    assert maxdiff(a, b) == 0.0
+
+
+def test_kivi_tiers_hold_what_the_plan_says(llama_model):
+    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    feed(llama_model, TOKENS, caches, 50)
+    recent, rest = caches[0].tiers
+    caches[0].nbytes  # settles pending overflow
+    assert recent.count <= 64 and recent.count > 64 - 32
+    assert rest.count % 32 == 0 and rest.count + recent.count == 300
+    assert (rest.start, recent.start) == (0, rest.count)
+    codes = rest.buffers["k"]["codes"].view()
+    assert codes.dtype == mx.uint32 and codes.shape[-1] == 64 * 2 // 32  # 2-bit codes really packed
+
+
+def test_gemma3_sliding_layers_keep_window_semantics():
+    model = tiny_gemma3(window=32)
+    tokens = TOKENS[:, :120]
+    ref = feed(model, tokens, model.make_cache(), 1)
+    for chunk in (1, 16, 120):
+        caches = vq.make_prompt_cache(model, "fp16")
+        got = feed(model, tokens, caches, chunk)
+        assert maxdiff(ref, got) < 2e-2, chunk  # fp16 storage vs float32 reference
+        sliding = [c for c in caches if c.plan.window]
+        assert sliding and all(c.size() <= 32 + chunk for c in sliding)
+
+
+def test_trim_rewinds_the_newest_tokens(llama_model):
+    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    llama_model(TOKENS[:, :200], cache=caches)
+    assert all(c.trim(10) == 10 for c in caches)
+    assert caches[0].offset == 190
+    again = llama_model(TOKENS[:, 190:200], cache=caches)
+    fresh = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    llama_model(TOKENS[:, :190], cache=fresh)
+    assert maxdiff(again, llama_model(TOKENS[:, 190:200], cache=fresh)) == 0.0
+
+
+def test_trim_stops_at_quantized_groups(llama_model):
+    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=32"])
+    feed(llama_model, TOKENS[:, :100], caches, 100)
+    caches[0].nbytes  # settle: 64 tokens quantized in groups of 32, 36 in the window
+    assert caches[0].trim(50) == 36  # window emptied; half a key group cannot be trimmed
+    assert caches[0].offset == 64
+
+
+def test_nbytes_is_the_memory_really_held(llama_model):
+    """Freeing each buffer releases exactly what nbytes said it held."""
+    import gc
+    mx.eval(llama_model.parameters())
+    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    mx.eval(feed(llama_model, TOKENS, caches, 100))
+    mx.eval([c.state for c in caches])
+    held = sum(c.nbytes for c in caches)
+    freed = 0
+    gc.collect()
+    buffers = [b for c in caches for t in c.tiers for side in t.buffers.values() for b in side.values()]
+    for buf in buffers:
+        before, size = mx.get_active_memory(), buf.nbytes
+        buf.data = None
+        gc.collect()
+        freed += before - mx.get_active_memory()
+    # Allowance: MLX frees up to ~0.5 KiB of bookkeeping with each grown buffer.
+    assert held > 0 and abs(freed - held) <= 0.01 * held + 1024 * len(buffers), (held, freed)
+
+
+def test_hook_install_is_reversible(llama_model):
+    import mlx_lm.models.llama as llama_module
+    original = llama_module.scaled_dot_product_attention
+    assert vq.install(llama_model) >= 1 and hook.installed(llama_model)
+    assert vq.install(llama_model) == 0  # idempotent
+    vq.uninstall(llama_model)
+    assert llama_module.scaled_dot_product_attention is original
+
+
+def test_caches_are_not_mistaken_for_mlx_quantizable_or_mergeable(llama_model):
+    cache = vq.make_prompt_cache(llama_model, "kivi")[0]
+    assert not hasattr(cache, "to_quantized") and not hasattr(cache, "merge")

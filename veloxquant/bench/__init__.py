@@ -1,0 +1,1 @@
+"""Benchmarks behind `veloxquant bench ...` (attention: fused decode kernel vs alternatives)."""

@@ -1,0 +1,180 @@
+"""`veloxquant bench attention`: one decode query against a long tier.
+
+Times, per (head shape, sequence length, bits):
+  sdpa       mx.fast.scaled_dot_product_attention on float16 K/V
+  mlx-lm     mlx_lm.models.base.quantized_scaled_dot_product_attention on
+             mx.quantize'd K/V (same bits and group)
+  reference  veloxquant's MLX-ops reference over affine codes (KIVI layout:
+             keys per-channel, values per-token)
+  fused      veloxquant's CUDA kernel over the same codes (CUDA backend only)
+and prints a markdown table: microseconds per call, effective GB/s over the
+bytes each method must read (its K/V storage), the fused kernel's speedups,
+and each method's peak transient memory.
+
+Timing: warmup calls, then `iters` calls each queued with mx.async_eval (so
+host-side graph building overlaps the device) and one final synchronize.
+"""
+import argparse
+import math
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+HBM_GBPS = 4800.0  # H200 HBM3e peak, for the % column
+
+SEQ = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768, "128k": 131072}
+SHAPES = ["32/8/128", "9/3/64", "4/1/256"]
+
+
+def _bytes(*arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def timeit(fn: Callable, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    start = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn()
+        mx.async_eval(out)
+    mx.eval(out)
+    mx.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def peak_mib(fn: Callable) -> float:
+    """Transient memory of one call: peak above what was held before it."""
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(fn())
+    mx.synchronize()
+    return max(0, mx.get_peak_memory() - base) / 2**20
+
+
+def _memory_limit() -> Optional[int]:
+    try:
+        info = mx.device_info()
+        return int(info.get("memory_size") or info.get("total_memory") or 0) or None
+    except Exception:
+        return None
+
+
+def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[int]):
+    """name -> (callable, bytes read) for one configuration."""
+    from veloxquant.kernels import reference
+    from veloxquant.stages.store import Affine
+    kspec = {"bits": bits, "group": group, "axis": "channel"}
+    vspec = {"bits": bits, "group": group, "axis": "token"}
+    ke, ve = Affine(**kspec).encode(k), Affine(**vspec).encode(v)
+    mx.eval(ke, ve)
+    coded = _bytes(*ke.values(), *ve.values())
+    methods: Dict[str, Tuple[Callable, int]] = {
+        "sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), _bytes(k, v)),
+    }
+    try:
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
+        qk = tuple(mx.quantize(k, group_size=group, bits=bits))
+        qv = tuple(mx.quantize(v, group_size=group, bits=bits))
+        mx.eval(qk, qv)
+        methods["mlx-lm"] = (lambda: qsdpa(q, qk, qv, scale=scale, mask=None, group_size=group, bits=bits),
+                             _bytes(*qk, *qv))
+    except Exception as e:  # noqa: BLE001 -- reported in the table
+        methods["mlx-lm"] = (None, f"fails: {type(e).__name__}")
+    methods["reference"] = (lambda: reference.affine_partial_attention(q, ke, ve, kspec, vspec, scale), coded)
+    from veloxquant.kernels.dispatch import backend
+    if backend() == "cuda":
+        from veloxquant.kernels import cuda
+        methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk),
+                            coded)
+    else:
+        methods["fused"] = (None, "n/a (no CUDA)")
+    return methods
+
+
+def run_one(name, fn, nbytes, warmup, iters) -> Dict:
+    if fn is None:
+        return {"err": nbytes}
+    try:
+        us = timeit(fn, warmup, iters)
+        return {"us": us, "gbps": nbytes / us / 1e3, "mib": peak_mib(fn), "bytes": nbytes}
+    except Exception as e:  # noqa: BLE001 -- e.g. an op the backend lacks
+        return {"err": f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"}
+
+
+def cell(r: Dict) -> str:
+    return r["err"] if "err" in r else f"{r['us']:.1f} µs · {r['gbps']:.0f} GB/s"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="veloxquant bench attention", description=__doc__.splitlines()[0])
+    p.add_argument("--seq", default=",".join(SEQ), help="sequence lengths (1k,4k,16k,32k,128k)")
+    p.add_argument("--max-seq", default=None, help="drop lengths above this one (e.g. 32k)")
+    p.add_argument("--bits", default="2,4,8")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--chunk", type=int, default=None, help="fused kernel: tokens per block (default: auto)")
+    p.add_argument("--json", default=None, help="also write the rows as JSON lines here")
+    a = p.parse_args(argv)
+
+    seqs = [SEQ.get(s, None) or int(s) for s in a.seq.split(",")]
+    if a.max_seq:
+        cap = SEQ.get(a.max_seq) or int(a.max_seq)
+        seqs = [s for s in seqs if s <= cap]
+    wanted = a.methods.split(",")
+    limit = _memory_limit()
+    print(f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
+          f"keys per-channel / values per-token affine, group {a.group}")
+    print()
+    print("| Hq/Hkv/D | S | bits | " + " | ".join(wanted) + " | fused vs sdpa | fused vs mlx-lm "
+          "| fused % HBM | peak MiB " + "/".join(wanted) + " |")
+    print("|" + "---|" * (len(wanted) + 7))
+    rows = []
+    for shape in a.shapes.split(","):
+        Hq, Hkv, D = (int(x) for x in shape.split("/"))
+        for S in seqs:
+            need = 6 * Hkv * S * D * 4  # fp16 K/V + the reference's float32 unpacked codes, roughly
+            if limit and need > 0.5 * limit:
+                print(f"| {shape} | {S} | - | skipped: needs ~{need / 2**30:.0f} GiB |")
+                continue
+            key = mx.random.key(S + D)
+            kq, kk, kv = mx.random.split(key, 3)
+            q = mx.random.normal((1, Hq, 1, D), key=kq).astype(mx.float16)
+            k = mx.random.normal((1, Hkv, S, D), key=kk).astype(mx.float16)
+            v = mx.random.normal((1, Hkv, S, D), key=kv).astype(mx.float16)
+            sdpa_result = None
+            for bits in (int(b) for b in a.bits.split(",")):
+                methods = build_methods(q, k, v, bits, a.group, D ** -0.5, a.chunk)
+                res = {}
+                for name in wanted:
+                    if name == "sdpa" and sdpa_result is not None:
+                        res[name] = sdpa_result  # independent of bits: measured once
+                        continue
+                    fn, nbytes = methods[name]
+                    res[name] = run_one(name, fn, nbytes, a.warmup, a.iters)
+                sdpa_result = res.get("sdpa", sdpa_result)
+                f = res.get("fused", {})
+                sp = lambda other: (f"{res[other]['us'] / f['us']:.1f}×" if "us" in f and other in res
+                                    and "us" in res[other] else "-")
+                hbm = f"{100 * f['gbps'] / HBM_GBPS:.0f}%" if "us" in f else "-"
+                mib = "/".join(f"{res[n]['mib']:.1f}" if "mib" in res[n] else "-" for n in wanted)
+                print(f"| {shape} | {S // 1024}k | {bits} | " + " | ".join(cell(res[n]) for n in wanted)
+                      + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {mib} |", flush=True)
+                rows.append({"shape": shape, "S": S, "bits": bits, **{n: res[n] for n in wanted}})
+            del q, k, v
+    if a.json:
+        import json
+        with open(a.json, "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The `veloxquant` command line."""
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import VeloxError
+
+
+def _add_recipe_opts(p, model=True):
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a recipe parameter (repeatable)")
+    if model:
+        p.add_argument("--model", help="mlx-lm model folder (default: SmolLM2-135M-Instruct, converted once)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="veloxquant", description="KV-cache compression recipes for MLX models")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate with a model under a recipe and report what the cache cost")
+    p.add_argument("recipe")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="Write a short poem about the sea.")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")
+    p.add_argument("--save-cache", metavar="PATH", help="save the compressed cache after generation (.safetensors)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_recipe_opts(p)
+
+    p = sub.add_parser("check", help="load and compile recipes; report errors")
+    p.add_argument("recipes", nargs="+")
+    _add_recipe_opts(p)
+
+    p = sub.add_parser("fmt", help="rewrite recipe files in canonical form")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--check", action="store_true", help="only report files that would change (exit 1)")
+
+    p = sub.add_parser("explain", help="print the per-layer plan, storage cost and implementations")
+    p.add_argument("recipe")
+    _add_recipe_opts(p)
+
+    sub.add_parser("list", help="list the built-in recipes")
+
+    p = sub.add_parser("show", help="print a recipe file")
+    p.add_argument("recipe")
+
+    p = sub.add_parser("bench", help="benchmarks that print tables")
+    p.add_argument("what", choices=["attention"])
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return ap
+
+
+def _shape(model_path):
+    from .compiler import SMOLLM2_135M, ModelShape
+    if not model_path:
+        return SMOLLM2_135M
+    from .models import load_model
+    model, _ = load_model(model_path, lazy=True)
+    return ModelShape.from_model(model, Path(model_path).name)
+
+
+def cmd_check(args) -> int:
+    from .compiler import compile_recipe
+    from .recipe import load_recipe
+    shape, failed = _shape(args.model), 0
+    for ref in args.recipes:
+        try:
+            plan = compile_recipe(load_recipe(ref), shape, args.sets)
+            print(f"ok    {ref}  ({plan.recipe}, fingerprint {plan.fingerprint})")
+        except VeloxError as e:
+            failed += 1
+            print(f"error {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_fmt(args) -> int:
+    from .recipe.fmt import format_file
+    changed = 0
+    for f in args.files:
+        text, differs = format_file(f)
+        if differs:
+            changed += 1
+            if args.check:
+                print(f"would reformat {f}")
+            else:
+                Path(f).write_text(text)
+                print(f"reformatted {f}")
+    return 1 if (args.check and changed) else 0
+
+
+def cmd_explain(args) -> int:
+    from .compiler import compile_recipe
+    from .compiler.explain import render
+    from .recipe import load_recipe
+    print(render(compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .compiler import SMOLLM2_135M, compile_recipe
+    from .compiler.explain import long_run_bits
+    from .recipe import builtin_names, load_recipe
+    print(f"{'recipe':<16} {'bits/elem':>9}  summary")
+    for name in builtin_names():
+        r = load_recipe(name)
+        bits = long_run_bits(compile_recipe(r, SMOLLM2_135M).layers[0])
+        print(f"{name:<16} {bits:>9.2f}  {r.summary}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from .recipe.load import resolve
+    print(resolve(args.recipe).read_text(), end="")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.attention import main as bench_attention
+    return bench_attention(args.args) or 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
+                "show": cmd_show, "bench": cmd_bench}
+    try:
+        if args.command == "run":
+            from .run import cmd_run
+            return cmd_run(args)
+        return commands[args.command](args)
+    except VeloxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

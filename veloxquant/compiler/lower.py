@@ -1,0 +1,229 @@
+"""Recipe -> Plan: resolve params per layer, instantiate stages, check stage order."""
+import math
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import attrs
+
+from ..errors import Location, RecipeError, nearest
+from ..recipe import Recipe
+from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
+from ..recipe.params import Schedule, coerce, parse_set
+from ..stages import REGISTRY
+from .plan import CodecPlan, LayerPlan, Plan, TierPlan
+from .shape import ModelShape
+from .selectors import select_layers
+
+
+def apply_sets(recipe: Recipe, sets: Iterable[str]) -> Dict[str, Any]:
+    """Recipe defaults with `--set name=value` overrides applied (type-checked)."""
+    values = {name: p.default for name, p in recipe.params.items()}
+    for text in sets or ():
+        name, raw = parse_set(text)
+        where = Location("--set", field=name)
+        if name not in recipe.params:
+            raise RecipeError(f"recipe '{recipe.name}' has no parameter '{name}'", where,
+                              nearest(name, recipe.params) if recipe.params else "this recipe takes no parameters")
+        values[name] = coerce(recipe.params[name], raw, where)
+    return values
+
+
+def compile_recipe(recipe: Recipe, shape: ModelShape, sets: Iterable[str] = (), hook: bool = True) -> Plan:
+    base = apply_sets(recipe, sets)
+    per_layer: List[Tuple[Pipeline, Dict[str, Any]]] = [(recipe.pipeline, dict(base)) for _ in range(shape.n_layers)]
+    for override in recipe.layers:
+        for i in select_layers(override.selector, shape, override.where):
+            pipeline, params = per_layer[i]
+            params = {**params, **{k: v for k, v in override.params.items() if k not in _set_names(sets)}}
+            per_layer[i] = (override.pipeline or pipeline, params)
+    layers = tuple(_lower_layer(i, pipe, params, recipe, shape, hook) for i, (pipe, params) in enumerate(per_layer))
+    return Plan(recipe.name, shape, layers, base)
+
+
+def _set_names(sets) -> set:
+    return {parse_set(s)[0] for s in sets or ()}
+
+
+def _lower_layer(index: int, pipeline: Pipeline, params: Dict[str, Any], recipe: Recipe,
+                 shape: ModelShape, hook: bool) -> LayerPlan:
+    head_dim = shape.head_dim[index]
+    raw = [_lower_tier(t, params, recipe, index, shape, head_dim) for t in pipeline.tiers]
+    tiers = _check_order(raw, pipeline.tiers)
+    needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers for s in _stages_of(t)))
+    if "attention" in needs and not hook:
+        stage = next(s for t in tiers for s in _stages_of(t) if "attention" in REGISTRY[s.stage_name].needs)
+        raise RecipeError(f"stage '{stage.stage_name}' scores tokens by real attention, which needs the attention hook",
+                          pipeline.tiers[0].pos, "run with the hook installed (the default of veloxquant.make_prompt_cache)")
+    return LayerPlan(index, shape.n_kv_heads[index], head_dim, shape.windows[index], tuple(tiers), needs)
+
+
+def _stages_of(tier: TierPlan):
+    out = [tier.route] if tier.route is not None else []
+    for codec in (tier.keys, tier.values):
+        if codec:
+            out += list(codec.transforms) + [codec.store]
+    return out
+
+
+def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
+    stages = [_instantiate(c, params, recipe, layer, shape) for c in tier.stages]
+    route = None
+    if stages and REGISTRY[stages[0][1].stage_name].family == "route":
+        route = stages.pop(0)[1]
+    for call, inst in stages:
+        if REGISTRY[inst.stage_name].family == "route":
+            raise RecipeError(f"'{call.name}' decides which tokens a tier holds, so it must come first in its tier",
+                              call.pos, f"start a new tier with '>> {call.name}(...)'")
+    if route is not None and route.stage_name == "drop":
+        if stages or tier.keys is not None:
+            raise RecipeError("'drop' discards tokens, so it takes no codec stages", tier.pos)
+        return TierPlan(route, None, None)
+    if tier.keys is not None:
+        k = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.keys], head_dim, tier.pos)
+        v = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values], head_dim, tier.pos)
+    else:
+        k = v = _codec(stages, head_dim, tier.pos)
+    return TierPlan(route, k, v)
+
+
+def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> CodecPlan:
+    transforms, store = [], None
+    for call, inst in stages:
+        family = REGISTRY[inst.stage_name].family
+        if family == "transform":
+            if store is not None:
+                raise RecipeError(f"'{call.name}' transforms real values, but '{store.stage_name}' before it already "
+                                  "stored them", call.pos, f"put '{call.name}' before '{store.stage_name}'")
+            transforms.append(inst)
+        elif family == "store":
+            if store is not None:
+                raise RecipeError(f"a codec holds values once; '{call.name}' follows '{store.stage_name}'", call.pos,
+                                  "use one store stage (fp16, identity, affine, ...) per codec")
+            store = inst
+        elif family == "entropy":
+            if store is None or not getattr(store, "codes", False):
+                raise RecipeError(f"'{call.name}' entropy-codes integer codes, but "
+                                  f"{'nothing' if store is None else repr(store.stage_name)} before it yields codes",
+                                  call.pos, "put a quantizer such as affine(bits=2) before it")
+            raise RecipeError(f"entropy stage '{call.name}' is not supported in live caches yet", call.pos)
+        problem = getattr(inst, "check_head_dim", lambda d: "")(head_dim)
+        if problem:
+            raise RecipeError(f"'{call.name}' cannot code this model's heads: {problem}", call.pos)
+    if store is None:
+        store = REGISTRY["fp16"].cls()  # a tier with no store holds 16-bit values
+    return CodecPlan(tuple(transforms), store)
+
+
+def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
+    """Where tokens go between tiers, and whether they arrive in whole groups."""
+    out = []
+    for i, (tier, node) in enumerate(zip(tiers, ast_tiers)):
+        last = i == len(tiers) - 1
+        if tier.drops and not last:
+            raise RecipeError("nothing comes after 'drop': it discards every token that reaches it",
+                              ast_tiers[i + 1].pos, "remove the tiers after 'drop'")
+        if tier.route is None and not last:
+            raise RecipeError("this tier has no routing stage, so it holds every token that reaches it and the "
+                              "tiers after it would stay empty", node.pos,
+                              "begin this tier with recent(N) or sink(N), or make it the last tier")
+        if tier.route is not None and tier.route.bounded and last:
+            raise RecipeError(f"tokens leaving '{tier.name}' have nowhere to go", node.pos,
+                              "add a tier after it, e.g. '>> drop' or '>> affine(bits=2)'")
+        multiple = _multiple(tier)
+        if multiple > 1:
+            prev = tiers[i - 1] if i else None
+            if prev is None or prev.route is None or prev.route.stage_name != "recent":
+                raise RecipeError(f"this tier quantizes {multiple} tokens at a time, so tokens must reach it in "
+                                  "whole groups", node.pos, "put a recent(N) tier before it")
+            if tier.route is not None and tier.route.stage_name == "sink":
+                raise RecipeError("a sink tier holds single tokens; give it a per-token codec", node.pos)
+        nxt = tiers[i + 1] if not last else None
+        chunk = math.lcm(multiple, _multiple(nxt) if nxt is not None else 1)
+        out.append(attrs.evolve(tier, chunk=chunk))
+    return out
+
+
+def _multiple(tier: Optional[TierPlan]) -> int:
+    if tier is None or tier.drops:
+        return 1
+    return math.lcm(tier.keys.token_multiple, tier.values.token_multiple)
+
+
+def _instantiate(call: Call, params, recipe: Recipe, layer: int, shape: ModelShape):
+    info = REGISTRY.get(call.name)
+    if info is None:
+        raise RecipeError(f"unknown stage '{call.name}'", call.pos, nearest(call.name, REGISTRY))
+    fields = info.params
+    by_name = {f.name: f for f in fields}
+    kwargs: Dict[str, Any] = {}
+    for i, arg in enumerate(call.args):
+        if arg.name is None:
+            if kwargs and any(a.name for a in call.args[:i]):
+                raise RecipeError("positional arguments come before named ones", arg.pos)
+            if i >= len(fields):
+                raise RecipeError(f"'{call.name}' takes at most {len(fields)} positional argument(s)", arg.pos,
+                                  _signature(info))
+            field = fields[i]
+        else:
+            field = by_name.get(arg.name)
+            if field is None:
+                raise RecipeError(f"stage '{call.name}' has no parameter '{arg.name}'", arg.pos,
+                                  nearest(arg.name, by_name) if by_name else f"'{call.name}' takes no parameters")
+        if field.name in kwargs:
+            raise RecipeError(f"parameter '{field.name}' given twice", arg.pos)
+        kwargs[field.name] = _typed(_value(arg.value, params, recipe, layer, shape), field, call, arg)
+        _validate(kwargs[field.name], field, call, arg, info)
+    try:
+        return call, info.cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise RecipeError(f"stage '{call.name}': {e}", call.pos, _signature(info)) from None
+
+
+def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
+    if isinstance(node, Ref):
+        if node.name not in params:
+            raise RecipeError(f"unknown parameter '${node.name}'", node.pos,
+                              nearest(node.name, recipe.params) if recipe.params else "declare it under 'params:'")
+        value = params[node.name]
+        if isinstance(value, Schedule):
+            try:
+                return value.at(layer, shape.n_layers)
+            except ValueError as e:
+                raise RecipeError(f"parameter '{node.name}': {e}", recipe.params[node.name].where) from None
+        return value
+    if isinstance(node, (Num, Str)):
+        return node.value
+    if isinstance(node, Word):
+        return {"true": True, "false": False}.get(node.name.lower(), node.name)
+    raise RecipeError(f"'{node.name}(...)' is not a value a stage parameter takes here", node.pos)
+
+
+def _typed(value, field, call: Call, arg: Arg):
+    want = field.type if isinstance(field.type, type) else {"int": int, "float": float, "str": str,
+                                                            "bool": bool}.get(str(field.type), object)
+    if want is int and isinstance(value, float) and not isinstance(value, bool):
+        value = int(round(value)) if arg.value.__class__ is Ref else value  # schedules yield floats
+    ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {value!r}",
+                          arg.value.pos, _signature(REGISTRY[call.name]))
+    return value
+
+
+def _validate(value, field, call: Call, arg: Arg, info) -> None:
+    """Run one parameter's validator, so a bad value is reported at the value, with its name."""
+    if field.validator is None:
+        return
+    try:
+        field.validator(None, field, value)
+    except ValueError as e:
+        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' {e}, got {value!r}",
+                          arg.value.pos, _signature(info)) from None
+    except Exception:  # a validator that needs the instance: left to the constructor below
+        return
+
+
+def _signature(info) -> str:
+    parts = [f"{f.name}={f.default!r}" if f.default is not attrs.NOTHING else f.name for f in info.params]
+    return f"{info.name}({', '.join(parts)})"

@@ -1,0 +1,103 @@
+"""The compiled form of a recipe: one LayerPlan per layer, and its fingerprint."""
+import hashlib
+import json
+import math
+from typing import Any, Dict, FrozenSet, Optional, Tuple
+
+import attrs
+
+from .shape import ModelShape
+
+
+def stage_dict(stage) -> Dict[str, Any]:
+    return {"stage": stage.stage_name, **attrs.asdict(stage)}
+
+
+@attrs.frozen
+class CodecPlan:
+    """transform* store for one tensor (K or V) of one tier."""
+    transforms: Tuple[Any, ...]
+    store: Any
+    impl: str = "mlx-ops"
+
+    @property
+    def token_multiple(self) -> int:
+        return self.store.token_multiple
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.store.bits_per_element(head_dim)
+
+    def text(self) -> str:
+        return " | ".join(_stage_text(s) for s in self.transforms + (self.store,))
+
+    def to_dict(self) -> list:
+        return [stage_dict(s) for s in self.transforms + (self.store,)]
+
+
+@attrs.frozen
+class TierPlan:
+    route: Optional[Any]  # None: holds every token that reaches it
+    keys: Optional[CodecPlan]  # None for drop
+    values: Optional[CodecPlan]
+    chunk: int = 1  # tokens leave this tier in multiples of chunk
+
+    @property
+    def name(self) -> str:
+        return self.route.stage_name if self.route is not None else "rest"
+
+    @property
+    def drops(self) -> bool:
+        return self.keys is None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"route": stage_dict(self.route) if self.route is not None else None,
+                "keys": self.keys.to_dict() if self.keys else None,
+                "values": self.values.to_dict() if self.values else None, "chunk": self.chunk}
+
+
+@attrs.frozen
+class LayerPlan:
+    index: int
+    n_kv_heads: int
+    head_dim: int
+    window: Optional[int]
+    tiers: Tuple[TierPlan, ...]
+    needs: FrozenSet[str] = frozenset()
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.window else "full"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"layer": self.index, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+                "window": self.window, "tiers": [t.to_dict() for t in self.tiers]}
+
+
+@attrs.frozen
+class Plan:
+    recipe: str
+    shape: ModelShape
+    layers: Tuple[LayerPlan, ...]
+    params: Dict[str, Any] = attrs.field(factory=dict, eq=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"model": attrs.asdict(self.shape), "layers": [l.to_dict() for l in self.layers]}
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of what the caches do (not of names or formatting)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _stage_text(stage) -> str:
+    values = attrs.asdict(stage)
+    if not values:
+        return stage.stage_name
+    return f"{stage.stage_name}({', '.join(f'{k}={_fmt(v)}' for k, v in values.items())})"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return str(int(v))
+    return str(v).lower() if isinstance(v, bool) else str(v)

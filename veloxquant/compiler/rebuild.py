@@ -1,0 +1,42 @@
+"""Plan <-> JSON: a saved cache carries its plan and is rebuilt from it."""
+import json
+from typing import Any, Dict
+
+from ..errors import VeloxError
+from ..stages import REGISTRY
+from .plan import CodecPlan, LayerPlan, Plan, TierPlan
+from .shape import ModelShape
+
+
+def _stage(d: Dict[str, Any]):
+    d = dict(d)
+    name = d.pop("stage")
+    if name not in REGISTRY:
+        raise VeloxError(f"unknown stage '{name}' in a saved plan")
+    return REGISTRY[name].cls(**d)
+
+
+def _codec(stages) -> CodecPlan:
+    built = [_stage(s) for s in stages]
+    return CodecPlan(tuple(built[:-1]), built[-1])
+
+
+def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
+    m = d["model"]
+    shape = ModelShape(m["name"], tuple(m["n_kv_heads"]), tuple(m["head_dim"]), tuple(m["windows"]))
+    layers = []
+    for ld in d["layers"]:
+        tiers = []
+        for td in ld["tiers"]:
+            route = _stage(td["route"]) if td["route"] else None
+            keys = _codec(td["keys"]) if td["keys"] else None
+            values = _codec(td["values"]) if td["values"] else None
+            tiers.append(TierPlan(route, keys, values, td["chunk"]))
+        needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers
+                                    for s in ([t.route] if t.route else []) + ([t.keys.store] if t.keys else [])))
+        layers.append(LayerPlan(ld["layer"], ld["kv_heads"], ld["head_dim"], ld["window"], tuple(tiers), needs))
+    return Plan(recipe, shape, tuple(layers))
+
+
+def plan_from_json(text: str, recipe: str = "saved") -> Plan:
+    return plan_from_dict(json.loads(text), recipe)

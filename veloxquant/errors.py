@@ -1,0 +1,49 @@
+"""User-facing errors: each names where the problem is and what was expected."""
+import difflib
+from typing import Iterable, Optional
+
+import attrs
+
+
+@attrs.frozen
+class Location:
+    file: str
+    line: Optional[int] = None  # 1-based
+    column: Optional[int] = None  # 1-based
+    field: Optional[str] = None  # dotted YAML path, e.g. "params.bits"
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        if self.field:
+            where += f" ({self.field})"
+        return where
+
+
+class VeloxError(Exception):
+    """Base class of the errors the CLI prints without a traceback."""
+
+
+class RecipeError(VeloxError):
+    def __init__(self, message: str, location: Optional[Location] = None, hint: str = ""):
+        self.message, self.location, self.hint = message, location, hint
+        text = f"{location}: {message}" if location else message
+        if hint:
+            text += f"\n  hint: {hint}"
+        super().__init__(text)
+
+
+class CacheFileError(VeloxError):
+    """A saved cache that cannot be loaded (corrupt, or made by another recipe)."""
+
+
+def nearest(word: str, choices: Iterable[str]) -> str:
+    """'did you mean' text for an unknown name, or '' when nothing is close."""
+    choices = sorted(set(choices))
+    close = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    if close:
+        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+    return "valid names: " + ", ".join(choices) if choices else ""

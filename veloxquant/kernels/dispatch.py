@@ -1,0 +1,71 @@
+"""Choose the fused kernel or the MLX-ops reference for one tier's attention.
+
+The CUDA kernel is taken only where (1) the default device is a GPU, (2) that
+GPU is driven by MLX's CUDA backend, (3) the backend is in VERIFIED_BACKENDS
+(filled only after the parity tests passed on real hardware, see
+docs/kernels.md), and (4) the call's shapes/specs are ones the kernel supports.
+Everything else -- CPU, Metal, odd bit widths, long query blocks -- runs the
+reference, which answers the same contract.
+"""
+import os
+from typing import Dict, Tuple
+
+import mlx.core as mx
+
+from . import reference
+from .reference import Spec
+
+# Backends on which kernels/cuda/affine_attention.cu passed tests/test_kernels.py
+# (the gpu-marked parity tests) on real hardware: NVIDIA H200, mlx 0.32.4.
+VERIFIED_BACKENDS = frozenset()
+
+# VELOXQUANT_KERNELS=off forces the reference (debugging, A/B timing).
+_ENV = "VELOXQUANT_KERNELS"
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': what runs mx.default_device()."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and hasattr(cuda, "is_available"):
+        try:
+            if cuda.is_available():
+                return "cuda"
+        except Exception:  # a build without the CUDA runtime answers by raising
+            pass
+    metal = getattr(mx, "metal", None)
+    if metal is not None and metal.is_available():
+        return "metal"
+    return "cpu"
+
+
+def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
+           k_spec: Spec, v_spec: Spec, scale: float = 1.0) -> Tuple[str, str]:
+    """(implementation, reason): 'cuda' or 'reference', and why (for `explain`)."""
+    if os.environ.get(_ENV, "").lower() in ("off", "0", "reference"):
+        return "reference", f"{_ENV}=off"
+    be = backend()
+    if be != "cuda":
+        return "reference", f"no fused kernel for the {be} backend"
+    if be not in VERIFIED_BACKENDS:
+        return "reference", "the CUDA kernel is not verified on this backend"
+    if not scale > 0:
+        return "reference", "non-positive scale"
+    from . import cuda  # imported late: only this path needs the kernel source
+    why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
+    if why:
+        return "reference", why
+    return "cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu)"
+
+
+def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
+                         k_spec: Spec, v_spec: Spec, scale: float) -> Tuple[mx.array, mx.array]:
+    """Partial attention (out [B,Hq,Lq,D] f32, lse [B,Hq,Lq] f32) of q over one
+    affine-coded tier, from its codes: the CUDA kernel where verified, else the
+    reference."""
+    impl, _ = choice(q, k_enc, v_enc, k_spec, v_spec, scale)
+    if impl == "cuda":
+        from . import cuda
+        return cuda.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
+    return reference.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)

@@ -1,0 +1,158 @@
+"""Recipe files -> Recipe objects: schema, params, `extends`, per-layer overrides."""
+import re
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import attrs
+
+from ..errors import Location, RecipeError, nearest
+from ..paths import recipes_dir
+from .ast import Pipeline
+from .params import Param, coerce, declare
+from .parse import parse_pipeline
+from .source import Source
+
+SCHEMA_VERSION = 1
+TOP_KEYS = ("veloxquant", "name", "summary", "paper", "extends", "params", "pipeline", "layers")
+LAYER_KEYS = ("pipeline", "params")
+_SELECTOR = re.compile(r"^\s*(all|sliding|full|-?\d+(\s*(-|\.\.)\s*-?\d+)?)\s*$")
+
+
+@attrs.frozen
+class LayerOverride:
+    selector: str
+    pipeline: Optional[Pipeline]
+    pipeline_text: Optional[str]
+    params: Dict[str, object]
+    where: Location = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Recipe:
+    name: str
+    summary: str
+    paper: str
+    params: Dict[str, Param]
+    pipeline: Pipeline
+    pipeline_text: str
+    layers: Tuple[LayerOverride, ...]
+    path: str
+    extends: Optional[str] = None
+    sources: Tuple[Source, ...] = attrs.field(default=(), eq=False, repr=False)
+
+
+def builtin_names():
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Location] = None) -> Path:
+    """A recipe reference -> file: a path, or the name of a built-in recipe."""
+    candidates = []
+    if relative_to is not None and not Path(ref).is_absolute():
+        candidates.append(relative_to / ref)
+    candidates.append(Path(ref))
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    builtin = recipes_dir() / f"{Path(ref).stem if ref.endswith('.yaml') else ref}.yaml"
+    if "/" not in ref and builtin.is_file():
+        return builtin.resolve()
+    raise RecipeError(f"no recipe file or built-in recipe named '{ref}'", where or Location(ref),
+                      nearest(ref, builtin_names()))
+
+
+def check_selector(selector: str, where: Location) -> None:
+    for part in str(selector).split(","):
+        if not _SELECTOR.match(part):
+            raise RecipeError(f"bad layer selector '{part.strip()}'", where,
+                              "use a layer index (0, -1), a range (0-3), a list (0,2,4), 'sliding', 'full' or 'all'")
+
+
+def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Location] = None) -> Recipe:
+    path = resolve(ref, where=_where) if not _chain else resolve(ref, _chain[-1].parent, _where)
+    if path in _chain:
+        cycle = " -> ".join(p.name for p in _chain + (path,))
+        raise RecipeError(f"cyclic extends: {cycle}", _where)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"cannot read recipe: {e}", Location(str(path))) from None
+    src = Source(str(path), text)
+    if not isinstance(src.data, dict):
+        raise RecipeError("a recipe is a YAML map", src.loc(), "start with 'veloxquant: 1'")
+    for key in src.data:
+        if key not in TOP_KEYS:
+            raise RecipeError(f"unknown field '{key}'", src.loc(key, key=True), nearest(str(key), TOP_KEYS))
+    version = src.get("veloxquant")
+    if version is None:
+        raise RecipeError("missing schema version", src.loc(), f"add 'veloxquant: {SCHEMA_VERSION}' as the first line")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise RecipeError(f"unsupported schema version {version!r}", src.loc("veloxquant"),
+                          f"this veloxquant reads 'veloxquant: {SCHEMA_VERSION}'")
+    for key in ("name", "summary", "paper", "extends", "pipeline"):
+        value = src.get(key)
+        if value is not None and not isinstance(value, str):
+            raise RecipeError(f"'{key}' must be a string, got {type(value).__name__}", src.loc(key))
+
+    parent = None
+    if src.get("extends"):
+        parent = load_recipe(src.get("extends"), _chain + (path,), src.loc("extends"))
+    name = src.get("name")
+    if not name:
+        raise RecipeError("missing 'name'", src.loc(), "add 'name: my_recipe'")
+
+    params = dict(parent.params) if parent else {}
+    raw_params = src.get("params", default={}) or {}
+    if not isinstance(raw_params, dict):
+        raise RecipeError("'params' must be a map of name: value", src.loc("params"))
+    for pname, spec in raw_params.items():
+        where = src.loc("params", pname)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(pname)):
+            raise RecipeError(f"bad parameter name '{pname}'", src.loc("params", pname, key=True))
+        if pname in params and not isinstance(spec, dict):  # an override keeps the parent's type
+            params[pname] = attrs.evolve(params[pname], default=coerce(params[pname], spec, where), where=where)
+        else:
+            params[pname] = declare(pname, spec, where)
+
+    pipeline_text = src.get("pipeline")
+    if pipeline_text is not None:
+        pipeline = parse_pipeline(pipeline_text, src.text_locator("pipeline"))
+    elif parent:
+        pipeline, pipeline_text = parent.pipeline, parent.pipeline_text
+    else:
+        raise RecipeError("missing 'pipeline'", src.loc(), "add e.g. 'pipeline: fp16'")
+
+    layers = {o.selector: o for o in parent.layers} if parent else {}
+    raw_layers = src.get("layers", default={}) or {}
+    if not isinstance(raw_layers, dict):
+        raise RecipeError("'layers' must be a map of selector: {pipeline, params}", src.loc("layers"))
+    for selector, body in raw_layers.items():
+        where = src.loc("layers", selector, key=True)
+        check_selector(str(selector), where)
+        if not isinstance(body, dict):
+            raise RecipeError("a layer override is a map with 'pipeline' and/or 'params'", src.loc("layers", selector))
+        for key in body:
+            if key not in LAYER_KEYS:
+                raise RecipeError(f"unknown field '{key}' in a layer override", src.loc("layers", selector, key, key=True),
+                                  nearest(str(key), LAYER_KEYS))
+        text = body.get("pipeline")
+        if text is not None and not isinstance(text, str):
+            raise RecipeError("'pipeline' must be a string", src.loc("layers", selector, "pipeline"))
+        sub = parse_pipeline(text, src.text_locator("layers", selector, "pipeline")) if text else None
+        overrides = body.get("params") or {}
+        if not isinstance(overrides, dict):
+            raise RecipeError("'params' must be a map", src.loc("layers", selector, "params"))
+        checked = {}
+        for pname, value in overrides.items():
+            if pname not in params:
+                raise RecipeError(f"unknown parameter '{pname}'", src.loc("layers", selector, "params", pname, key=True),
+                                  nearest(str(pname), params))
+            checked[pname] = coerce(params[pname], value, src.loc("layers", selector, "params", pname))
+        layers[str(selector)] = LayerOverride(str(selector), sub, text, checked, where)
+
+    return Recipe(
+        name=name, summary=src.get("summary") or (parent.summary if parent else ""),
+        paper=src.get("paper") or (parent.paper if parent else ""),
+        params=params, pipeline=pipeline, pipeline_text=pipeline_text, layers=tuple(layers.values()),
+        path=str(path), extends=src.get("extends"), sources=((src,) + (parent.sources if parent else ())),
+    )

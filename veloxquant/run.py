@@ -1,0 +1,97 @@
+"""`veloxquant run`: generate under a recipe and report what the cache cost."""
+import json
+import sys
+from typing import Dict, List
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+
+from .recipe import load_recipe
+from .runtime import make_prompt_cache, uninstall
+from .runtime.persist import save_prompt_cache
+
+
+def fp16_bytes(caches) -> int:
+    """What an uncompressed 16-bit cache would hold for the same tokens (no slack)."""
+    return sum(c.offset * 2 * c.plan.n_kv_heads * c.plan.head_dim * 2 for c in caches)
+
+
+def cache_report(caches) -> Dict[str, object]:
+    held = [c.size() for c in caches]
+    cache_bytes = sum(c.nbytes for c in caches)
+    base = fp16_bytes(caches)
+    return {
+        "tokens": caches[0].offset if caches else 0,
+        "tokens_held_per_layer": {"min": min(held), "max": max(held)} if held else {},
+        "cache_bytes": cache_bytes,
+        "fp16_bytes": base,
+        "ratio": cache_bytes / base if base else None,
+        "attention": "by tiers (hook)" if caches and caches[0].attended else "decoded K/V (no hook)",
+    }
+
+
+def prompt_tokens(tokenizer, text: str, raw: bool) -> List[int]:
+    if not raw and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def cmd_run(args) -> int:
+    from .models import load_model
+    recipe = load_recipe(args.recipe)
+    if args.prompt_file:
+        text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+    else:
+        text = args.prompt
+    model, tokenizer = load_model(args.model)
+    caches = make_prompt_cache(model, recipe, args.sets, use_hook=not args.no_hook)
+    tokens = prompt_tokens(tokenizer, text, args.raw_prompt)
+    mx.reset_peak_memory()
+    pieces, last = [], None
+    try:
+        for response in stream_generate(model, tokenizer, tokens, max_tokens=args.max_tokens, prompt_cache=caches):
+            pieces.append(response.text)
+            last = response
+            if not args.json:
+                print(response.text, end="", flush=True)
+    finally:
+        uninstall(model)
+    report = {
+        "text": "".join(pieces),
+        "recipe": recipe.name,
+        "fingerprint": caches[0].fingerprint,
+        "prompt_tokens": len(tokens),
+        "generated_tokens": last.generation_tokens if last else 0,
+        **cache_report(caches),
+        "prefill_tok_s": last.prompt_tps if last else None,
+        "decode_tok_s": last.generation_tps if last else None,
+        "peak_memory_bytes": int(mx.get_peak_memory()),
+        "device": str(mx.default_device()),
+    }
+    if args.save_cache:
+        report["saved_cache_bytes"] = save_prompt_cache(args.save_cache, caches, {"recipe": recipe.name})
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n")
+        print(format_report(report))
+    return 0
+
+
+def format_report(r: Dict[str, object]) -> str:
+    ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+    held = r["tokens_held_per_layer"]
+    rows = [
+        ("recipe", f"{r['recipe']} ({r['fingerprint']})"),
+        ("tokens in context", f"{r['tokens']} (held per layer: {held.get('min')}-{held.get('max')})"),
+        ("cache bytes", f"{r['cache_bytes']:,}"),
+        ("fp16 bytes, same tokens", f"{r['fp16_bytes']:,}"),
+        ("ratio", ratio),
+        ("attention", r["attention"]),
+        ("prefill", f"{r['prefill_tok_s']:.1f} tok/s ({r['prompt_tokens']} tokens)"),
+        ("decode", f"{r['decode_tok_s']:.1f} tok/s ({r['generated_tokens']} tokens)"),
+        ("peak memory", f"{r['peak_memory_bytes'] / 2**20:.1f} MiB on {r['device']}"),
+    ]
+    if "saved_cache_bytes" in r:
+        rows.append(("saved cache file", f"{r['saved_cache_bytes']:,} bytes"))
+    return "\n".join(f"{k:<24} {v}" for k, v in rows)

@@ -1,0 +1,203 @@
+"""TieredCache: the one cache class. mlx-lm drives it unchanged; a recipe's
+LayerPlan decides what it holds. Methods are recipes, never subclasses.
+
+A new block of tokens is placed in the tiers at once (so the block attends to
+itself exactly); overflow moves on between tiers lazily, when the cache is
+next touched ("settling"), so a block never loses its own context mid-chunk.
+"""
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from ..compiler.plan import LayerPlan
+from ..errors import VeloxError
+from .attention import merge_partials, partial_attention
+from .tier import Tier
+
+
+def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else min(a, b)
+
+
+class TieredCache(_BaseCache):
+    def __init__(self, plan: LayerPlan):
+        self.plan = plan
+        self.tiers = [Tier(t) for t in plan.tiers]
+        # A recent(n) tier whose overflow is dropped acts as a sliding window of
+        # n+1 keys (n settled + the newest), also for queries inside one block.
+        self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
+        self.offset = 0  # positions seen: RoPE offsets, never the count held
+        self.dtype = mx.float16
+        self.attended = False  # True once attention ran through attend() (the hook)
+        self._unsettled = False
+
+    # --- mlx-lm protocol ------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        self._settle()
+        self.dtype = keys.dtype
+        self._place(0, keys, values, self.offset)
+        self.offset += keys.shape[2]
+        self._unsettled = True
+        # Lazy: when the hook routes attention to attend(), these are never computed.
+        return self._fetch()
+
+    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        """Attention for the newest queries over everything held, tier by tier."""
+        if sinks is not None:
+            raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
+        self.attended = True
+        Lq = queries.shape[2]
+        first_q = self.offset - Lq
+        held = [t for t in self.tiers if t.count and not t.drops]
+        if len(held) == 1:
+            k, v = held[0].decoded(queries.dtype)
+            return mx.fast.scaled_dot_product_attention(
+                queries, k, v, scale=scale, mask=self._dense_mask(held[0], first_q, Lq))
+        parts = [self._partial(t, queries, scale, first_q) for t in held]
+        return merge_partials(parts).astype(queries.dtype)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode)."""
+        self._settle()
+        window = window_size or self.plan.window
+        held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]
+        spans = sorted(held + [(s, e, self.horizons[i]) for i, s, e in self._routing(self.offset, N)])  # the order _fetch() returns keys in
+        simple = all(h is None for _, _, h in spans) and window is None
+        if simple and sum(e - s for s, e, _ in spans) == self.offset + N:
+            if N == 1:
+                return None  # every held token is older than the one query
+            return create_causal_mask(N, self.offset) if return_array else "causal"
+        # Tokens of this block land in tiers by position; merge same-horizon spans.
+        return mx.concatenate([self._position_mask(mx.arange(s, e), self.offset, N, _min(window, h))
+                               for s, e, h in spans], axis=1)
+
+    @property
+    def state(self) -> List[mx.array]:
+        self._settle()
+        return [a for t in self.tiers for a in t.arrays().values()]
+
+    @state.setter
+    def state(self, v):
+        raise VeloxError("a TieredCache is restored with veloxquant.load_prompt_cache, not from_state")
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        trimmed = 0
+        while trimmed < n:
+            held = [t for t in self.tiers if t.count and not t.drops]
+            newest = max(held, key=lambda t: t.end, default=None)
+            if newest is None or newest.end != self.offset - trimmed:
+                break  # the newest positions are not held (dropped): cannot rewind past a gap
+            g = newest.granularity
+            take = min(n - trimmed, newest.count) // g * g
+            if take == 0:
+                break
+            newest.drop_back(take)
+            trimmed += take
+        self.offset -= trimmed
+        return trimmed
+
+    def size(self) -> int:
+        return sum(t.count for t in self.tiers if not t.drops)
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        self._settle()
+        return sum(t.nbytes for t in self.tiers)
+
+    # --- routing ----------------------------------------------------------
+    def _place(self, first: int, keys: mx.array, values: mx.array, start: int) -> None:
+        """Offer a block to tiers[first:] in order; each takes what its route accepts."""
+        for i, s, e in self._routing(start, keys.shape[2], first):
+            self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s)
+
+    def _settle(self) -> None:
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        for i, tier in enumerate(self.tiers):
+            if tier.route is None or tier.drops:
+                continue
+            spill = tier.route.spill(tier.count, tier.plan.chunk)
+            if spill:
+                k, v, start = tier.take_front(spill, self.dtype)
+                self._place(i + 1, k, v, start)
+        if self.plan.window:
+            self._expire(self.offset - self.plan.window + 1)
+
+    def _expire(self, oldest_visible: int) -> None:
+        """Sliding-window layers: forget tokens no future query can see."""
+        for tier in self.tiers:
+            n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
+            if tier.count and n > 0:
+                tier.drop_front(n)
+
+    # --- attention helpers --------------------------------------------------
+    def _ranges(self) -> List[Tuple[int, int]]:
+        return sorted((t.start, t.end) for t in self.tiers if t.count and not t.drops)
+
+    def _fetch(self) -> Tuple[mx.array, mx.array]:
+        held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        pairs = [t.decoded(self.dtype) for t in held]
+        if len(pairs) == 1:
+            return pairs[0]
+        return tuple(mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
+
+    def _horizon(self, i: int) -> Optional[int]:
+        route, rest = self.plan.tiers[i].route, self.plan.tiers[i + 1:]
+        if route is not None and route.stage_name == "recent" and rest and rest[0].drops:
+            return route.n + 1
+        return None
+
+    def _routing(self, start: int, n: int, first: int = 0) -> List[Tuple[int, int, int]]:
+        """Which tier takes which positions of a block: (tier index, start, end)."""
+        spans = []
+        for i in range(first, len(self.tiers)):
+            tier = self.tiers[i]
+            if n == 0 or tier.drops:
+                break
+            take = n if tier.route is None else tier.route.take(start, n, tier.count)
+            if take:
+                spans.append((i, start, start + take))
+            start, n = start + take, n - take
+        return spans
+
+    def _window(self, tier: Tier) -> Optional[int]:
+        return _min(self.plan.window, self.horizons[self.tiers.index(tier)])
+
+    def _needs_mask(self, tier: Tier, first_q: int, Lq: int) -> bool:
+        window = self._window(tier)
+        newer_than_query = tier.end - 1 > first_q
+        outside_window = window is not None and (first_q + Lq - 1) - tier.start >= window
+        return newer_than_query or outside_window
+
+    def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
+        return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
+
+    def _dense_mask(self, tier: Tier, first_q: int, Lq: int):
+        if not self._needs_mask(tier, first_q, Lq):
+            return None
+        if self._window(tier) is None and tier.end == first_q + Lq:
+            return "causal"  # keys end at the last query: bottom-right aligned causal
+        return self._tier_mask(tier, first_q, Lq)
+
+    def _partial(self, tier: Tier, queries, scale, first_q):
+        Lq = queries.shape[2]
+        mask = self._tier_mask(tier, first_q, Lq) if self._needs_mask(tier, first_q, Lq) else None
+        k, v = tier.decoded(mx.float32)
+        return partial_attention(queries, k, v, scale, mask)
+
+    @staticmethod
+    def _position_mask(kpos: mx.array, first_q: int, Lq: int, window: Optional[int]) -> mx.array:
+        qpos = mx.arange(first_q, first_q + Lq)[:, None]
+        mask = kpos[None] <= qpos
+        if window is not None:
+            mask = mask & (qpos - kpos[None] < window)
+        return mask

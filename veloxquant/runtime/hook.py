@@ -1,0 +1,56 @@
+"""The attention hook: routes mlx-lm's attention to the cache, reversibly.
+
+mlx-lm model files import `scaled_dot_product_attention` by name from
+`mlx_lm.models.base`, so the name is rebound in each model module that uses
+it. Caches with `attend` answer attention themselves (seeing real queries);
+any other cache falls through to mlx-lm's original function.
+"""
+import sys
+from typing import Dict
+
+_ORIGINALS: Dict[str, object] = {}
+_NAME = "scaled_dot_product_attention"
+
+
+def _routed(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+        attend = getattr(cache, "attend", None)
+        if attend is not None:
+            return attend(queries, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention.veloxquant_original = original
+    return scaled_dot_product_attention
+
+
+def model_modules(model):
+    """The python modules whose classes make up `model`."""
+    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def install(model) -> int:
+    """Route attention of every module of `model`; returns how many were rebound."""
+    count = 0
+    for module in model_modules(model):
+        current = getattr(module, _NAME, None)
+        if current is None or hasattr(current, "veloxquant_original"):
+            continue
+        _ORIGINALS[module.__name__] = current
+        setattr(module, _NAME, _routed(current))
+        count += 1
+    return count
+
+
+def installed(model) -> bool:
+    return any(hasattr(getattr(m, _NAME, None), "veloxquant_original") for m in model_modules(model))
+
+
+def uninstall(model=None) -> None:
+    """Restore mlx-lm's attention (in the modules of `model`, or everywhere)."""
+    names = [m.__name__ for m in model_modules(model)] if model is not None else list(_ORIGINALS)
+    for name in names:
+        if name in _ORIGINALS and name in sys.modules:
+            setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))

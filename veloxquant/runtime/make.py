@@ -1,0 +1,34 @@
+"""Recipe + model -> the per-layer caches mlx-lm is handed as `prompt_cache`."""
+from typing import Iterable, List, Union
+
+from ..compiler import ModelShape, Plan, compile_recipe
+from ..recipe import Recipe, load_recipe
+from . import hook
+from .cache import TieredCache
+
+
+def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
+    recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    return compile_recipe(recipe, ModelShape.from_model(model), sets, hook=use_hook)
+
+
+def caches_for(plan: Plan) -> List[TieredCache]:
+    caches = [TieredCache(layer) for layer in plan.layers]
+    for c in caches:
+        c.fingerprint = plan.fingerprint
+        c.plan_root = plan
+    return caches
+
+
+def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable[str] = (),
+                      use_hook: bool = True) -> List[TieredCache]:
+    """One TieredCache per layer for `model` under `recipe` (a built-in name or a path).
+
+    With `use_hook` (the default) attention is routed to the caches
+    (veloxquant.uninstall(model) undoes it); without it the caches return
+    decoded K/V to mlx-lm's own attention.
+    """
+    plan = plan_for(model, recipe, sets, use_hook)
+    if use_hook:
+        hook.install(model)
+    return caches_for(plan)

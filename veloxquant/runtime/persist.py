@@ -1,0 +1,74 @@
+"""Save and load compressed prompt caches: safetensors, no pickle.
+
+The file carries the compiled plan (JSON) and its fingerprint; loading rebuilds
+the caches from that plan and refuses a file whose plan does not match the
+recipe asked for, or whose arrays do not fit the plan.
+"""
+import json
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..compiler.rebuild import plan_from_json
+from ..errors import CacheFileError, VeloxError
+from .cache import TieredCache
+from .make import caches_for
+
+FORMAT = "veloxquant-cache/1"
+
+
+def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[Dict[str, str]] = None) -> int:
+    """Write `caches` to `path` (.safetensors); returns the file's size in bytes."""
+    plan = getattr(caches[0], "plan_root", None) if caches else None
+    if plan is None or not all(isinstance(c, TieredCache) for c in caches):
+        raise VeloxError("save_prompt_cache takes the caches made by veloxquant.make_prompt_cache")
+    arrays: Dict[str, mx.array] = {}
+    layers = []
+    for i, cache in enumerate(caches):
+        cache._settle()
+        tiers = []
+        for t, tier in enumerate(cache.tiers):
+            for name, arr in tier.arrays().items():
+                arrays[f"{i}.{t}.{name}"] = arr
+            tiers.append([tier.start, tier.count])
+        layers.append({"offset": cache.offset, "dtype": str(cache.dtype).split(".")[-1], "tiers": tiers})
+    meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
+            "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
+    meta.update({f"user.{k}": str(v) for k, v in (metadata or {}).items()})
+    mx.save_safetensors(str(path), arrays, meta)
+    return Path(path).stat().st_size
+
+
+def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tuple[List[TieredCache], Dict[str, str]]:
+    """Rebuild the caches saved at `path`; returns (caches, user metadata)."""
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CacheFileError(f"{path}: not a readable safetensors cache file ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+    try:
+        plan = plan_from_json(meta["plan"], meta.get("recipe", "saved"))
+        layers = json.loads(meta["layers"])
+    except (KeyError, ValueError, TypeError, VeloxError) as e:
+        raise CacheFileError(f"{path}: corrupt plan metadata ({e})") from None
+    if plan.fingerprint != meta.get("fingerprint"):
+        raise CacheFileError(f"{path}: the stored plan does not hash to the stored fingerprint (corrupt file)")
+    if expect_fingerprint is not None and expect_fingerprint != plan.fingerprint:
+        raise CacheFileError(
+            f"{path}: made by recipe '{plan.recipe}' (fingerprint {plan.fingerprint}); the recipe asked for "
+            f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead.")
+    caches = caches_for(plan)
+    if len(layers) != len(caches):
+        raise CacheFileError(f"{path}: {len(layers)} layers saved but the plan has {len(caches)}")
+    for i, (cache, info) in enumerate(zip(caches, layers)):
+        cache.offset = int(info["offset"])
+        cache.dtype = getattr(mx, info.get("dtype", "float16"))
+        for t, (tier, (start, count)) in enumerate(zip(cache.tiers, info["tiers"])):
+            mine = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{i}.{t}.")}
+            problem = tier.restore(int(start), int(count), mine)
+            if problem:
+                raise CacheFileError(f"{path}: layer {i} tier {t} ({tier.plan.name}): {problem}")
+    user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
+    return caches, user

@@ -1,0 +1,109 @@
+"""A tier: a contiguous run of positions held with one codec for K and one for V."""
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..compiler.plan import TierPlan
+from .buffer import Buffer
+from .codec import Codec
+
+UNBOUNDED_STEP = 256  # tokens; growth step of tiers that keep everything they get
+
+
+class Tier:
+    def __init__(self, plan: TierPlan):
+        self.plan = plan
+        self.route = plan.route
+        self.start = 0  # position of the oldest token held
+        self.count = 0
+        if plan.drops:
+            self.codecs: Dict[str, Codec] = {}
+            self.buffers: Dict[str, Dict[str, Buffer]] = {}
+            return
+        self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        self.buffers = {}
+        for side, codec in self.codecs.items():
+            bounded = plan.route is not None and plan.route.bounded
+            self.buffers[side] = {
+                name: Buffer(None if bounded else max(1, UNBOUNDED_STEP // per_unit))
+                for name, per_unit in codec.units().items()
+            }
+
+    # --- contents -------------------------------------------------------
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+    @property
+    def drops(self) -> bool:
+        return self.plan.drops
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        if self.drops:
+            return
+        if self.count == 0:
+            self.start = start
+        for side, x in (("k", keys), ("v", values)):
+            for name, arr in self.codecs[side].encode(x).items():
+                self.buffers[side][name].append(arr)
+        self.count += keys.shape[2]
+
+    def encoded(self, side: str) -> Dict[str, mx.array]:
+        return {name: buf.view() for name, buf in self.buffers[side].items()}
+
+    def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
+        return tuple(self.codecs[s].decode(self.encoded(s), dtype) for s in ("k", "v"))
+
+    def take_front(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
+        """Remove the n oldest tokens and return them decoded, with their start."""
+        start = self.start
+        k, v = self.decoded(dtype)
+        k, v = k[:, :, :n], v[:, :, :n]
+        self.drop_front(n)
+        return k, v, start
+
+    def drop_front(self, n: int) -> None:
+        for side, codec in self.codecs.items():
+            for name, per_unit in codec.units().items():
+                self.buffers[side][name].drop_front(n // per_unit)
+        self.start += n
+        self.count -= n
+
+    def drop_back(self, n: int) -> None:
+        for side, codec in self.codecs.items():
+            for name, per_unit in codec.units().items():
+                self.buffers[side][name].drop_back(n // per_unit)
+        self.count -= n
+
+    @property
+    def granularity(self) -> int:
+        """Tokens that must leave or be trimmed together."""
+        return max([p for c in self.codecs.values() for p in c.units().values()] or [1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values())
+
+    # --- persistence ----------------------------------------------------
+    def arrays(self) -> Dict[str, mx.array]:
+        return {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
+                for name, buf in bufs.items() if buf.view() is not None}
+
+    def expected_names(self) -> List[str]:
+        return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs]
+
+    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
+        """Load saved arrays; returns a problem description instead of raising."""
+        self.start, self.count = start, count
+        for side, codec in self.codecs.items():
+            for name, per_unit in codec.units().items():
+                arr = arrays.get(f"{side}.{name}")
+                if count == 0:
+                    self.buffers[side][name].set(None)
+                    continue
+                if arr is None:
+                    return f"missing array {side}.{name}"
+                if arr.ndim != 4 or arr.shape[2] * per_unit != count:
+                    return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
+                self.buffers[side][name].set(arr)
+        return None

@@ -1,0 +1,70 @@
+"""The stage registry: DSL name -> attrs class with typed, validated params.
+
+Families say where a stage may stand in a tier:
+  route     -- first in a tier; decides which tokens the tier holds
+  transform -- codec stage on real values, before the quantizer
+  store     -- the codec stage that holds the values (fp16, affine, ...)
+  entropy   -- after a store that yields integer codes
+"""
+from typing import Dict, FrozenSet, Tuple, Type
+
+import attrs
+
+FAMILIES = ("route", "transform", "store", "entropy")
+
+
+@attrs.frozen
+class StageInfo:
+    name: str
+    family: str
+    cls: Type
+    needs: FrozenSet[str]  # e.g. {"attention"}: needs the attention hook
+
+    @property
+    def doc(self) -> str:
+        return (self.cls.__doc__ or "").strip().splitlines()[0] if self.cls.__doc__ else ""
+
+    @property
+    def params(self) -> Tuple[attrs.Attribute, ...]:
+        return tuple(a for a in attrs.fields(self.cls) if not a.name.startswith("_"))
+
+
+REGISTRY: Dict[str, StageInfo] = {}
+
+
+def stage(name: str, family: str, needs: Tuple[str, ...] = ()):
+    """Class decorator: register an attrs class as the stage `name`."""
+    assert family in FAMILIES, family
+
+    def register(cls):
+        if name in REGISTRY:
+            raise ValueError(f"stage '{name}' registered twice")
+        cls.stage_name = name
+        REGISTRY[name] = StageInfo(name, family, cls, frozenset(needs))
+        return cls
+
+    return register
+
+
+def choices(*allowed):
+    """An enum-like str param: validated, and listed in errors and docs."""
+    def check(instance, attribute, value):
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+    return check
+
+
+def in_range(lo, hi):
+    def check(instance, attribute, value):
+        if not (lo <= value <= hi):
+            raise ValueError(f"must be between {lo} and {hi}")
+    return check
+
+
+def lookup(name: str) -> StageInfo:
+    return REGISTRY[name]
+
+
+def load_builtin_stages() -> None:
+    # Importing the modules runs their @stage decorators.
+    from . import route, store, transform  # noqa: F401

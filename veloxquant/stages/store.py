@@ -1,0 +1,112 @@
+"""Store stages: how a tier's values are held (16-bit, as computed, affine codes).
+
+A store encodes x [B, H, L, D] into named arrays whose axis 2 counts token
+units (one token, or a group of tokens), and decodes them back.
+"""
+from typing import Dict
+
+import attrs
+import mlx.core as mx
+
+from .bitpack import pack, unpack
+from .registry import choices, in_range, stage
+
+SIXTEEN_BIT = (mx.float16, mx.bfloat16)
+
+
+@stage("fp16", "store")
+@attrs.frozen
+class Fp16:
+    """Uncompressed 16-bit storage (float32 activations are rounded to float16)."""
+
+    codes = False
+    token_multiple = 1
+
+    def units(self) -> Dict[str, int]:
+        return {"x": 1}
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return 16.0
+
+    def encode(self, x: mx.array) -> Dict[str, mx.array]:
+        return {"x": x if x.dtype in SIXTEEN_BIT else x.astype(mx.float16)}
+
+    def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+        return enc["x"].astype(dtype)
+
+
+@stage("identity", "store")
+@attrs.frozen
+class Identity(Fp16):
+    """Uncompressed storage in the dtype the model computes in (bit-exact)."""
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return float("nan")  # depends on the model's dtype; measured at run time
+
+    def encode(self, x: mx.array) -> Dict[str, mx.array]:
+        return {"x": x}
+
+
+@stage("affine", "store")
+@attrs.frozen
+class Affine:
+    """Asymmetric min/max group quantization to b-bit codes, bit-packed in uint32.
+
+    axis=token groups `group` channels of one token; axis=channel groups
+    `group` tokens of one channel (KIVI's keys). Scales and zeros are float16.
+    """
+    bits: int = attrs.field(default=4, validator=in_range(1, 8))
+    group: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
+    axis: str = attrs.field(default="token", validator=choices("token", "channel"))
+
+    codes = True
+
+    @property
+    def token_multiple(self) -> int:
+        return self.group if self.axis == "channel" else 1
+
+    def units(self) -> Dict[str, int]:
+        meta = self.group if self.axis == "channel" else 1
+        return {"codes": 1, "scales": meta, "zeros": meta}
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.bits + 2 * 16 / self.group
+
+    def check_head_dim(self, head_dim: int) -> str:
+        if self.axis == "token" and head_dim % self.group:
+            return f"group={self.group} does not divide head_dim {head_dim}"
+        if (head_dim * self.bits) % 32:
+            return f"{head_dim} channels of {self.bits} bits do not fill whole 32-bit words"
+        return ""
+
+    def _grouped(self, x: mx.array) -> mx.array:
+        B, H, L, D = x.shape
+        if self.axis == "token":
+            return x.reshape(B, H, L, D // self.group, self.group)
+        return x.reshape(B, H, L // self.group, self.group, D)
+
+    def encode(self, x: mx.array) -> Dict[str, mx.array]:
+        B, H, L, D = x.shape
+        g = self._grouped(x.astype(mx.float32))
+        reduce_axis = -1 if self.axis == "token" else -2
+        lo = mx.min(g, axis=reduce_axis, keepdims=True)
+        hi = mx.max(g, axis=reduce_axis, keepdims=True)
+        levels = (1 << self.bits) - 1
+        # Round scale and zero to float16 first so encode and decode agree exactly.
+        scale = ((hi - lo) / levels).astype(mx.float16)
+        zero = lo.astype(mx.float16)
+        safe = mx.maximum(scale.astype(mx.float32), 1e-12)
+        q = mx.clip(mx.round((g - zero.astype(mx.float32)) / safe), 0, levels)
+        codes = pack(q.astype(mx.uint32).reshape(B, H, L, D), self.bits)
+        return {"codes": codes, "scales": scale.squeeze(reduce_axis), "zeros": zero.squeeze(reduce_axis)}
+
+    def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+        codes = enc["codes"]
+        B, H, L, W = codes.shape
+        D = W * 32 // self.bits
+        q = unpack(codes, self.bits, D).astype(mx.float32)
+        q = self._grouped(q)
+        axis = -1 if self.axis == "token" else -2
+        scale = mx.expand_dims(enc["scales"].astype(mx.float32), axis)
+        zero = mx.expand_dims(enc["zeros"].astype(mx.float32), axis)
+        return (q * scale + zero).reshape(B, H, L, D).astype(dtype)
