@@ -16,6 +16,15 @@ from veloxquant.stages.store import Affine
 TOL = 1e-3
 
 
+def on_cpu(fn, *args, **kw):
+    """Evaluate on the CPU: MLX's CUDA backend runs float32 matmuls at reduced
+    (TF32-like) precision, ~2e-3 off on these shapes, so exact answers come from the CPU."""
+    with mx.stream(mx.cpu):
+        out = fn(*args, **kw)
+        mx.eval(out)
+    return out
+
+
 def spec(bits, group, axis):
     return {"bits": bits, "group": group, "axis": axis}
 
@@ -53,7 +62,7 @@ def test_reference_matches_attention_on_decoded_tensors(case):
     B, Hq, Hkv, Lq, D, L, ks, vs = case
     q, ke, ve = make(*case)
     scale = D ** -0.5
-    assert maxerr(reference(q, ke, ve, ks, vs, scale), decoded(q, ke, ve, ks, vs, scale)) <= TOL
+    assert maxerr(on_cpu(reference, q, ke, ve, ks, vs, scale), on_cpu(decoded, q, ke, ve, ks, vs, scale)) <= TOL
 
 
 @pytest.mark.parametrize("case", CASES[:3])
@@ -64,7 +73,11 @@ def test_dispatch_matches_reference_on_present_backend(case):
     out, lse = fused_affine_partial(q, ke, ve, ks, vs, scale)
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     assert out.dtype == mx.float32 and lse.dtype == mx.float32
-    assert maxerr((out, lse), reference(q, ke, ve, ks, vs, scale)) <= TOL
+    # The kernel is held to the exact (CPU) answer; the reference path on a
+    # GPU is the same ops on the same device, so it must agree with itself.
+    exact = choice(q, ke, ve, ks, vs, scale)[0] == "cuda" or backend() == "cpu"
+    want = on_cpu(reference, q, ke, ve, ks, vs, scale) if exact else reference(q, ke, ve, ks, vs, scale)
+    assert maxerr((out, lse), want) <= TOL
 
 
 def test_reference_merges_with_other_tiers_exactly():
@@ -74,10 +87,10 @@ def test_reference_merges_with_other_tiers_exactly():
     q, ke, ve = make(1, 4, 2, 1, 64, 128, ks, vs)
     half = lambda enc, n, g: {k: a[:, :, : n // (g if k != "codes" else 1)] for k, a in enc.items()}
     rest = lambda enc, n, g: {k: a[:, :, n // (g if k != "codes" else 1):] for k, a in enc.items()}
-    a = reference(q, half(ke, 64, 32), half(ve, 64, 1), ks, vs, 0.125)
-    b = reference(q, rest(ke, 64, 32), rest(ve, 64, 1), ks, vs, 0.125)
-    whole = reference(q, ke, ve, ks, vs, 0.125)
-    assert maxerr((merge_partials([a, b]),), (whole[0],)) <= 1e-5
+    a = on_cpu(reference, q, half(ke, 64, 32), half(ve, 64, 1), ks, vs, 0.125)
+    b = on_cpu(reference, q, rest(ke, 64, 32), rest(ve, 64, 1), ks, vs, 0.125)
+    whole = on_cpu(reference, q, ke, ve, ks, vs, 0.125)
+    assert maxerr((on_cpu(merge_partials, [a, b]),), (whole[0],)) <= 1e-5
 
 
 def test_dispatch_never_selects_a_kernel_off_cuda():
@@ -111,10 +124,15 @@ def test_kernel_layout_fits_every_supported_config():
                     if "token" in (kax, vax) and g > D:
                         continue
                     kspec, vspec = (bits, g, kax), (bits, g, vax)
-                    for L in (g, 1024, 131072):
-                        ch = cuda.choose_chunk(L, 8, D, 4, kspec, vspec)
+                    for R in (1, 2, 4):
+                        ch = cuda.choose_chunk(D, R, kspec, vspec)
                         assert ch % 16 == 0 and (kax == "token" or ch % g == 0)
-                        assert cuda.smem_bytes(ch, D, 4, *kspec, *vspec) <= cuda.SMEM_CAP
+                        assert cuda.smem_bytes(ch, D, R, *kspec, *vspec) <= cuda.SMEM_MAX
+                    for L in (g, 1000 // g * g, 131072):
+                        p = cuda.plan(1, 32, 1, D, 8, L, mx.float16, kspec, vspec, 0.1)
+                        chunks = -(-L // p.ch)
+                        nsub = -(-chunks // p.ns)
+                        assert (p.ns - 1) * nsub < chunks  # no empty split
 
 
 # ---------------------------------------------------------------- CUDA only
@@ -150,7 +168,7 @@ def test_cuda_kernel_matches_reference(case):
     scale = D ** -0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
     got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale)
-    want = reference(q, ke, ve, ks, vs, scale)
+    want = on_cpu(reference, q, ke, ve, ks, vs, scale)
     err = maxerr(got, want)
     _record(f"B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
             f"V{vs['bits']}{vs['axis'][0]}{vs['group']} q{qdt}", err)
@@ -169,11 +187,11 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
     ks, vs = S(4, 32, "channel"), S(4, vgroup, "token")
     L = 2080
     q, ke, _ = make(1, 4, 1, 1, 128, L + 96, ks, vs)
-    _, _, ve = make(1, 4, 1, 1, 128, L + 97, ks, vs, seed=1)
+    _, _, ve = make(1, 4, 1, 1, 128, L + 97, vs, vs, seed=1)
     ke = {n: a[:, :, (96 if n == "codes" else 3):] for n, a in ke.items()}
     ve = {n: a[:, :, 97:] for n, a in ve.items()}
-    want = reference(q, ke, ve, ks, vs, 0.09)
-    for ch in (64, 128, 256, 512):
+    want = on_cpu(reference, q, ke, ve, ks, vs, 0.09)
+    for ch in (64, 128, 256):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL

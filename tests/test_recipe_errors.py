@@ -24,7 +24,7 @@ from veloxquant.recipe import load_recipe
 
 BAD = Path(__file__).parent / "recipes_bad"
 FILES = sorted(BAD.glob("*.yaml"))  # helper files of cycles live in subfolders
-_EXPECT = re.compile(r"#\s*expect:\s*(?:(?P<path>\S+?):)?(?P<line>\d+):(?P<col>\d+)\s+(?P<text>.+?)\s*$")
+_EXPECT = re.compile(r"#\s*expect:\s*(?:(?P<path>\S+?\.yaml):)?(?P<line>\d+):(?P<col>\d+)\s+(?P<text>.+?)\s*$")
 
 
 def expectation(path: Path):
@@ -66,7 +66,7 @@ def corpus_run():
     """One `python -m veloxquant.cli check` over every file of the corpus."""
     proc = subprocess.run([sys.executable, "-m", "veloxquant.cli", "check", *map(str, FILES)],
                           capture_output=True, text=True, timeout=300, cwd=BAD.parent.parent)
-    blocks = re.split(r"^(?=error )", proc.stderr, flags=re.M)
+    blocks = re.split(r"^(?=error: )", proc.stderr, flags=re.M)
     return proc, [b for b in blocks if b.strip()]
 
 
@@ -83,7 +83,7 @@ def test_subprocess_message(corpus_run, index):
     _, blocks = corpus_run
     file, line, col, text = expectation(FILES[index])
     block = blocks[index] if index < len(blocks) else ""
-    assert block.startswith(f"error {file}:{line}:{col}"), block
+    assert block.startswith(f"error: {file}:{line}:{col}"), block
     assert text in block, block
 
 

@@ -461,3 +461,19 @@ def test_doc_example_compiles(index, tmp_path):
     shape = WINDOWED if re.search(r"^\s+(sliding|full):", text, flags=re.M) else SMOLLM2_135M
     plan = plan_of(f, shape=shape)
     assert plan.layers
+
+
+def test_doc_shows_builtins_as_they_are():
+    for text in DOC_EXAMPLES:
+        name = re.search(r"^name: (\S+)$", text, flags=re.M).group(1)
+        if name in BUILTINS:
+            assert text == (ROOT / "recipes" / f"{name}.yaml").read_text(), name
+
+
+def test_doc_examples_through_cli(tmp_path, capsys):
+    files = []
+    for i, text in enumerate(DOC_EXAMPLES):
+        files.append(tmp_path / f"ex{i}.yaml")
+        files[-1].write_text(text)
+    assert cli.main(["check", *map(str, files)]) == 0
+    assert capsys.readouterr().out.count("ok    ") == len(files)

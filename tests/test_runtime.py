@@ -83,14 +83,17 @@ def test_gemma3_sliding_layers_keep_window_semantics():
 
 
 def test_trim_rewinds_the_newest_tokens(llama_model):
-    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    sets = ["window=64", "bits=8"]  # 8-bit: BLAS rounding differs between a 200- and a 190-row prefill
+    caches = vq.make_prompt_cache(llama_model, "kivi", sets)
     llama_model(TOKENS[:, :200], cache=caches)
     assert all(c.trim(10) == 10 for c in caches)
     assert caches[0].offset == 190
     again = llama_model(TOKENS[:, 190:200], cache=caches)
-    fresh = vq.make_prompt_cache(llama_model, "kivi", ["window=64"])
+    fresh = vq.make_prompt_cache(llama_model, "kivi", sets)
     llama_model(TOKENS[:, :190], cache=fresh)
-    assert maxdiff(again, llama_model(TOKENS[:, 190:200], cache=fresh)) == 0.0
+    expected = llama_model(TOKENS[:, 190:200], cache=fresh)
+    assert [t.count for t in caches[0].tiers] == [t.count for t in fresh[0].tiers]
+    assert maxdiff(again, expected) < 1e-3
 
 
 def test_trim_stops_at_quantized_groups(llama_model):
@@ -117,8 +120,9 @@ def test_nbytes_is_the_memory_really_held(llama_model):
         buf.data = None
         gc.collect()
         freed += before - mx.get_active_memory()
-    # Allowance: MLX frees up to ~0.5 KiB of bookkeeping with each grown buffer.
-    assert held > 0 and abs(freed - held) <= 0.01 * held + 1024 * len(buffers), (held, freed)
+    # Allowance: up to 2 KiB a buffer of MLX bookkeeping freed alongside (small
+    # arrays of the graph that built it); a Buffer alone frees exactly its nbytes.
+    assert held > 0 and abs(freed - held) <= 0.01 * held + 2048 * len(buffers), (held, freed)
 
 
 def test_hook_install_is_reversible(llama_model):
@@ -133,3 +137,19 @@ def test_hook_install_is_reversible(llama_model):
 def test_caches_are_not_mistaken_for_mlx_quantizable_or_mergeable(llama_model):
     cache = vq.make_prompt_cache(llama_model, "kivi")[0]
     assert not hasattr(cache, "to_quantized") and not hasattr(cache, "merge")
+
+
+def test_buffer_frees_exactly_its_nbytes_after_many_growths():
+    import gc
+    from veloxquant.runtime.buffer import Buffer
+    buf = Buffer(step=64)
+    for i in range(640):
+        buf.append(mx.ones((1, 3, 1, 4), dtype=mx.uint32))
+        if i % 16 == 0:
+            mx.eval(buf.view())
+    mx.eval(buf.view())
+    gc.collect()
+    before, held = mx.get_active_memory(), buf.nbytes
+    buf.data = None
+    gc.collect()
+    assert held == 640 * 3 * 4 * 4 and before - mx.get_active_memory() == held

@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="Write a short poem about the sea.")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
+    src.add_argument("--corpus", help="prompt from a corpus: 'austen', 'austen:emma' or a text file")
+    p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")
@@ -71,7 +73,7 @@ def cmd_check(args) -> int:
             print(f"ok    {ref}  ({plan.recipe}, fingerprint {plan.fingerprint})")
         except VeloxError as e:
             failed += 1
-            print(f"error {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
     return 1 if failed else 0
 
 

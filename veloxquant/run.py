@@ -30,7 +30,9 @@ def cache_report(caches) -> Dict[str, object]:
     }
 
 
-def prompt_tokens(tokenizer, text: str, raw: bool) -> List[int]:
+def prompt_tokens(tokenizer, text: str, raw: bool, limit=None) -> List[int]:
+    if limit:
+        return tokenizer.encode(text)[:limit]
     if not raw and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return tokenizer.encode(text)
@@ -41,11 +43,14 @@ def cmd_run(args) -> int:
     recipe = load_recipe(args.recipe)
     if args.prompt_file:
         text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+    elif args.corpus:
+        from .data import load_text
+        text = load_text(args.corpus)
     else:
         text = args.prompt
     model, tokenizer = load_model(args.model)
     caches = make_prompt_cache(model, recipe, args.sets, use_hook=not args.no_hook)
-    tokens = prompt_tokens(tokenizer, text, args.raw_prompt)
+    tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
     mx.reset_peak_memory()
     pieces, last = [], None
     try:

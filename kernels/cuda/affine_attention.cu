@@ -18,6 +18,15 @@
 
 //@@ header
 
+// The binding prepends "#define VQ_LAUNCH_BOUNDS threads, min_blocks" for the
+// attend kernel: mx.fast.cuda_kernel generates the signature itself, so the
+// launch bounds (the register cap that keeps 4 blocks resident per SM) ride
+// on the __global__ keyword of the one kernel this source defines.
+#ifdef VQ_LAUNCH_BOUNDS
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(VQ_LAUNCH_BOUNDS)
+#endif
+
 // Prefixed names: the body lives in namespace mlx::core::cu, whose own helpers
 // would otherwise shadow ours in unqualified lookup.
 __device__ __forceinline__ float vq_f(float x) { return x; }
@@ -128,265 +137,311 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 }
 
 //@@ attend
-  // inputs: q [B*Hkv, ROWS, D] (T), kc/vc uint32 codes [B*Hkv, L, D*B/32],
-  //   ks/kz, vs/vz fp16 meta ([B*Hkv, L/G, D] for axis=channel, [B*Hkv, L, D/G] for token)
+  // inputs: q [B*Hkv, ROWS, D] (T), kc/vc uint32 codes [B, Hkv, L, D*B/32],
+  //   ks/kz, vs/vz fp16 meta ([B, Hkv, L/G, D] for axis=channel, [B, Hkv, L, D/G] for token)
   // outputs: pm, pl [B*Hkv*ROWS, NS] and pacc [B*Hkv*ROWS, NS, D] float32
   // template: T, D, R, ROWS, BK, GK, KAX, BV, GV, VAX, CH, QSCALE, SMEM
+  // A block owns split blockIdx.x of NS (gridDim.x) equal runs of whole
+  // CH-token sub-chunks and walks them with two staging buffers: sub-chunk
+  // s+1 streams in (cp.async) while s is scored and accumulated, with an
+  // online softmax across sub-chunks.
   constexpr int C = 16;                  // channels per lane
   constexpr int TPT = D / C;             // lanes per token team
   constexpr int NT = D;                  // threads per block
   constexpr int TEAMS = NT / TPT;        // 16 teams
-  constexpr int PER = CH / TEAMS;        // tokens per team
+  constexpr int PER = CH / TEAMS;        // tokens per team and sub-chunk
   constexpr int KW = D * BK / 32, VW = D * BV / 32;    // words per token
   constexpr int KLW = C * BK / 32, VLW = C * BV / 32;  // words per lane
   constexpr int KPW = 32 / BK, VPW = 32 / BV;          // codes per word
   constexpr int KM = KAX ? (CH / GK) * D : CH * (D / GK);  // halves per meta array
   constexpr int VM = VAX ? (CH / GV) * D : CH * (D / GV);
-  constexpr int O_KC = 0;
+  constexpr int O_KC = 0;                 // offsets inside one staging buffer
   constexpr int O_VC = O_KC + CH * KW * 4;
   constexpr int O_KS = O_VC + CH * VW * 4;
   constexpr int O_KZ = O_KS + (KM * 2 + 15) / 16 * 16;
   constexpr int O_VS = O_KZ + (KM * 2 + 15) / 16 * 16;
   constexpr int O_VZ = O_VS + (VM * 2 + 15) / 16 * 16;
   constexpr int STAGE = O_VZ + (VM * 2 + 15) / 16 * 16;
-  constexpr int RED = TEAMS * R * D * 4;   // team partials, reuses the staging area
-  constexpr int O_Q = STAGE > RED ? STAGE : RED;
+  constexpr int RED = TEAMS * R * D * 4;   // team partials, reuse the staging buffers at the end
+  constexpr int O_Q = 2 * STAGE > RED ? 2 * STAGE : RED;
   constexpr int O_P = O_Q + R * D * 4;     // q rows (log2-scaled)
   constexpr int O_ML = O_P + CH * R * 4;   // scores, then probabilities, [token][row]
-  constexpr int NEED = O_ML + 2 * R * 4;   // row max, row sum
+  constexpr int O_W = O_ML + 16 * 4;       // running max, running sum, rescale factor (R <= 4)
+  constexpr int NW2 = KAX ? (CH / GK) * R * D : 0;  // keys, axis=channel: q*s*2^B per group
+  constexpr int NEED = O_W + NW2 * 4;
   static_assert(NEED <= SMEM, "shared-memory layout exceeds the launch allocation");
   static_assert(R == 1 || R == 2 || R == 4, "rows per block");
   static_assert(C % KPW == 0 && C % VPW == 0, "a lane holds whole words");
   static_assert(PER % GK == 0 || GK % PER == 0 || !KAX, "team ranges vs key groups");
   static_assert(PER % GV == 0 || GV % PER == 0 || !VAX, "team ranges vs value groups");
+  static_assert(CH % GK == 0 || !KAX, "sub-chunks hold whole key groups");
+  static_assert(CH % GV == 0 || !VAX, "sub-chunks hold whole value groups");
 
   extern __shared__ __align__(16) unsigned char vq_smem[];
   const int tid = threadIdx.x;
   const int split = blockIdx.x, bh = blockIdx.y, rb = blockIdx.z;
   const int NS = gridDim.x;
-  const int L = kc_shape[1];
-  const int t0 = split * CH;
-  const int n = min(CH, L - t0);
+  const int L = kc_shape[2];
+  const int nsub = ((L + CH - 1) / CH + NS - 1) / NS;  // sub-chunks per split
+  const int first = split * nsub * CH;                 // first token of the split
 
-  // 1. Stage K (group 0) and V (group 1); V lands while K is scored.
-  {
-    const size_t mo = KAX ? ((size_t)bh * (L / GK) + t0 / GK) * D : ((size_t)bh * L + t0) * (D / GK);
-    const int mn = KAX ? (n / GK) * D : n * (D / GK);
-    vq_stage(vq_smem + O_KC, reinterpret_cast<const unsigned char*>(kc + ((size_t)bh * L + t0) * KW),
-             n * KW * 4, tid, NT);
-    vq_stage(vq_smem + O_KS, reinterpret_cast<const unsigned char*>(ks + mo), mn * 2, tid, NT);
-    vq_stage(vq_smem + O_KZ, reinterpret_cast<const unsigned char*>(kz + mo), mn * 2, tid, NT);
-    vq_commit();
-  }
-  {
-    const size_t mo = VAX ? ((size_t)bh * (L / GV) + t0 / GV) * D : ((size_t)bh * L + t0) * (D / GV);
-    const int mn = VAX ? (n / GV) * D : n * (D / GV);
-    vq_stage(vq_smem + O_VC, reinterpret_cast<const unsigned char*>(vc + ((size_t)bh * L + t0) * VW),
-             n * VW * 4, tid, NT);
-    vq_stage(vq_smem + O_VS, reinterpret_cast<const unsigned char*>(vs + mo), mn * 2, tid, NT);
-    vq_stage(vq_smem + O_VZ, reinterpret_cast<const unsigned char*>(vz + mo), mn * 2, tid, NT);
-    vq_commit();
-  }
+  // Stage sub-chunk s (tokens [first + s*CH, +n)) into buffer s & 1, as one cp.async group.
+  auto stage = [&](int s) {
+    const int t0 = first + s * CH;
+    const int n = min(CH, L - t0);
+    unsigned char* buf = vq_smem + (s & 1) * STAGE;
+    if (n > 0) {
+      size_t mo = KAX ? ((size_t)bh * (L / GK) + t0 / GK) * D : ((size_t)bh * L + t0) * (D / GK);
+      int mn = KAX ? (n / GK) * D : n * (D / GK);
+      vq_stage(buf + O_KC, reinterpret_cast<const unsigned char*>(kc + ((size_t)bh * L + t0) * KW),
+               n * KW * 4, tid, NT);
+      vq_stage(buf + O_KS, reinterpret_cast<const unsigned char*>(ks + mo), mn * 2, tid, NT);
+      vq_stage(buf + O_KZ, reinterpret_cast<const unsigned char*>(kz + mo), mn * 2, tid, NT);
+      mo = VAX ? ((size_t)bh * (L / GV) + t0 / GV) * D : ((size_t)bh * L + t0) * (D / GV);
+      mn = VAX ? (n / GV) * D : n * (D / GV);
+      vq_stage(buf + O_VC, reinterpret_cast<const unsigned char*>(vc + ((size_t)bh * L + t0) * VW),
+               n * VW * 4, tid, NT);
+      vq_stage(buf + O_VS, reinterpret_cast<const unsigned char*>(vs + mo), mn * 2, tid, NT);
+      vq_stage(buf + O_VZ, reinterpret_cast<const unsigned char*>(vz + mo), mn * 2, tid, NT);
+    }
+    vq_commit();  // an empty group keeps the wait_group arithmetic uniform
+  };
+  stage(0);
+
   // q rows in log2 units (QSCALE = bits of scale * log2(e)): softmax uses exp2.
   float* sq = reinterpret_cast<float*>(vq_smem + O_Q);
+  float* sp = reinterpret_cast<float*>(vq_smem + O_P);
+  float* sml = reinterpret_cast<float*>(vq_smem + O_ML);  // m[R], l[R], alpha[R]
   {
     const float qscale = __int_as_float(QSCALE);
     for (int i = tid; i < R * D; i += NT) {
       const int row = rb * R + i / D;
       sq[i] = row < ROWS ? vq_f(q[((size_t)bh * ROWS + row) * D + i % D]) * qscale : 0.0f;
     }
+    if (tid < R) {
+      sml[tid] = vq_ninf();
+      sml[R + tid] = 0.0f;
+    }
   }
-  vq_wait<1>();
-  __syncthreads();
 
   const int tm = tid / TPT, li = tid % TPT, c0 = li * C;
-  float* sp = reinterpret_cast<float*>(vq_smem + O_P);
-  float* sml = reinterpret_cast<float*>(vq_smem + O_ML);
+  float acc[R][C];
+  float cr[R], zr[R];  // values, axis=token: per-row terms applied once at the end
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    cr[r] = zr[r] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
+  }
 
-  // 2. Scores. Team tm owns tokens [tm*PER, tm*PER+PER), lane li channels
-  // [c0, c0+16). Every lane runs the same trip count (the shuffles need the
-  // whole warp); tokens past n compute on stale shared memory and are dropped.
-  {
-    const unsigned int* skc = reinterpret_cast<const unsigned int*>(vq_smem + O_KC);
-    const __half* sks = reinterpret_cast<const __half*>(vq_smem + O_KS);
-    const __half* skz = reinterpret_cast<const __half*>(vq_smem + O_KZ);
-    // axis=channel: w2 = q*s*2^B of the current token group, cst = sum(q*z - w2);
-    // axis=token:   w2 = q, cst = sum(q) over the lane's channels.
-    float w2[R][C];
-    float cst[R];
-    if constexpr (!KAX) {
+  for (int sc_i = 0; sc_i < nsub; ++sc_i) {
+    const int t0 = first + sc_i * CH;
+    if (t0 >= L) break;  // uniform over the block
+    const int n = min(CH, L - t0);
+    if (sc_i + 1 < nsub) stage(sc_i + 1); else vq_commit();
+    vq_wait<1>();
+    __syncthreads();
+    const unsigned char* buf = vq_smem + (sc_i & 1) * STAGE;
+
+    // 1. Scores. Team tm owns tokens [tm*PER, tm*PER+PER) of the sub-chunk,
+    // lane li channels [c0, c0+16). Every lane runs the same trip count (the
+    // shuffles need the whole warp); tokens past n read stale shared memory
+    // and are dropped. The per-row weights w (q*s*2^B per key group, or q)
+    // are read from shared memory rather than held: the value accumulators
+    // already occupy 16*R registers across the sub-chunk loop.
+    {
+      const unsigned int* skc = reinterpret_cast<const unsigned int*>(buf + O_KC);
+      const __half* sks = reinterpret_cast<const __half*>(buf + O_KS);
+      const __half* skz = reinterpret_cast<const __half*>(buf + O_KZ);
+      float* sw2 = reinterpret_cast<float*>(vq_smem + O_W);
+      if constexpr (KAX) {
+        for (int e = tid; e < NW2; e += NT) {
+          const int g = e / (R * D), d = e % D;
+          sw2[e] = sq[(e / D) % R * D + d] * (__half2float(sks[g * D + d]) * (float)(1 << BK));
+        }
+        __syncthreads();
+      }
+      // cst: axis=channel, sum(q*z - w) over the lane's channels of the current
+      // group; axis=token, sum(q) over them.
+      float cst[R];
+      int gcur = 0;
+      if constexpr (!KAX) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        cst[r] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+          cst[r] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-          w2[r][c] = sq[r * D + c0 + c];
-          cst[r] += w2[r][c];
+          for (int c = 0; c < C; ++c) cst[r] += sq[r * D + c0 + c];
+        }
+      }
+#pragma unroll 1
+      for (int j = 0; j < PER; ++j) {
+        const int t = tm * PER + j;
+        if constexpr (KAX) {
+          if (j == 0 || t % GK == 0) {  // uniform: team ranges align with groups
+            gcur = t / GK;
+#pragma unroll
+            for (int r = 0; r < R; ++r) cst[r] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              const float z = __half2float(skz[gcur * D + c0 + c]);
+#pragma unroll
+              for (int r = 0; r < R; ++r)
+                cst[r] += fmaf(sq[r * D + c0 + c], z, -sw2[(gcur * R + r) * D + c0 + c]);
+            }
+          }
+        }
+        unsigned int w[KLW];
+        vq_load_words<KLW>(w, skc + t * KW + li * KLW);
+        float x[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) x[c] = vq_code<BK>(w[c / KPW], c % KPW);
+        float sc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) sc[r] = 0.0f;
+        const float* wb = KAX ? sw2 + gcur * R * D + c0 : sq + c0;
+#pragma unroll
+        for (int c = 0; c < C; c += 4) {
+          // A compiler fence per 4 channels: without it the weights of every
+          // row are hoisted at once and the kernel needs ~170 registers.
+          asm volatile("" ::: "memory");
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float4 wv = *reinterpret_cast<const float4*>(wb + r * D + c);
+            sc[r] = fmaf(wv.x, x[c], sc[r]);
+            sc[r] = fmaf(wv.y, x[c + 1], sc[r]);
+            sc[r] = fmaf(wv.z, x[c + 2], sc[r]);
+            sc[r] = fmaf(wv.w, x[c + 3], sc[r]);
+          }
+        }
+        if constexpr (KAX) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) sc[r] += cst[r];
+        } else {
+          const int jg = c0 / GK;
+          const float s = __half2float(sks[t * (D / GK) + jg]) * (float)(1 << BK);
+          const float z = __half2float(skz[t * (D / GK) + jg]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) sc[r] = fmaf(s, sc[r] - cst[r], z * cst[r]);
+        }
+        vq_team_reduce<R, TPT>(sc, li);
+        if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = sc[0];
+      }
+    }
+    __syncthreads();
+
+    // 2. Online softmax, one warp per row: new running max, probabilities of
+    // the sub-chunk, running sum, and the factor that rescales older terms.
+    {
+      constexpr int NW = NT / 32;
+      const int warp = tid / 32, lane = tid % 32;
+      for (int r = warp; r < R; r += NW) {
+        float m = vq_ninf();
+        for (int t = lane; t < n; t += 32) m = fmaxf(m, sp[t * R + r]);
+        const float mold = sml[r];
+        m = fmaxf(vq_warp_max(m), mold);
+        float l = 0.0f;
+        for (int t = lane; t < n; t += 32) {
+          const float p = exp2f(sp[t * R + r] - m);
+          sp[t * R + r] = p;
+          l += p;
+        }
+        l = vq_warp_sum(l);
+        __syncwarp();
+        if (lane == 0) {
+          const float alpha = exp2f(mold - m);  // 0 on the first sub-chunk (mold = -inf)
+          sml[r] = m;
+          sml[R + r] = sml[R + r] * alpha + l;
+          sml[2 * R + r] = alpha;
         }
       }
     }
-#pragma unroll 2
-    for (int j = 0; j < PER; ++j) {
-      const int t = tm * PER + j;
-      if constexpr (KAX) {
-        if (j == 0 || t % GK == 0) {  // uniform: team ranges align with groups
-          const int g = t / GK;
+    __syncthreads();
+
+    // 3. Values: acc[r][c] = sum_t p[r][t] v[t][c0 + c], older terms rescaled.
+    {
+      float alpha[R];
+      vq_load_floats<R>(alpha, sml + 2 * R);
 #pragma unroll
-          for (int r = 0; r < R; ++r) cst[r] = 0.0f;
+      for (int r = 0; r < R; ++r) {
+        cr[r] *= alpha[r];
+        zr[r] *= alpha[r];
 #pragma unroll
-          for (int c = 0; c < C; ++c) {
-            const float s = __half2float(sks[g * D + c0 + c]) * (float)(1 << BK);
-            const float z = __half2float(skz[g * D + c0 + c]);
+        for (int c = 0; c < C; ++c) acc[r][c] *= alpha[r];
+      }
+      const unsigned int* svc = reinterpret_cast<const unsigned int*>(buf + O_VC);
+      const __half* svs = reinterpret_cast<const __half*>(buf + O_VS);
+      const __half* svz = reinterpret_cast<const __half*>(buf + O_VZ);
+      if constexpr (!VAX) {
+        // p*v = (p*s*2^B) x - p*s*2^B + p*z: one FMA per element and row; the
+        // two per-token terms go to cr / zr. Teams interleave tokens so a
+        // warp reads neighbouring tokens.
+        const int jg = c0 / GV;
+#pragma unroll 1
+        for (int i = 0; i < PER; ++i) {
+          const int t = i * TEAMS + tm;
+          if (t < n) {
+            unsigned int w[VLW];
+            vq_load_words<VLW>(w, svc + t * VW + li * VLW);
+            float x[C];
+#pragma unroll
+            for (int c = 0; c < C; ++c) x[c] = vq_code<BV>(w[c / VPW], c % VPW);
+            const float s = __half2float(svs[t * (D / GV) + jg]) * (float)(1 << BV);
+            const float z = __half2float(svz[t * (D / GV) + jg]);
+            float pr[R];
+            vq_load_floats<R>(pr, sp + t * R);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-              const float qv = sq[r * D + c0 + c];
-              w2[r][c] = qv * s;
-              cst[r] += fmaf(qv, z, -w2[r][c]);
+              const float ps = pr[r] * s;
+              cr[r] += ps;
+              zr[r] = fmaf(pr[r], z, zr[r]);
+#pragma unroll
+              for (int c = 0; c < C; ++c) acc[r][c] = fmaf(ps, x[c], acc[r][c]);
+            }
+          }
+        }
+      } else {
+        // Channel groups: dequantize in registers (v = s2*x + z2) with the
+        // group's per-channel constants, reloaded when the token group changes.
+        float s2[C], z2[C];
+#pragma unroll 2
+        for (int j = 0; j < PER; ++j) {
+          const int t = tm * PER + j;
+          if (j == 0 || t % GV == 0) {
+            const int g = t / GV;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              s2[c] = __half2float(svs[g * D + c0 + c]) * (float)(1 << BV);
+              z2[c] = __half2float(svz[g * D + c0 + c]) - s2[c];
+            }
+          }
+          if (t < n) {
+            unsigned int w[VLW];
+            vq_load_words<VLW>(w, svc + t * VW + li * VLW);
+            float pr[R];
+            vq_load_floats<R>(pr, sp + t * R);
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              const float v = fmaf(s2[c], vq_code<BV>(w[c / VPW], c % VPW), z2[c]);
+#pragma unroll
+              for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pr[r], v, acc[r][c]);
             }
           }
         }
       }
-      unsigned int w[KLW];
-      vq_load_words<KLW>(w, skc + t * KW + li * KLW);
-      float x[C];
-#pragma unroll
-      for (int c = 0; c < C; ++c) x[c] = vq_code<BK>(w[c / KPW], c % KPW);
-      float sc[R];
-      if constexpr (KAX) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float a = cst[r];
-#pragma unroll
-          for (int c = 0; c < C; ++c) a = fmaf(w2[r][c], x[c], a);
-          sc[r] = a;
-        }
-      } else {
-        const int jg = c0 / GK;
-        const float s = __half2float(sks[t * (D / GK) + jg]) * (float)(1 << BK);
-        const float z = __half2float(skz[t * (D / GK) + jg]);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float a = 0.0f;
-#pragma unroll
-          for (int c = 0; c < C; ++c) a = fmaf(w2[r][c], x[c], a);
-          sc[r] = fmaf(s, a - cst[r], z * cst[r]);
-        }
-      }
-      vq_team_reduce<R, TPT>(sc, li);
-      if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = sc[0];
     }
-  }
-  __syncthreads();
-
-  // 3. Softmax of the split, row by row (one warp per row).
-  {
-    constexpr int NW = NT / 32;
-    const int warp = tid / 32, lane = tid % 32;
-    for (int r = warp; r < R; r += NW) {
-      float m = vq_ninf();
-      for (int t = lane; t < n; t += 32) m = fmaxf(m, sp[t * R + r]);
-      m = vq_warp_max(m);
-      float l = 0.0f;
-      for (int t = lane; t < n; t += 32) {
-        const float p = exp2f(sp[t * R + r] - m);
-        sp[t * R + r] = p;
-        l += p;
-      }
-      l = vq_warp_sum(l);
-      if (lane == 0) {
-        sml[r] = m;
-        sml[R + r] = l;
-      }
-    }
+    __syncthreads();  // buffer sc_i & 1 and sp are rewritten next iteration
   }
   vq_wait<0>();
-  __syncthreads();
 
-  // 4. Values: acc[r][c] = sum_t p[r][t] v[t][c0 + c] over the team's tokens.
-  float acc[R][C];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
-  {
-    const unsigned int* svc = reinterpret_cast<const unsigned int*>(vq_smem + O_VC);
-    const __half* svs = reinterpret_cast<const __half*>(vq_smem + O_VS);
-    const __half* svz = reinterpret_cast<const __half*>(vq_smem + O_VZ);
-    if constexpr (!VAX) {
-      // p*v = (p*s*2^B) x - p*s*2^B + p*z: one FMA per element and row; the
-      // two per-token terms go to cr / zr and are applied once at the end.
-      // Teams interleave tokens so a warp reads neighbouring tokens.
-      const int jg = c0 / GV;
-      float cr[R], zr[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) cr[r] = zr[r] = 0.0f;
-#pragma unroll 2
-      for (int i = 0; i < PER; ++i) {
-        const int t = i * TEAMS + tm;
-        if (t < n) {
-          unsigned int w[VLW];
-          vq_load_words<VLW>(w, svc + t * VW + li * VLW);
-          float x[C];
-#pragma unroll
-          for (int c = 0; c < C; ++c) x[c] = vq_code<BV>(w[c / VPW], c % VPW);
-          const float s = __half2float(svs[t * (D / GV) + jg]) * (float)(1 << BV);
-          const float z = __half2float(svz[t * (D / GV) + jg]);
-          float pr[R];
-          vq_load_floats<R>(pr, sp + t * R);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float ps = pr[r] * s;
-            cr[r] += ps;
-            zr[r] = fmaf(pr[r], z, zr[r]);
-#pragma unroll
-            for (int c = 0; c < C; ++c) acc[r][c] = fmaf(ps, x[c], acc[r][c]);
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[r][c] += zr[r] - cr[r];
-    } else {
-      // Channel groups: dequantize in registers (v = s2*x + z2) with the
-      // group's per-channel constants, reloaded when the token group changes.
-      float s2[C], z2[C];
-#pragma unroll 2
-      for (int j = 0; j < PER; ++j) {
-        const int t = tm * PER + j;
-        if (j == 0 || t % GV == 0) {
-          const int g = t / GV;
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            s2[c] = __half2float(svs[g * D + c0 + c]) * (float)(1 << BV);
-            z2[c] = __half2float(svz[g * D + c0 + c]) - s2[c];
-          }
-        }
-        if (t < n) {
-          unsigned int w[VLW];
-          vq_load_words<VLW>(w, svc + t * VW + li * VLW);
-          float pr[R];
-          vq_load_floats<R>(pr, sp + t * R);
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            const float v = fmaf(s2[c], vq_code<BV>(w[c / VPW], c % VPW), z2[c]);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][c] = fmaf(pr[r], v, acc[r][c]);
-          }
-        }
-      }
-    }
-  }
-  __syncthreads();  // staged codes and p are no longer read: reuse the area
-
-  // 5. Sum the 16 team partials through shared memory; write the split.
+  // 4. Sum the 16 team partials through shared memory; write the split.
   float* red = reinterpret_cast<float*>(vq_smem);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int c = 0; c < C; c += 4)
       *reinterpret_cast<float4*>(red + (tm * R + r) * D + c0 + c) =
-          make_float4(acc[r][c], acc[r][c + 1], acc[r][c + 2], acc[r][c + 3]);
+          make_float4(acc[r][c] + zr[r] - cr[r], acc[r][c + 1] + zr[r] - cr[r],
+                      acc[r][c + 2] + zr[r] - cr[r], acc[r][c + 3] + zr[r] - cr[r]);
   __syncthreads();
   for (int e = tid; e < R * D; e += NT) {
     float s = 0.0f;

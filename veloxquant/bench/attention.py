@@ -15,7 +15,6 @@ Timing: warmup calls, then `iters` calls each queued with mx.async_eval (so
 host-side graph building overlaps the device) and one final synchronize.
 """
 import argparse
-import math
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -31,18 +30,22 @@ def _bytes(*arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
 
-def timeit(fn: Callable, warmup: int, iters: int) -> float:
+def timeit(fn: Callable, warmup: int, iters: int, per_eval: int) -> float:
+    """Microseconds per call. Each evaluation holds `per_eval` independent calls
+    (a decode step evaluates every layer's attention in one graph), queued
+    with mx.async_eval so host-side graph building overlaps the device."""
     for _ in range(warmup):
-        mx.eval(fn())
+        mx.eval([fn() for _ in range(per_eval)])
     mx.synchronize()
     start = time.perf_counter()
-    out = None
+    held = []
     for _ in range(iters):
-        out = fn()
-        mx.async_eval(out)
-    mx.eval(out)
+        outs = [fn() for _ in range(per_eval)]
+        mx.async_eval(outs)
+        held.append(outs)
+    mx.eval(held[-1])
     mx.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
+    return (time.perf_counter() - start) / (iters * per_eval) * 1e6
 
 
 def peak_mib(fn: Callable) -> float:
@@ -95,12 +98,16 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     return methods
 
 
-def run_one(name, fn, nbytes, warmup, iters) -> Dict:
+def run_one(name, fn, nbytes, a) -> Dict:
     if fn is None:
         return {"err": nbytes}
     try:
-        us = timeit(fn, warmup, iters)
-        return {"us": us, "gbps": nbytes / us / 1e3, "mib": peak_mib(fn), "bytes": nbytes}
+        per_eval = min(a.per_eval, 4) if name == "reference" else a.per_eval  # its float32 temporaries are large
+        us = timeit(fn, a.warmup, a.iters, per_eval)
+        r = {"us": us, "gbps": nbytes / us / 1e3, "mib": peak_mib(fn), "bytes": nbytes}
+        if name in ("sdpa", "fused"):  # latency of a lone call (one evaluation each)
+            r["us_single"] = timeit(fn, a.warmup, a.iters * 4, 1)
+        return r
     except Exception as e:  # noqa: BLE001 -- e.g. an op the backend lacks
         return {"err": f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"}
 
@@ -117,8 +124,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="evaluations timed")
+    p.add_argument("--per-eval", type=int, default=32, help="calls per evaluation (layers in a decode step)")
     p.add_argument("--chunk", type=int, default=None, help="fused kernel: tokens per block (default: auto)")
     p.add_argument("--json", default=None, help="also write the rows as JSON lines here")
     a = p.parse_args(argv)
@@ -130,11 +138,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     wanted = a.methods.split(",")
     limit = _memory_limit()
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
-          f"keys per-channel / values per-token affine, group {a.group}")
+          f"keys per-channel / values per-token affine, group {a.group}; "
+          f"{a.per_eval} calls per evaluation (reference: up to 4); 'lone' = one call per evaluation")
     print()
     print("| Hq/Hkv/D | S | bits | " + " | ".join(wanted) + " | fused vs sdpa | fused vs mlx-lm "
-          "| fused % HBM | peak MiB " + "/".join(wanted) + " |")
-    print("|" + "---|" * (len(wanted) + 7))
+          "| fused % HBM | lone sdpa / fused µs | peak MiB " + "/".join(wanted) + " |")
+    print("|" + "---|" * (len(wanted) + 8))
     rows = []
     for shape in a.shapes.split(","):
         Hq, Hkv, D = (int(x) for x in shape.split("/"))
@@ -157,15 +166,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         res[name] = sdpa_result  # independent of bits: measured once
                         continue
                     fn, nbytes = methods[name]
-                    res[name] = run_one(name, fn, nbytes, a.warmup, a.iters)
+                    res[name] = run_one(name, fn, nbytes, a)
                 sdpa_result = res.get("sdpa", sdpa_result)
                 f = res.get("fused", {})
                 sp = lambda other: (f"{res[other]['us'] / f['us']:.1f}×" if "us" in f and other in res
                                     and "us" in res[other] else "-")
                 hbm = f"{100 * f['gbps'] / HBM_GBPS:.0f}%" if "us" in f else "-"
                 mib = "/".join(f"{res[n]['mib']:.1f}" if "mib" in res[n] else "-" for n in wanted)
+                lone = "/".join(f"{res[n]['us_single']:.0f}" if "us_single" in res.get(n, {}) else "-"
+                                for n in ("sdpa", "fused"))
                 print(f"| {shape} | {S // 1024}k | {bits} | " + " | ".join(cell(res[n]) for n in wanted)
-                      + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {mib} |", flush=True)
+                      + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {lone} | {mib} |", flush=True)
                 rows.append({"shape": shape, "S": S, "bits": bits, **{n: res[n] for n in wanted}})
             del q, k, v
     if a.json:

@@ -75,8 +75,11 @@ def render(plan: Plan) -> str:
         lines.append(f"{which} ({layer.kind}{window}; {layer.n_kv_heads} kv heads x {layer.head_dim}):")
         lines += [_tier_line(t, layer.head_dim) for t in layer.tiers]
         bits = long_run_bits(layer)
-        ratio = f"{bits / 16:.3f} of fp16" if bits else "bounded memory"
-        lines.append(f"    long-context cost: {bits:.2f} bits/elem ({ratio}), metadata included")
+        if math.isnan(bits):
+            lines.append("    long-context cost: the model's own dtype (identity store)")
+        else:
+            ratio = f"{bits / 16:.3f} of fp16" if bits else "bounded memory"
+            lines.append(f"    long-context cost: {bits:.2f} bits/elem ({ratio}), metadata included")
         if layer.needs:
             lines.append(f"    needs: {', '.join(sorted(layer.needs))}")
     return "\n".join(lines)

@@ -170,7 +170,8 @@ def _instantiate(call: Call, params, recipe: Recipe, layer: int, shape: ModelSha
                                   nearest(arg.name, by_name) if by_name else f"'{call.name}' takes no parameters")
         if field.name in kwargs:
             raise RecipeError(f"parameter '{field.name}' given twice", arg.pos)
-        kwargs[field.name] = _typed(_value(arg.value, params, recipe, layer, shape), field, call, arg)
+        scheduled = isinstance(arg.value, Ref) and isinstance(params.get(arg.value.name), Schedule)
+        kwargs[field.name] = _typed(_value(arg.value, params, recipe, layer, shape), field, call, arg, scheduled)
         _validate(kwargs[field.name], field, call, arg, info)
     try:
         return call, info.cls(**kwargs)
@@ -197,11 +198,11 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
     raise RecipeError(f"'{node.name}(...)' is not a value a stage parameter takes here", node.pos)
 
 
-def _typed(value, field, call: Call, arg: Arg):
+def _typed(value, field, call: Call, arg: Arg, scheduled: bool = False):
     want = field.type if isinstance(field.type, type) else {"int": int, "float": float, "str": str,
                                                             "bool": bool}.get(str(field.type), object)
-    if want is int and isinstance(value, float) and not isinstance(value, bool):
-        value = int(round(value)) if arg.value.__class__ is Ref else value  # schedules yield floats
+    if want is int and isinstance(value, float) and scheduled:
+        value = int(round(value))  # schedules yield floats
     ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True

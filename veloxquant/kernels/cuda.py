@@ -8,7 +8,7 @@ import math
 import os
 import struct
 from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -18,8 +18,17 @@ from .reference import Spec, spec_fields
 SOURCE = "cuda/affine_attention.cu"
 C = 16  # channels per lane, fixed by the kernel
 MAX_ROWS = 4  # rows (rep heads x queries) held in registers per block
-SM_COUNT = 132  # H200; only steers the split size
-SMEM_CAP = 100_000  # bytes of dynamic shared memory one block may take
+SM_COUNT = 132  # H200; only steers the split count
+SMEM_CAP = 100_000  # preferred bound on a block's dynamic shared memory
+SMEM_MAX = 227 * 1024  # what an sm_90 block may opt into
+# Tuning knobs for benchmarks (read once): tokens per sub-chunk, resident blocks per SM.
+_FORCED_CHUNK = int(os.environ.get("VELOXQUANT_CUDA_CHUNK", "0") or 0)
+_THREADS_PER_SM = int(os.environ.get("VELOXQUANT_CUDA_THREADS_PER_SM", "512") or 512)
+
+
+def blocks_per_sm(D: int) -> int:
+    """Resident attend blocks per SM we size for (and cap registers to: 128/thread)."""
+    return max(1, _THREADS_PER_SM // D)
 
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -69,45 +78,85 @@ def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
             return "storage dtypes (kernel: uint32 codes, float16 scales/zeros)"
         if enc["codes"].shape[:3] != (B, Hkv, L) or enc["codes"].shape[3] != D * bits // 32:
             return "codes shape"
+    rows = (Hq // Hkv) * Lq
+    if not choose_chunk(D, 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS, (kb, kg, kax), (vb, vg, vax)):
+        return "no sub-chunk size fits shared memory"
     return ""
 
 
 def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg: int, vax: str) -> int:
-    """Mirror of the attend kernel's shared-memory layout (static_assert'ed there)."""
+    """Mirror of the attend kernel's shared-memory layout (static_assert'ed there):
+    two staging buffers, q rows, the sub-chunk's probabilities, m/l/alpha, and
+    for per-channel keys the q*s weights of the sub-chunk's groups."""
     def meta(g, ax):
         halves = (ch // g) * D if ax == "channel" else ch * (D // g)
         return 2 * ((halves * 2 + 15) // 16 * 16)
     stage = ch * D * (kb + vb) // 8 + meta(kg, kax) + meta(vg, vax)
     red = 16 * R * D * 4
-    return max(stage, red) + R * D * 4 + ch * R * 4 + 2 * R * 4
+    w2 = (ch // kg) * R * D * 4 if kax == "channel" else 0
+    return max(2 * stage, red) + R * D * 4 + ch * R * 4 + 16 * 4 + w2
 
 
-def choose_chunk(L: int, blocks_per_split: int, D: int, R: int, kspec, vspec) -> int:
-    """Tokens per block: the largest power of two that still gives about four
-    resident blocks per SM (long tiers), else the smallest legal one (short tiers)."""
-    forced = os.environ.get("VELOXQUANT_CUDA_CHUNK")
+def choose_chunk(D: int, R: int, kspec, vspec) -> int:
+    """Tokens per staged sub-chunk: 128 (8 tokens per team), else the smallest
+    size that holds whole channel groups and fits shared memory; 0 if none."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
-    low = max(64, kg if kax == "channel" else 16, vg if vax == "channel" else 16)
-    legal = [c for c in (512, 256, 128, 64) if c >= low
-             and smem_bytes(c, D, R, kb, kg, kax, vb, vg, vax) <= SMEM_CAP]
-    if not legal:
-        legal = [low]
-    if forced and int(forced) in legal:
-        return int(forced)
-    for ch in legal[:-1]:
-        if blocks_per_split * math.ceil(L / ch) >= 4 * SM_COUNT:
+    low = max(kg if kax == "channel" else 16, vg if vax == "channel" else 16)
+    fits = lambda c, cap: c >= low and smem_bytes(c, D, R, kb, kg, kax, vb, vg, vax) <= cap
+    if _FORCED_CHUNK and fits(_FORCED_CHUNK, SMEM_MAX):
+        return _FORCED_CHUNK
+    for ch in (128, 64, 256):
+        if fits(ch, SMEM_CAP):
             return ch
-    return legal[-1]
+    for ch in (64, 128, 256):
+        if fits(ch, SMEM_MAX):
+            return ch
+    return 0
+
+
+class Plan(NamedTuple):
+    R: int         # rows per block (held in registers)
+    nrb: int       # row blocks (grid z)
+    ch: int        # tokens per sub-chunk
+    ns: int        # splits (grid x); a split walks ceil(chunks / ns) sub-chunks
+    smem: int      # dynamic shared memory bytes
+    template: tuple
+
+
+@lru_cache(maxsize=512)
+def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple,
+         scale: float, chunk: int = 0) -> Plan:
+    """Launch geometry: about blocks_per_sm(D) resident blocks per SM, each walking
+    several sub-chunks so the next one streams in while the current is used."""
+    (kb, kg, kax), (vb, vg, vax) = kspec, vspec
+    rows = (Hq // Hkv) * Lq
+    R = 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS
+    nrb = math.ceil(rows / R)
+    ch = chunk or choose_chunk(D, R, kspec, vspec)
+    chunks = math.ceil(L / ch)
+    want = max(1, math.ceil(SM_COUNT * blocks_per_sm(D) / (B * Hkv * nrb)))
+    nsub = max(1, math.ceil(chunks / want))
+    ns = math.ceil(chunks / nsub)
+    smem = (smem_bytes(ch, D, R, kb, kg, kax, vb, vg, vax) + 127) // 128 * 128  # fewer distinct kernels
+    template = (("T", qdtype), ("D", D), ("R", R), ("ROWS", rows),
+                ("BK", kb), ("GK", kg), ("KAX", int(kax == "channel")),
+                ("BV", vb), ("GV", vg), ("VAX", int(vax == "channel")),
+                ("CH", ch), ("QSCALE", _float_bits(scale * math.log2(math.e))), ("SMEM", smem))
+    return Plan(R, nrb, ch, ns, smem, template)
+
+
+def attend_header(threads: int) -> str:
+    """The attend kernel's header: launch bounds first (see the .cu file)."""
+    return f"#define VQ_LAUNCH_BOUNDS {threads}, {blocks_per_sm(threads)}\n" + sections()["header"]
 
 
 @lru_cache(maxsize=None)
-def _attend_kernel(smem: int):
-    s = sections()
+def _attend_kernel(smem: int, threads: int):
     return mx.fast.cuda_kernel(
-        name=f"vq_affine_attend_{smem}",
+        name=f"vq_affine_attend_{smem}_{threads}_{blocks_per_sm(threads)}",
         input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
         output_names=["pm", "pl", "pacc"],
-        source=s["attend"], header=s["header"], shared_memory=smem)
+        source=sections()["attend"], header=attend_header(threads), shared_memory=smem)
 
 
 @lru_cache(maxsize=None)
@@ -126,36 +175,22 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
                              k_spec: Spec, v_spec: Spec, scale: float,
                              chunk: Optional[int] = None) -> Tuple[mx.array, mx.array]:
     """The fused kernel. Same contract as reference.affine_partial_attention; the
-    caller (dispatch) has checked `unsupported(...) == ''`."""
-    kb, kg, kax = spec_fields(k_spec)
-    vb, vg, vax = spec_fields(v_spec)
+    caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
+    other op: inputs go in as they are (4-D, row-contiguous), outputs come out
+    in their final shapes."""
     B, Hq, Lq, D = q.shape
     _, Hkv, L, _ = k_enc["codes"].shape
-    rows = (Hq // Hkv) * Lq
-    R = 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS
-    nrb = math.ceil(rows / R)
-    bh = B * Hkv
-    ch = chunk or choose_chunk(L, bh * nrb, D, R, (kb, kg, kax), (vb, vg, vax))
-    ns = math.ceil(L / ch)
-    smem = smem_bytes(ch, D, R, kb, kg, kax, vb, vg, vax)
-    smem = (smem + 127) // 128 * 128  # fewer distinct kernels
-
-    def flat(a):  # [B, Hkv, X, Y] -> [B*Hkv, X, Y] (free for contiguous arrays)
-        return a.reshape(bh, a.shape[2], a.shape[3])
-
-    nrows = bh * rows
-    pm, pl, pacc = _attend_kernel(smem)(
-        inputs=[q.reshape(bh, rows, D), flat(k_enc["codes"]), flat(k_enc["scales"]), flat(k_enc["zeros"]),
-                flat(v_enc["codes"]), flat(v_enc["scales"]), flat(v_enc["zeros"])],
-        template=[("T", q.dtype), ("D", D), ("R", R), ("ROWS", rows),
-                  ("BK", kb), ("GK", kg), ("KAX", int(kax == "channel")),
-                  ("BV", vb), ("GV", vg), ("VAX", int(vax == "channel")),
-                  ("CH", ch), ("QSCALE", _float_bits(scale * math.log2(math.e))), ("SMEM", smem)],
-        grid=(ns * D, bh, nrb), threadgroup=(D, 1, 1),
-        output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
+    p = plan(B, Hq, Lq, D, Hkv, L, q.dtype, spec_fields(k_spec), spec_fields(v_spec), float(scale), chunk or 0)
+    nrows = B * Hq * Lq
+    pm, pl, pacc = _attend_kernel(p.smem, D)(
+        inputs=[q, k_enc["codes"], k_enc["scales"], k_enc["zeros"],
+                v_enc["codes"], v_enc["scales"], v_enc["zeros"]],
+        template=list(p.template),
+        grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
+        output_shapes=[(nrows, p.ns), (nrows, p.ns), (nrows, p.ns, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     out, lse = _reduce_kernel()(
         inputs=[pm, pl, pacc], template=[("D", D)],
         grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(nrows, D), (nrows,)], output_dtypes=[mx.float32, mx.float32])
-    return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+        output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[mx.float32, mx.float32])
+    return out, lse

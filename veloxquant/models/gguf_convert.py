@@ -242,6 +242,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True)")
+    if progress:  # parsing a large vocabulary takes a while: say what is happening
+        print(f"veloxquant: reading {Path(gguf_path).name}", file=sys.stderr, flush=True)
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
@@ -249,6 +251,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise ModelError(f"unsupported GGUF architecture {arch!r} (supported: {sorted(_ARCHS)})")
 
     cfg, weights = _convert_weights(reader, arch, meta, _DTYPES[dtype], progress)
+    if progress:
+        print("veloxquant: building tokenizer", file=sys.stderr, flush=True)
     tokenizer, tok_config, specials = build_tokenizer(arch, meta)
     for key, tid in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                      ("pad_token_id", "padding_token_id")):

@@ -83,7 +83,7 @@ def _spm_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, st
     return [(a, b) for a, b, _ in merges]
 
 
-def _spm_model(arch: str, meta: dict[str, Any]) -> Tokenizer:
+def _spm_model(arch: str, meta: dict[str, Any]) -> tuple[Tokenizer, list[str]]:
     tokens = list(meta["tokenizer.ggml.tokens"])
     if arch.startswith("gemma"):
         # Gemma stores runs of spaces as real spaces but matches them as "▁" runs, and
@@ -108,7 +108,7 @@ def _spm_model(arch: str, meta: dict[str, Any]) -> Tokenizer:
         strip = [decoders.Strip(" ", 1, 0)] if prepend == "first" else []
     tok.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
-    return tok
+    return tok, tokens
 
 
 def _bpe_model(meta: dict[str, Any]) -> Tokenizer:
@@ -121,7 +121,7 @@ def _bpe_model(meta: dict[str, Any]) -> Tokenizer:
     tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tok
+    return tok, tokens
 
 
 def _token(meta: dict[str, Any], key: str) -> str | None:
@@ -139,10 +139,10 @@ def build_tokenizer(arch: str, meta: dict[str, Any]):
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     if kind == "gpt2":
-        tok = _bpe_model(meta)
+        tok, spelled = _bpe_model(meta)
         add_bos_default = False
     elif kind == "llama":
-        tok = _spm_model(arch, meta)
+        tok, spelled = _spm_model(arch, meta)
         add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
     else:
         raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
@@ -152,8 +152,10 @@ def build_tokenizer(arch: str, meta: dict[str, Any]):
     # Control tokens (<|im_end|>, <bos>, ...) must never be split by BPE.
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, ty in zip(tokens, types) if ty == _CONTROL])
+    # User-defined tokens (Gemma's "\n\n", "<table>") are matched whole, like llama.cpp
+    # does; ones we respelled (space runs) are left to BPE, which reaches the same ids.
     user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+            for t, s, ty in zip(tokens, spelled, types) if ty == _USER_DEFINED and t == s]
     if user:
         tok.add_tokens(user)
 

@@ -126,9 +126,13 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
     raw_layers = src.get("layers", default={}) or {}
     if not isinstance(raw_layers, dict):
         raise RecipeError("'layers' must be a map of selector: {pipeline, params}", src.loc("layers"))
+    seen = {}
     for selector, body in raw_layers.items():
         where = src.loc("layers", selector, key=True)
         check_selector(str(selector), where)
+        if str(selector) in seen:  # e.g. 0 and "0": two YAML keys, one selector
+            raise RecipeError(f"layer selector '{selector}' given twice", where, f"first given at line {seen[str(selector)]}")
+        seen[str(selector)] = where.line
         if not isinstance(body, dict):
             raise RecipeError("a layer override is a map with 'pipeline' and/or 'params'", src.loc("layers", selector))
         for key in body:
@@ -138,7 +142,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         text = body.get("pipeline")
         if text is not None and not isinstance(text, str):
             raise RecipeError("'pipeline' must be a string", src.loc("layers", selector, "pipeline"))
-        sub = parse_pipeline(text, src.text_locator("layers", selector, "pipeline")) if text else None
+        sub = parse_pipeline(text, src.text_locator("layers", selector, "pipeline")) if text is not None else None
         overrides = body.get("params") or {}
         if not isinstance(overrides, dict):
             raise RecipeError("'params' must be a map", src.loc("layers", selector, "params"))

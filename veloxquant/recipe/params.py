@@ -110,8 +110,11 @@ def declare(name: str, spec: Any, where: Location) -> Param:
     if isinstance(spec, dict):
         unknown = set(spec) - {"default", "type", "doc"}
         if unknown or "default" not in spec:
-            raise RecipeError(f"parameter '{name}' is a map but not {{default, type, doc}}", where,
-                              "write 'name: value' or 'name: {default: value, type: int, doc: ...}'")
+            what = (f"unknown key {', '.join(repr(str(k)) for k in sorted(unknown, key=str))}" if unknown
+                    else "no 'default'")
+            raise RecipeError(f"parameter '{name}' is a map but not {{default, type, doc}}: {what}", where,
+                              "write 'name: value' or 'name: {default: value, type: int, doc: ...}'; "
+                              "quote a doc that contains a comma")
         default, declared = spec["default"], spec.get("type")
         if declared is not None and declared not in TYPES:
             raise RecipeError(f"parameter '{name}' has unknown type '{declared}'", where,

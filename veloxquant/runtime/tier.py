@@ -7,7 +7,7 @@ from ..compiler.plan import TierPlan
 from .buffer import Buffer
 from .codec import Codec
 
-UNBOUNDED_STEP = 256  # tokens; growth step of tiers that keep everything they get
+UNBOUNDED_STEP = 64  # tokens; growth step of tiers that keep everything they get (slack is real memory)
 
 
 class Tier:
