@@ -212,6 +212,20 @@ def test_errors_are_model_errors(tmp_path, tiny_llama):
         load_model(tmp_path)
 
 
+def test_load_model_from_gguf_path_caches_conversion(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path))
+    model, tok = load_model(tiny_llama[0], lazy=True, progress=False)
+    (folder,) = [p for p in (tmp_path / "models" / "gguf").iterdir() if p.is_dir()]
+    assert folder.name.startswith("tiny-") and (folder / "model.safetensors").is_file()
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    model, tok = load_model(tiny_llama[0], dtype="float16", progress=False)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not reconverted
+    assert model.model.norm.weight.dtype == mx.float16
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelError, match="cannot load"):
+        load_model(folder)
+
+
 def test_installed_file_does_not_import_package(tmp_path, monkeypatch):
     pkg = tmp_path / "fakepkg_vq"
     pkg.mkdir()

@@ -10,6 +10,7 @@ paragraphs, and cache one plain-text file per book under
 
 from __future__ import annotations
 
+from ..errors import VeloxError
 import os
 import re
 import struct
@@ -35,7 +36,7 @@ AUSTEN_BOOKS = {
 _R_LIB = Path("usr/lib/R/site-library/janeaustenr")
 
 
-class CorpusError(Exception):
+class CorpusError(VeloxError):
     """A corpus could not be found, fetched or decoded."""
 
 

@@ -183,19 +183,26 @@ def gemma3_model_path(progress: bool = True) -> Path:
     return _cached_model(GEMMA3_NAME, _gemma3_gguf, progress)
 
 
-def load_model(path: str | os.PathLike | None = None, dtype=None, progress: bool = True):
+# Short names accepted by load_model in place of a path.
+MODEL_ALIASES = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
+
+
+def load_model(path: str | os.PathLike | None = None, dtype=None, *, lazy: bool = False,
+               progress: bool = True):
     """``(model, tokenizer)`` via ``mlx_lm.load``.
 
-    ``path`` is an mlx-lm folder, a ``.gguf`` file (converted into the cache first) or
-    None for the default model.  ``dtype`` (an ``mx.Dtype`` or its name) defaults to
-    float32 on the CPU, where float16 matmuls are very slow, and to the stored float16
-    elsewhere.
+    ``path`` is an mlx-lm folder, a ``.gguf`` file (converted into the cache first), an
+    alias from ``MODEL_ALIASES`` or None for the default model.  ``dtype`` (an
+    ``mx.Dtype`` or its name) defaults to float32 on the CPU, where float16 matmuls are
+    very slow, and to the stored float16 elsewhere.  ``lazy`` defers loading the weights.
     """
     import mlx.core as mx
     from mlx_lm import load
 
     if path is None:
         path = default_model_path(progress=progress)
+    elif str(path) in MODEL_ALIASES and not Path(path).exists():
+        path = MODEL_ALIASES[str(path)](progress=progress)
     path = Path(path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -207,8 +214,8 @@ def load_model(path: str | os.PathLike | None = None, dtype=None, progress: bool
     if not (path / "config.json").is_file():
         raise ModelError(f"not a model folder (no config.json): {path}")
     try:
-        model, tokenizer = load(str(path))
-    except (OSError, ValueError, KeyError) as exc:
+        model, tokenizer = load(str(path), lazy=lazy)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # mx.load raises RuntimeError
         raise ModelError(f"cannot load model from {path}: {exc}") from exc
     if dtype is None and mx.default_device().type == mx.cpu:
         dtype = mx.float32

@@ -1,5 +1,6 @@
 """Exception type shared by the model helpers."""
+from ..errors import VeloxError
 
 
-class ModelError(Exception):
+class ModelError(VeloxError):
     """A model file is missing, corrupt, or of an architecture we cannot convert."""

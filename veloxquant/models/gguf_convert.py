@@ -84,7 +84,8 @@ def open_gguf(path: str | os.PathLike):
     try:
         return GGUFReader(path)
     except Exception as exc:  # GGUFReader raises ValueError, struct.error, IndexError, ...
-        raise ModelError(f"not a readable GGUF file: {path} ({type(exc).__name__}: {exc})") from exc
+        raise ModelError(f"not a readable GGUF file (corrupt or truncated?): {path} "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -200,8 +201,10 @@ def _dequantize(tensor) -> np.ndarray:
 
     try:
         flat = dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as exc:
+    except NotImplementedError as exc:  # a quantization type gguf-py cannot decode
         raise ModelError(f"tensor {tensor.name}: {exc}") from exc
+    except (ValueError, IndexError) as exc:
+        raise ModelError(f"tensor {tensor.name} is malformed: {exc}") from exc
     # GGUF lists dimensions fastest-first; numpy/PyTorch order is the reverse.
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.asarray(flat, dtype=np.float32).reshape(shape)

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
+from ..kernels import dispatch
 from .attention import merge_partials, partial_attention
 from .tier import Tier
 
@@ -190,7 +191,14 @@ class TieredCache(_BaseCache):
 
     def _partial(self, tier: Tier, queries, scale, first_q):
         Lq = queries.shape[2]
-        mask = self._tier_mask(tier, first_q, Lq) if self._needs_mask(tier, first_q, Lq) else None
+        needs_mask = self._needs_mask(tier, first_q, Lq)
+        if not needs_mask and tier.fusable:
+            # Attend straight from the packed codes where a verified kernel exists.
+            k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+            k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
+            if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "reference":
+                return dispatch.fused_affine_partial(queries, k_enc, v_enc, k_spec, v_spec, scale)
+        mask = self._tier_mask(tier, first_q, Lq) if needs_mask else None
         k, v = tier.decoded(mx.float32)
         return partial_attention(queries, k, v, scale, mask)
 

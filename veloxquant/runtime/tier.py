@@ -76,6 +76,12 @@ class Tier:
         self.count -= n
 
     @property
+    def fusable(self) -> bool:
+        """K and V are plain affine codes: the fused attention kernels read them."""
+        return not self.drops and all(
+            not c.transforms and c.store.stage_name == "affine" for c in self.codecs.values())
+
+    @property
     def granularity(self) -> int:
         """Tokens that must leave or be trimmed together."""
         return max([p for c in self.codecs.values() for p in c.units().values()] or [1])
