@@ -130,9 +130,8 @@ def test_kernel_layout_fits_every_supported_config():
                         assert cuda.smem_bytes(ch, D, R, *kspec, *vspec) <= cuda.SMEM_MAX
                     for L in (g, 1000 // g * g, 131072):
                         p = cuda.plan(1, 32, 1, D, 8, L, mx.float16, kspec, vspec, 0.1)
-                        chunks = -(-L // p.ch)
-                        nsub = -(-chunks // p.ns)
-                        assert (p.ns - 1) * nsub < chunks  # no empty split
+                        nsub = -(-p.nc // p.ns)
+                        assert p.nc == -(-L // p.ch) and (p.ns - 1) * nsub < p.nc  # no idle block
 
 
 # ---------------------------------------------------------------- CUDA only

@@ -8,12 +8,13 @@
 // kernels/CONTRACT.md.
 //
 // Two kernels per call:
-//   attend  -- one block per (split of CH tokens, batch x kv head, row block).
-//              Stages the split's packed codes + fp16 scales/zeros in shared
-//              memory (cp.async, so V streams in while K is scored), scores
-//              every row of the block, softmaxes the split, accumulates V, and
-//              writes the split's (max, sum, unnormalized acc) in log2 units.
-//   reduce  -- merges the splits of each row exactly (flash-decoding).
+//   attend  -- one block per (run of CH-token chunks, batch x kv head, row
+//              block). Double-buffers each chunk's packed codes + fp16
+//              scales/zeros into shared memory with cp.async (chunk i+1 lands
+//              while chunk i is used), scores every row of the block, softmaxes
+//              the chunk, accumulates V, and writes the chunk's (max, sum,
+//              unnormalized acc) in log2 units.
+//   reduce  -- merges the chunks of each row exactly (flash-decoding).
 // Dequantized K/V never exist in memory: codes are widened in registers.
 
 //@@ header
@@ -139,17 +140,21 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 //@@ attend
   // inputs: q [B*Hkv, ROWS, D] (T), kc/vc uint32 codes [B, Hkv, L, D*B/32],
   //   ks/kz, vs/vz fp16 meta ([B, Hkv, L/G, D] for axis=channel, [B, Hkv, L, D/G] for token)
-  // outputs: pm, pl [B*Hkv*ROWS, NS] and pacc [B*Hkv*ROWS, NS, D] float32
+  // outputs: pm, pl [B*Hkv*ROWS, NC] and pacc [B*Hkv*ROWS, NC, D] float32, one
+  //   entry per CH-token chunk (NC = ceil(L / CH)): max and sum of 2^score, and
+  //   sum of 2^(score - max) v, all relative to the chunk's own max.
   // template: T, D, R, ROWS, BK, GK, KAX, BV, GV, VAX, CH, QSCALE, SMEM
-  // A block owns split blockIdx.x of NS (gridDim.x) equal runs of whole
-  // CH-token sub-chunks and walks them with two staging buffers: sub-chunk
-  // s+1 streams in (cp.async) while s is scored and accumulated, with an
-  // online softmax across sub-chunks.
+  // Block blockIdx.x walks a run of consecutive chunks with two staging
+  // buffers: chunk i+1 streams in (cp.async) while chunk i is scored,
+  // softmaxed and accumulated. Each chunk is finished on its own (its own
+  // partial), so the value accumulators live only inside one chunk and the
+  // query weights can stay in registers.
   constexpr int C = 16;                  // channels per lane
   constexpr int TPT = D / C;             // lanes per token team
   constexpr int NT = D;                  // threads per block
   constexpr int TEAMS = NT / TPT;        // 16 teams
-  constexpr int PER = CH / TEAMS;        // tokens per team and sub-chunk
+  constexpr int NWARP = NT / 32;
+  constexpr int PER = CH / TEAMS;        // tokens per team and chunk
   constexpr int KW = D * BK / 32, VW = D * BV / 32;    // words per token
   constexpr int KLW = C * BK / 32, VLW = C * BV / 32;  // words per lane
   constexpr int KPW = 32 / BK, VPW = 32 / BV;          // codes per word
@@ -162,131 +167,112 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   constexpr int O_VS = O_KZ + (KM * 2 + 15) / 16 * 16;
   constexpr int O_VZ = O_VS + (VM * 2 + 15) / 16 * 16;
   constexpr int STAGE = O_VZ + (VM * 2 + 15) / 16 * 16;
-  constexpr int RED = TEAMS * R * D * 4;   // team partials, reuse the staging buffers at the end
-  constexpr int O_Q = 2 * STAGE > RED ? 2 * STAGE : RED;
-  constexpr int O_P = O_Q + R * D * 4;     // q rows (log2-scaled)
-  constexpr int O_ML = O_P + CH * R * 4;   // scores, then probabilities, [token][row]
-  constexpr int O_W = O_ML + 16 * 4;       // running max, running sum, rescale factor (R <= 4)
-  constexpr int NW2 = KAX ? (CH / GK) * R * D : 0;  // keys, axis=channel: q*s*2^B per group
-  constexpr int NEED = O_W + NW2 * 4;
+  constexpr int O_Q = 2 * STAGE;           // q rows (log2-scaled)
+  constexpr int O_P = O_Q + R * D * 4;     // scores, then probabilities, [token][row]
+  constexpr int O_ML = O_P + CH * R * 4;   // chunk max, chunk sum (R <= 4)
+  constexpr int O_RED = O_ML + 16 * 4;     // per-warp sums of the value accumulators
+  constexpr int NEED = O_RED + NWARP * R * D * 4;
   static_assert(NEED <= SMEM, "shared-memory layout exceeds the launch allocation");
   static_assert(R == 1 || R == 2 || R == 4, "rows per block");
   static_assert(C % KPW == 0 && C % VPW == 0, "a lane holds whole words");
   static_assert(PER % GK == 0 || GK % PER == 0 || !KAX, "team ranges vs key groups");
   static_assert(PER % GV == 0 || GV % PER == 0 || !VAX, "team ranges vs value groups");
-  static_assert(CH % GK == 0 || !KAX, "sub-chunks hold whole key groups");
-  static_assert(CH % GV == 0 || !VAX, "sub-chunks hold whole value groups");
+  static_assert(CH % GK == 0 || !KAX, "chunks hold whole key groups");
+  static_assert(CH % GV == 0 || !VAX, "chunks hold whole value groups");
 
   extern __shared__ __align__(16) unsigned char vq_smem[];
   const int tid = threadIdx.x;
-  const int split = blockIdx.x, bh = blockIdx.y, rb = blockIdx.z;
-  const int NS = gridDim.x;
+  const int bh = blockIdx.y, rb = blockIdx.z;
   const int L = kc_shape[2];
-  const int nsub = ((L + CH - 1) / CH + NS - 1) / NS;  // sub-chunks per split
-  const int first = split * nsub * CH;                 // first token of the split
+  const int NC = (L + CH - 1) / CH;
+  const int nsub = (NC + gridDim.x - 1) / gridDim.x;  // chunks per block
+  const int cfirst = blockIdx.x * nsub;
+  const int cend = min(cfirst + nsub, NC);
 
-  // Stage sub-chunk s (tokens [first + s*CH, +n)) into buffer s & 1, as one cp.async group.
-  auto stage = [&](int s) {
-    const int t0 = first + s * CH;
+  // Stage chunk ci into buffer (ci - cfirst) & 1, as one cp.async group.
+  auto stage = [&](int ci) {
+    const int t0 = ci * CH;
     const int n = min(CH, L - t0);
-    unsigned char* buf = vq_smem + (s & 1) * STAGE;
-    if (n > 0) {
-      size_t mo = KAX ? ((size_t)bh * (L / GK) + t0 / GK) * D : ((size_t)bh * L + t0) * (D / GK);
-      int mn = KAX ? (n / GK) * D : n * (D / GK);
-      vq_stage(buf + O_KC, reinterpret_cast<const unsigned char*>(kc + ((size_t)bh * L + t0) * KW),
-               n * KW * 4, tid, NT);
-      vq_stage(buf + O_KS, reinterpret_cast<const unsigned char*>(ks + mo), mn * 2, tid, NT);
-      vq_stage(buf + O_KZ, reinterpret_cast<const unsigned char*>(kz + mo), mn * 2, tid, NT);
-      mo = VAX ? ((size_t)bh * (L / GV) + t0 / GV) * D : ((size_t)bh * L + t0) * (D / GV);
-      mn = VAX ? (n / GV) * D : n * (D / GV);
-      vq_stage(buf + O_VC, reinterpret_cast<const unsigned char*>(vc + ((size_t)bh * L + t0) * VW),
-               n * VW * 4, tid, NT);
-      vq_stage(buf + O_VS, reinterpret_cast<const unsigned char*>(vs + mo), mn * 2, tid, NT);
-      vq_stage(buf + O_VZ, reinterpret_cast<const unsigned char*>(vz + mo), mn * 2, tid, NT);
-    }
-    vq_commit();  // an empty group keeps the wait_group arithmetic uniform
+    unsigned char* buf = vq_smem + ((ci - cfirst) & 1) * STAGE;
+    size_t mo = KAX ? ((size_t)bh * (L / GK) + t0 / GK) * D : ((size_t)bh * L + t0) * (D / GK);
+    int mn = KAX ? (n / GK) * D : n * (D / GK);
+    vq_stage(buf + O_KC, reinterpret_cast<const unsigned char*>(kc + ((size_t)bh * L + t0) * KW),
+             n * KW * 4, tid, NT);
+    vq_stage(buf + O_KS, reinterpret_cast<const unsigned char*>(ks + mo), mn * 2, tid, NT);
+    vq_stage(buf + O_KZ, reinterpret_cast<const unsigned char*>(kz + mo), mn * 2, tid, NT);
+    mo = VAX ? ((size_t)bh * (L / GV) + t0 / GV) * D : ((size_t)bh * L + t0) * (D / GV);
+    mn = VAX ? (n / GV) * D : n * (D / GV);
+    vq_stage(buf + O_VC, reinterpret_cast<const unsigned char*>(vc + ((size_t)bh * L + t0) * VW),
+             n * VW * 4, tid, NT);
+    vq_stage(buf + O_VS, reinterpret_cast<const unsigned char*>(vs + mo), mn * 2, tid, NT);
+    vq_stage(buf + O_VZ, reinterpret_cast<const unsigned char*>(vz + mo), mn * 2, tid, NT);
+    vq_commit();
   };
-  stage(0);
+  if (cfirst < cend) stage(cfirst);
 
   // q rows in log2 units (QSCALE = bits of scale * log2(e)): softmax uses exp2.
   float* sq = reinterpret_cast<float*>(vq_smem + O_Q);
   float* sp = reinterpret_cast<float*>(vq_smem + O_P);
-  float* sml = reinterpret_cast<float*>(vq_smem + O_ML);  // m[R], l[R], alpha[R]
+  float* sml = reinterpret_cast<float*>(vq_smem + O_ML);
+  float* red = reinterpret_cast<float*>(vq_smem + O_RED);
   {
     const float qscale = __int_as_float(QSCALE);
     for (int i = tid; i < R * D; i += NT) {
       const int row = rb * R + i / D;
       sq[i] = row < ROWS ? vq_f(q[((size_t)bh * ROWS + row) * D + i % D]) * qscale : 0.0f;
     }
-    if (tid < R) {
-      sml[tid] = vq_ninf();
-      sml[R + tid] = 0.0f;
-    }
   }
-
   const int tm = tid / TPT, li = tid % TPT, c0 = li * C;
-  float acc[R][C];
-  float cr[R], zr[R];  // values, axis=token: per-row terms applied once at the end
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    cr[r] = zr[r] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
-  }
+  const int warp = tid / 32, lane = tid % 32;
 
-  for (int sc_i = 0; sc_i < nsub; ++sc_i) {
-    const int t0 = first + sc_i * CH;
-    if (t0 >= L) break;  // uniform over the block
-    const int n = min(CH, L - t0);
-    if (sc_i + 1 < nsub) stage(sc_i + 1); else vq_commit();
+  for (int ci = cfirst; ci < cend; ++ci) {
+    const int n = min(CH, L - ci * CH);
+    if (ci + 1 < cend) stage(ci + 1); else vq_commit();  // empty group: uniform wait arithmetic
     vq_wait<1>();
     __syncthreads();
-    const unsigned char* buf = vq_smem + (sc_i & 1) * STAGE;
+    const unsigned char* buf = vq_smem + ((ci - cfirst) & 1) * STAGE;
 
-    // 1. Scores. Team tm owns tokens [tm*PER, tm*PER+PER) of the sub-chunk,
-    // lane li channels [c0, c0+16). Every lane runs the same trip count (the
+    // 1. Scores. Team tm owns tokens [tm*PER, tm*PER+PER) of the chunk, lane
+    // li channels [c0, c0+16). Every lane runs the same trip count (the
     // shuffles need the whole warp); tokens past n read stale shared memory
-    // and are dropped. The per-row weights w (q*s*2^B per key group, or q)
-    // are read from shared memory rather than held: the value accumulators
-    // already occupy 16*R registers across the sub-chunk loop.
+    // and are dropped.
     {
       const unsigned int* skc = reinterpret_cast<const unsigned int*>(buf + O_KC);
       const __half* sks = reinterpret_cast<const __half*>(buf + O_KS);
       const __half* skz = reinterpret_cast<const __half*>(buf + O_KZ);
-      float* sw2 = reinterpret_cast<float*>(vq_smem + O_W);
-      if constexpr (KAX) {
-        for (int e = tid; e < NW2; e += NT) {
-          const int g = e / (R * D), d = e % D;
-          sw2[e] = sq[(e / D) % R * D + d] * (__half2float(sks[g * D + d]) * (float)(1 << BK));
-        }
-        __syncthreads();
-      }
-      // cst: axis=channel, sum(q*z - w) over the lane's channels of the current
-      // group; axis=token, sum(q) over them.
+      // axis=channel: w2 = q*s*2^B of the current token group, cst = sum(q*z - w2);
+      // axis=token:   w2 = q, cst = sum(q) over the lane's channels.
+      float w2[R][C];
       float cst[R];
-      int gcur = 0;
       if constexpr (!KAX) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           cst[r] = 0.0f;
 #pragma unroll
-          for (int c = 0; c < C; ++c) cst[r] += sq[r * D + c0 + c];
+          for (int c = 0; c < C; ++c) {
+            w2[r][c] = sq[r * D + c0 + c];
+            cst[r] += w2[r][c];
+          }
         }
       }
-#pragma unroll 1
+#pragma unroll 2
       for (int j = 0; j < PER; ++j) {
         const int t = tm * PER + j;
         if constexpr (KAX) {
           if (j == 0 || t % GK == 0) {  // uniform: team ranges align with groups
-            gcur = t / GK;
+            const int g = t / GK;
 #pragma unroll
             for (int r = 0; r < R; ++r) cst[r] = 0.0f;
 #pragma unroll
             for (int c = 0; c < C; ++c) {
-              const float z = __half2float(skz[gcur * D + c0 + c]);
+              const float s = __half2float(sks[g * D + c0 + c]) * (float)(1 << BK);
+              const float z = __half2float(skz[g * D + c0 + c]);
 #pragma unroll
-              for (int r = 0; r < R; ++r)
-                cst[r] += fmaf(sq[r * D + c0 + c], z, -sw2[(gcur * R + r) * D + c0 + c]);
+              for (int r = 0; r < R; ++r) {
+                const float qv = sq[r * D + c0 + c];
+                w2[r][c] = qv * s;
+                cst[r] += fmaf(qv, z, -w2[r][c]);
+              }
             }
           }
         }
@@ -296,32 +282,25 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 #pragma unroll
         for (int c = 0; c < C; ++c) x[c] = vq_code<BK>(w[c / KPW], c % KPW);
         float sc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) sc[r] = 0.0f;
-        const float* wb = KAX ? sw2 + gcur * R * D + c0 : sq + c0;
-#pragma unroll
-        for (int c = 0; c < C; c += 4) {
-          // A compiler fence per 4 channels: without it the weights of every
-          // row are hoisted at once and the kernel needs ~170 registers.
-          asm volatile("" ::: "memory");
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float4 wv = *reinterpret_cast<const float4*>(wb + r * D + c);
-            sc[r] = fmaf(wv.x, x[c], sc[r]);
-            sc[r] = fmaf(wv.y, x[c + 1], sc[r]);
-            sc[r] = fmaf(wv.z, x[c + 2], sc[r]);
-            sc[r] = fmaf(wv.w, x[c + 3], sc[r]);
-          }
-        }
         if constexpr (KAX) {
 #pragma unroll
-          for (int r = 0; r < R; ++r) sc[r] += cst[r];
+          for (int r = 0; r < R; ++r) {
+            float a = cst[r];
+#pragma unroll
+            for (int c = 0; c < C; ++c) a = fmaf(w2[r][c], x[c], a);
+            sc[r] = a;
+          }
         } else {
           const int jg = c0 / GK;
           const float s = __half2float(sks[t * (D / GK) + jg]) * (float)(1 << BK);
           const float z = __half2float(skz[t * (D / GK) + jg]);
 #pragma unroll
-          for (int r = 0; r < R; ++r) sc[r] = fmaf(s, sc[r] - cst[r], z * cst[r]);
+          for (int r = 0; r < R; ++r) {
+            float a = 0.0f;
+#pragma unroll
+            for (int c = 0; c < C; ++c) a = fmaf(w2[r][c], x[c], a);
+            sc[r] = fmaf(s, a - cst[r], z * cst[r]);
+          }
         }
         vq_team_reduce<R, TPT>(sc, li);
         if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = sc[0];
@@ -329,54 +308,44 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     }
     __syncthreads();
 
-    // 2. Online softmax, one warp per row: new running max, probabilities of
-    // the sub-chunk, running sum, and the factor that rescales older terms.
-    {
-      constexpr int NW = NT / 32;
-      const int warp = tid / 32, lane = tid % 32;
-      for (int r = warp; r < R; r += NW) {
-        float m = vq_ninf();
-        for (int t = lane; t < n; t += 32) m = fmaxf(m, sp[t * R + r]);
-        const float mold = sml[r];
-        m = fmaxf(vq_warp_max(m), mold);
-        float l = 0.0f;
-        for (int t = lane; t < n; t += 32) {
-          const float p = exp2f(sp[t * R + r] - m);
-          sp[t * R + r] = p;
-          l += p;
-        }
-        l = vq_warp_sum(l);
-        __syncwarp();
-        if (lane == 0) {
-          const float alpha = exp2f(mold - m);  // 0 on the first sub-chunk (mold = -inf)
-          sml[r] = m;
-          sml[R + r] = sml[R + r] * alpha + l;
-          sml[2 * R + r] = alpha;
-        }
+    // 2. Softmax of the chunk, one warp per row.
+    for (int r = warp; r < R; r += NWARP) {
+      float m = vq_ninf();
+      for (int t = lane; t < n; t += 32) m = fmaxf(m, sp[t * R + r]);
+      m = vq_warp_max(m);
+      float l = 0.0f;
+      for (int t = lane; t < n; t += 32) {
+        const float p = exp2f(sp[t * R + r] - m);
+        sp[t * R + r] = p;
+        l += p;
+      }
+      l = vq_warp_sum(l);
+      if (lane == 0) {
+        sml[r] = m;
+        sml[R + r] = l;
       }
     }
     __syncthreads();
 
-    // 3. Values: acc[r][c] = sum_t p[r][t] v[t][c0 + c], older terms rescaled.
+    // 3. Values: acc[r][c] = sum_t p[r][t] v[t][c0 + c] over the team's tokens.
+    float acc[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
     {
-      float alpha[R];
-      vq_load_floats<R>(alpha, sml + 2 * R);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        cr[r] *= alpha[r];
-        zr[r] *= alpha[r];
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[r][c] *= alpha[r];
-      }
       const unsigned int* svc = reinterpret_cast<const unsigned int*>(buf + O_VC);
       const __half* svs = reinterpret_cast<const __half*>(buf + O_VS);
       const __half* svz = reinterpret_cast<const __half*>(buf + O_VZ);
       if constexpr (!VAX) {
         // p*v = (p*s*2^B) x - p*s*2^B + p*z: one FMA per element and row; the
-        // two per-token terms go to cr / zr. Teams interleave tokens so a
-        // warp reads neighbouring tokens.
+        // two per-token terms go to cr / zr and are applied once at the end.
+        // Teams interleave tokens so a warp reads neighbouring tokens.
         const int jg = c0 / GV;
-#pragma unroll 1
+        float cr[R], zr[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) cr[r] = zr[r] = 0.0f;
+#pragma unroll 2
         for (int i = 0; i < PER; ++i) {
           const int t = i * TEAMS + tm;
           if (t < n) {
@@ -399,6 +368,10 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
             }
           }
         }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int c = 0; c < C; ++c) acc[r][c] += zr[r] - cr[r];
       } else {
         // Channel groups: dequantize in registers (v = s2*x + z2) with the
         // group's per-channel constants, reloaded when the token group changes.
@@ -429,35 +402,43 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
         }
       }
     }
-    __syncthreads();  // buffer sc_i & 1 and sp are rewritten next iteration
+
+    // 4. Sum the teams: first the 32/TPT teams of a warp by shuffles, then
+    // the warps through shared memory; write the chunk's partial.
+#pragma unroll
+    for (int off = TPT; off < 32; off *= 2)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], off);
+    if (lane < TPT) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; c += 4)
+          *reinterpret_cast<float4*>(red + (warp * R + r) * D + c0 + c) =
+              make_float4(acc[r][c], acc[r][c + 1], acc[r][c + 2], acc[r][c + 3]);
+    }
+    __syncthreads();
+    for (int e = tid; e < R * D; e += NT) {
+      float s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NWARP; ++k) s += red[k * R * D + e];
+      const int row = rb * R + e / D;
+      if (row < ROWS) pacc[(((size_t)bh * ROWS + row) * NC + ci) * D + e % D] = s;
+    }
+    if (tid < R) {
+      const int row = rb * R + tid;
+      if (row < ROWS) {
+        const size_t o = ((size_t)bh * ROWS + row) * NC + ci;
+        pm[o] = sml[tid];
+        pl[o] = sml[R + tid];
+      }
+    }
+    // No barrier needed here: the next writes of sp / sml / red / this
+    // buffer all come after the next iteration's first __syncthreads.
   }
   vq_wait<0>();
-
-  // 4. Sum the 16 team partials through shared memory; write the split.
-  float* red = reinterpret_cast<float*>(vq_smem);
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < C; c += 4)
-      *reinterpret_cast<float4*>(red + (tm * R + r) * D + c0 + c) =
-          make_float4(acc[r][c] + zr[r] - cr[r], acc[r][c + 1] + zr[r] - cr[r],
-                      acc[r][c + 2] + zr[r] - cr[r], acc[r][c + 3] + zr[r] - cr[r]);
-  __syncthreads();
-  for (int e = tid; e < R * D; e += NT) {
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < TEAMS; ++k) s += red[k * R * D + e];
-    const int row = rb * R + e / D;
-    if (row < ROWS) pacc[(((size_t)bh * ROWS + row) * NS + split) * D + e % D] = s;
-  }
-  if (tid < R) {
-    const int row = rb * R + tid;
-    if (row < ROWS) {
-      const size_t o = ((size_t)bh * ROWS + row) * NS + split;
-      pm[o] = sml[tid];
-      pl[o] = sml[R + tid];
-    }
-  }
 
 //@@ reduce
   // inputs: pm, pl [NROWS, NS], pacc [NROWS, NS, D]; outputs: out [NROWS, D], lse [NROWS]

@@ -85,8 +85,10 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """Hash of what the caches do (not of names or formatting)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+        """Hash of what the caches do (not of names, model labels or formatting)."""
+        what = self.to_dict()
+        del what["model"]["name"]  # the layers carry the shape that matters
+        blob = json.dumps(what, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -86,19 +86,17 @@ def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
 
 def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg: int, vax: str) -> int:
     """Mirror of the attend kernel's shared-memory layout (static_assert'ed there):
-    two staging buffers, q rows, the sub-chunk's probabilities, m/l/alpha, and
-    for per-channel keys the q*s weights of the sub-chunk's groups."""
+    two staging buffers, q rows, the chunk's probabilities, max/sum, and the
+    per-warp value sums."""
     def meta(g, ax):
         halves = (ch // g) * D if ax == "channel" else ch * (D // g)
         return 2 * ((halves * 2 + 15) // 16 * 16)
     stage = ch * D * (kb + vb) // 8 + meta(kg, kax) + meta(vg, vax)
-    red = 16 * R * D * 4
-    w2 = (ch // kg) * R * D * 4 if kax == "channel" else 0
-    return max(2 * stage, red) + R * D * 4 + ch * R * 4 + 16 * 4 + w2
+    return 2 * stage + R * D * 4 + ch * R * 4 + 16 * 4 + (D // 32) * R * D * 4
 
 
 def choose_chunk(D: int, R: int, kspec, vspec) -> int:
-    """Tokens per staged sub-chunk: 128 (8 tokens per team), else the smallest
+    """Tokens per chunk: 128 (8 tokens per team), else the smallest
     size that holds whole channel groups and fits shared memory; 0 if none."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
     low = max(kg if kax == "channel" else 16, vg if vax == "channel" else 16)
@@ -117,8 +115,9 @@ def choose_chunk(D: int, R: int, kspec, vspec) -> int:
 class Plan(NamedTuple):
     R: int         # rows per block (held in registers)
     nrb: int       # row blocks (grid z)
-    ch: int        # tokens per sub-chunk
-    ns: int        # splits (grid x); a split walks ceil(chunks / ns) sub-chunks
+    ch: int        # tokens per chunk (one partial each)
+    nc: int        # chunks: ceil(L / ch)
+    ns: int        # blocks along the sequence (grid x); each walks ceil(nc / ns) chunks
     smem: int      # dynamic shared memory bytes
     template: tuple
 
@@ -127,7 +126,7 @@ class Plan(NamedTuple):
 def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple,
          scale: float, chunk: int = 0) -> Plan:
     """Launch geometry: about blocks_per_sm(D) resident blocks per SM, each walking
-    several sub-chunks so the next one streams in while the current is used."""
+    several chunks so the next one streams in while the current is used."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
     rows = (Hq // Hkv) * Lq
     R = 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS
@@ -142,7 +141,7 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
                 ("BK", kb), ("GK", kg), ("KAX", int(kax == "channel")),
                 ("BV", vb), ("GV", vg), ("VAX", int(vax == "channel")),
                 ("CH", ch), ("QSCALE", _float_bits(scale * math.log2(math.e))), ("SMEM", smem))
-    return Plan(R, nrb, ch, ns, smem, template)
+    return Plan(R, nrb, ch, chunks, ns, smem, template)
 
 
 def attend_header(threads: int) -> str:
@@ -187,7 +186,7 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
                 v_enc["codes"], v_enc["scales"], v_enc["zeros"]],
         template=list(p.template),
         grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
-        output_shapes=[(nrows, p.ns), (nrows, p.ns), (nrows, p.ns, D)],
+        output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     out, lse = _reduce_kernel()(
         inputs=[pm, pl, pacc], template=[("D", D)],

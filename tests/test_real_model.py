@@ -1,0 +1,63 @@
+"""The default model (SmolLM2-135M-Instruct) under the built-in recipes."""
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+import veloxquant as vq
+from veloxquant.bench.parity import chunked_logits
+from veloxquant.run import cache_report
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from veloxquant.models import load_model
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def austen_ids(smollm2):
+    from veloxquant.data import load_text
+    return smollm2[1].encode(load_text("austen"))
+
+
+def test_identity_recipe_reproduces_mlx_kvcache_logits(smollm2, austen_ids, tmp_path):
+    model, _ = smollm2
+    tokens = mx.array(austen_ids[:512])[None]
+    ref = chunked_logits(model, tokens, mlx_prompt_cache(model), 128)
+    recipe = tmp_path / "raw.yaml"
+    recipe.write_text("veloxquant: 1\nname: raw\npipeline: identity\n")
+    got = chunked_logits(model, tokens, vq.make_prompt_cache(model, str(recipe)), 128)
+    assert float(mx.abs(ref - got).max()) == 0.0
+    # The fp16 recipe rounds float32 K/V to float16: close, not equal, on the CPU.
+    fp16 = chunked_logits(model, tokens, vq.make_prompt_cache(model, "fp16"), 128)
+    assert 0 < float(mx.abs(ref - fp16).max()) < 0.1
+
+
+def test_kivi_holds_under_a_quarter_of_fp16_on_2048_austen_tokens(smollm2, austen_ids):
+    model, _ = smollm2
+    caches = vq.make_prompt_cache(model, "kivi")
+    chunked_logits(model, mx.array(austen_ids[:2048])[None], caches, 512)
+    report = cache_report(caches)
+    assert report["tokens"] == 2048 and report["attention"] == "by tiers (hook)"
+    assert report["ratio"] <= 0.25, report
+
+
+def test_run_command_prints_one_json_object(tmp_path):
+    saved = tmp_path / "c.safetensors"
+    out = subprocess.run([sys.executable, "-m", "veloxquant.cli", "run", "kivi_sink", "--prompt", "Name three fruits.",
+                          "--max-tokens", "12", "--json", "--save-cache", str(saved)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    for key in ("text", "tokens", "cache_bytes", "fp16_bytes", "ratio", "prefill_tok_s", "decode_tok_s",
+                "peak_memory_bytes", "recipe", "fingerprint"):
+        assert key in report
+    assert report["text"].strip() and report["recipe"] == "kivi_sink"
+    caches, meta = vq.load_prompt_cache(str(saved), expect_fingerprint=report["fingerprint"])
+    assert caches[0].offset == report["tokens"] and meta == {"recipe": "kivi_sink"}
