@@ -153,3 +153,14 @@ def test_buffer_frees_exactly_its_nbytes_after_many_growths():
     buf.data = None
     gc.collect()
     assert held == 640 * 3 * 4 * 4 and before - mx.get_active_memory() == held
+
+
+def test_uninstalling_the_hook_mid_generation_stays_correct(llama_model):
+    """After uninstall the caches go back to returning the full decoded K/V."""
+    ref = feed(llama_model, TOKENS[:, :120], [KVCache() for _ in llama_model.layers], 1)
+    caches = vq.make_prompt_cache(llama_model, "fp16")
+    first = feed(llama_model, TOKENS[:, :60], caches, 1)
+    vq.uninstall(llama_model)
+    second = feed(llama_model, TOKENS[:, 60:120], caches, 1)
+    assert not caches[0]._attend_epoch == vq.runtime.hook.epoch()
+    assert maxdiff(mx.concatenate([first, second], axis=1), ref) < 5e-3

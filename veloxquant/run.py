@@ -99,4 +99,8 @@ def format_report(r: Dict[str, object]) -> str:
     ]
     if "saved_cache_bytes" in r:
         rows.append(("saved cache file", f"{r['saved_cache_bytes']:,} bytes"))
-    return "\n".join(f"{k:<24} {v}" for k, v in rows)
+    text = "\n".join(f"{k:<24} {v}" for k, v in rows)
+    if r["ratio"] is not None and r["ratio"] > 0.95 and r["recipe"] != "fp16":
+        text += ("\nnote: the whole context still fits in this recipe's uncompressed tiers; "
+                 "try a longer prompt, e.g. --corpus austen --prompt-tokens 2048")
+    return text

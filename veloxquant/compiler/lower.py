@@ -138,8 +138,20 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
                 raise RecipeError("a sink tier holds single tokens; give it a per-token codec", node.pos)
         nxt = tiers[i + 1] if not last else None
         chunk = math.lcm(multiple, _multiple(nxt) if nxt is not None else 1)
-        out.append(attrs.evolve(tier, chunk=chunk))
+        out.append(_with_impl(attrs.evolve(tier, chunk=chunk)))
     return out
+
+
+def _with_impl(tier: TierPlan) -> TierPlan:
+    """Pick how the tier's attention runs: a fused kernel where one is verified."""
+    if tier.drops:
+        return tier
+    from ..kernels import dispatch
+    plain_affine = all(not c.transforms and c.store.stage_name == "affine" for c in (tier.keys, tier.values))
+    if plain_affine and dispatch.backend() in dispatch.VERIFIED_BACKENDS:
+        impl = f"{dispatch.backend()}:affine_attention"
+        return attrs.evolve(tier, keys=attrs.evolve(tier.keys, impl=impl), values=attrs.evolve(tier.values, impl=impl))
+    return tier
 
 
 def _multiple(tier: Optional[TierPlan]) -> int:

@@ -23,11 +23,12 @@ SMEM_CAP = 100_000  # preferred bound on a block's dynamic shared memory
 SMEM_MAX = 227 * 1024  # what an sm_90 block may opt into
 # Tuning knobs for benchmarks (read once): tokens per sub-chunk, resident blocks per SM.
 _FORCED_CHUNK = int(os.environ.get("VELOXQUANT_CUDA_CHUNK", "0") or 0)
-_THREADS_PER_SM = int(os.environ.get("VELOXQUANT_CUDA_THREADS_PER_SM", "512") or 512)
+_THREADS_PER_SM = int(os.environ.get("VELOXQUANT_CUDA_THREADS_PER_SM", "384") or 384)
 
 
 def blocks_per_sm(D: int) -> int:
-    """Resident attend blocks per SM we size for (and cap registers to: 128/thread)."""
+    """Resident attend blocks per SM we size the grid for; the launch bounds cap
+    registers to match (384 threads/SM: 170 per thread, no spills at R=4)."""
     return max(1, _THREADS_PER_SM // D)
 
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import dispatch
+from . import hook
 from .attention import merge_partials, partial_attention
 from .tier import Tier
 
@@ -32,6 +33,7 @@ class TieredCache(_BaseCache):
         self.offset = 0  # positions seen: RoPE offsets, never the count held
         self.dtype = mx.float16
         self.attended = False  # True once attention ran through attend() (the hook)
+        self._attend_epoch = -1  # hook epoch of the last attend() call
         self._unsettled = False
 
     # --- mlx-lm protocol ------------------------------------------------
@@ -41,14 +43,18 @@ class TieredCache(_BaseCache):
         self._place(0, keys, values, self.offset)
         self.offset += keys.shape[2]
         self._unsettled = True
-        # Lazy: when the hook routes attention to attend(), these are never computed.
-        return self._fetch()
+        if self._attend_epoch == hook.epoch():
+            # The hook answered the last step and is unchanged: attend() will read the
+            # tiers, so skip building the decoded K/V (they would never be computed).
+            return keys, values
+        return self._fetch()  # lazy: never computed when the hook routes to attend()
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """Attention for the newest queries over everything held, tier by tier."""
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
+        self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
         first_q = self.offset - Lq
         held = [t for t in self.tiers if t.count and not t.drops]

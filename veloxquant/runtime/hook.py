@@ -10,6 +10,11 @@ from typing import Dict
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
+_EPOCH = [0]  # bumped by every install/uninstall: caches trust the hook only within one epoch
+
+
+def epoch() -> int:
+    return _EPOCH[0]
 
 
 def _routed(original):
@@ -41,6 +46,7 @@ def install(model) -> int:
         _ORIGINALS[module.__name__] = current
         setattr(module, _NAME, _routed(current))
         count += 1
+    _EPOCH[0] += 1
     return count
 
 
@@ -54,3 +60,4 @@ def uninstall(model=None) -> None:
     for name in names:
         if name in _ORIGINALS and name in sys.modules:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
+    _EPOCH[0] += 1
