@@ -113,6 +113,7 @@ def test_nbytes_is_the_memory_really_held(llama_model):
     mx.eval([c.state for c in caches])
     held = sum(c.nbytes for c in caches)
     freed = 0
+    mx.synchronize()
     gc.collect()
     buffers = [b for c in caches for t in c.tiers for side in t.buffers.values() for b in side.values()]
     for buf in buffers:
@@ -148,10 +149,12 @@ def test_buffer_frees_exactly_its_nbytes_after_many_growths():
         if i % 16 == 0:
             mx.eval(buf.view())
     mx.eval(buf.view())
+    mx.synchronize()
     gc.collect()
     before, held = mx.get_active_memory(), buf.nbytes
     buf.data = None
     gc.collect()
+    mx.synchronize()
     assert held == 640 * 3 * 4 * 4 and before - mx.get_active_memory() == held
 
 

@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print a recipe file")
     p.add_argument("recipe")
 
+    from .eval.cli import add_compare_args, add_eval_args  # light: no MLX until a command runs
+    add_eval_args(sub.add_parser("eval", help="measure perplexity, passkey retrieval, attention fidelity and "
+                                 "cost of recipes against fp16 and mlx-lm's quantized cache"))
+    add_compare_args(sub.add_parser("compare", help="render eval results as a markdown table and a Pareto plot"))
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -123,10 +128,21 @@ def cmd_bench(args) -> int:
     return bench_attention(args.args) or 0
 
 
+def cmd_eval(args) -> int:
+    from .eval.cli import cmd_eval as run_eval
+    return run_eval(args)
+
+
+def cmd_compare(args) -> int:
+    from .eval.cli import cmd_compare as run_compare
+    return run_compare(args)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
-                "show": cmd_show, "bench": cmd_bench}
+                "show": cmd_show, "bench": cmd_bench,
+                "eval": cmd_eval, "compare": cmd_compare}
     try:
         if args.command == "run":
             from .run import cmd_run

@@ -405,7 +405,12 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 
     // 4. Sum the teams: first the 32/TPT teams of a warp by shuffles, then
     // the warps through shared memory; write the chunk's partial.
-
+#pragma unroll
+    for (int off = TPT; off < 32; off *= 2)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], off);
     if (lane < TPT) {
 #pragma unroll
       for (int r = 0; r < R; ++r)

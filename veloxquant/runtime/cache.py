@@ -58,7 +58,8 @@ class TieredCache(_BaseCache):
         Lq = queries.shape[2]
         first_q = self.offset - Lq
         held = [t for t in self.tiers if t.count and not t.drops]
-        if len(held) == 1:
+        if len(held) == 1 and not held[0].fusable:
+            # One raw tier: mlx's fused SDPA (so `fp16` is bit-identical to KVCache).
             k, v = held[0].decoded(queries.dtype)
             return mx.fast.scaled_dot_product_attention(
                 queries, k, v, scale=scale, mask=self._dense_mask(held[0], first_q, Lq))
@@ -70,13 +71,14 @@ class TieredCache(_BaseCache):
         self._settle()
         window = window_size or self.plan.window
         held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]
-        spans = sorted(held + [(s, e, self.horizons[i]) for i, s, e in self._routing(self.offset, N)])  # the order _fetch() returns keys in
+        new = [(s, e, self.horizons[i]) for i, s, e in self._routing(self.offset, N)]
+        spans = sorted(held + new)  # by position: the order _fetch() returns keys in
         simple = all(h is None for _, _, h in spans) and window is None
         if simple and sum(e - s for s, e, _ in spans) == self.offset + N:
             if N == 1:
                 return None  # every held token is older than the one query
             return create_causal_mask(N, self.offset) if return_array else "causal"
-        # Tokens of this block land in tiers by position; merge same-horizon spans.
+        # Each span masks by position, with its tier's horizon.
         return mx.concatenate([self._position_mask(mx.arange(s, e), self.offset, N, _min(window, h))
                                for s, e, h in spans], axis=1)
 
@@ -88,6 +90,12 @@ class TieredCache(_BaseCache):
     @state.setter
     def state(self, v):
         raise VeloxError("a TieredCache is restored with veloxquant.load_prompt_cache, not from_state")
+
+    @property
+    def meta_state(self) -> Tuple[str, ...]:
+        """Positions seen and each tier's (start, count), as strings (mlx-lm's convention)."""
+        self._settle()
+        return (str(self.offset), *(f"{t.start},{t.count}" for t in self.tiers))
 
     def is_trimmable(self) -> bool:
         return True

@@ -1,0 +1,103 @@
+"""One evaluation: every row (fp16 first) on the same windows and prompts.
+
+Order of work: the fidelity pass (all rows at once, fp16 driving), then per
+row its perplexity windows and its passkey prompts, inside one peak-memory
+measurement. Results are plain JSON (see docs/eval.md for the fields).
+"""
+import math
+import platform
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import attrs
+import mlx.core as mx
+from tqdm import tqdm
+
+from ..compiler import ModelShape
+from . import cost, fidelity, passkey, ppl
+from .config import EvalConfig
+from .rows import Row
+
+SCHEMA = 1
+
+
+def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Optional[cost.PeakMemory]) -> Dict:
+    last = wins[-1] if wins else None
+    prefill_tps = sum(w["prefill_tokens"] for w in wins) / sum(w["prefill_s"] for w in wins) if wins else None
+    gen_s = sum(a["generation_tokens"] / a["generation_tps"] for a in asked if a["generation_tps"])
+    decode_tps = sum(a["generation_tokens"] for a in asked) / gen_s if gen_s else None
+    return cost.summary(last["cache_bytes"] if last else 0, last["context"] if last else 0,
+                        cost.fp16_bytes(shape, last["context"]) if last else 0, peak, prefill_tps, decode_tps)
+
+
+def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
+             meta: Optional[Dict] = None, progress: bool = True) -> Dict:
+    """Measure every row; rows[0] must be the fp16 baseline."""
+    from ..runtime import uninstall
+    t_start = time.perf_counter()
+    shape = ModelShape.from_model(model)
+    corpus = tokenizer.encode(text)
+    wins = ppl.windows(corpus, cfg.windows, cfg.window_len) if cfg.windows else []
+    # Passkey haystacks come from the corpus too; keys and offsets are seeded,
+    # so every row answers exactly the same prompts.
+    prompts = passkey.make_prompts(tokenizer, corpus, cfg.passkey_lengths, cfg.passkey_depths,
+                                   cfg.passkey_trials, cfg.seed)
+    fid_wins = wins[:cfg.fidelity_windows]
+    total = len(fid_wins) + len(rows) * (len(wins) + len(prompts))
+    bar = tqdm(total=total, desc="eval", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    out_rows = []
+    try:
+        fid = {}
+        if fid_wins:
+            bar.set_description("eval fidelity (all rows)")
+            fid = fidelity.measure(model, rows[0], rows, fid_wins, cfg.prefix, cfg.prefill_chunk,
+                                   cfg.score_chunk, on_window=lambda: bar.update(1))
+        for row in rows:
+            bar.set_description(f"eval {row.name}")
+            done, asked = [], []
+            probe = row.make(model)
+            with cost.PeakMemory() as peak:
+                for w in wins:
+                    done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
+                                               cfg.prefill_chunk, cfg.score_chunk))
+                    bar.update(1)
+                for p in prompts:
+                    asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
+                                             cfg.passkey_max_tokens))
+                    bar.update(1)
+            nll, n = sum(d["nll"] for d in done), sum(d["tokens"] for d in done)
+            r = row.describe(probe)
+            r["ppl"] = math.exp(nll / n) if n else None
+            r["nll_per_token"] = nll / n if n else None
+            r["scored_tokens"] = n
+            r["window_ppl"] = [math.exp(d["nll"] / d["tokens"]) for d in done]
+            r["passkey"] = passkey.summarize(asked) if asked else None
+            r["fidelity"] = fidelity.summarize(fid[row.name]) if row.name in fid else None
+            r["cost"] = _row_cost(shape, done, asked, peak)
+            r["attention"] = done[0]["attention"] if done else None
+            out_rows.append(r)
+    finally:
+        bar.close()
+        uninstall(model)
+    base = out_rows[0]["ppl"]
+    for r in out_rows:
+        r["delta_ppl_pct"] = 100 * (r["ppl"] / base - 1) if base and r["ppl"] else None
+    return {
+        "veloxquant_eval": SCHEMA,
+        **(meta or {}),
+        "model_shape": {"layers": shape.n_layers, "kv_heads": list(set(shape.n_kv_heads)),
+                        "head_dim": list(set(shape.head_dim))},
+        "dtype": str(next(iter(_param_dtypes(model)))),
+        "device": str(mx.default_device()),
+        "platform": f"{platform.system()} {platform.machine()}, mlx {mx.__version__}",
+        "protocol": {**attrs.asdict(cfg), "window_len": cfg.window_len, "windows_used": len(wins),
+                     "passkey_prompts": len(prompts)},
+        "rows": out_rows,
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def _param_dtypes(model):
+    from mlx.utils import tree_flatten
+    return {p.dtype for _, p in tree_flatten(model.parameters())}
