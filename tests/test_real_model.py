@@ -61,3 +61,25 @@ def test_run_command_prints_one_json_object(tmp_path):
     assert report["text"].strip() and report["recipe"] == "kivi_sink"
     caches, meta = vq.load_prompt_cache(str(saved), expect_fingerprint=report["fingerprint"])
     assert caches[0].offset == report["tokens"] and meta == {"recipe": "kivi_sink"}
+
+
+def test_gemma3_identity_recipe_is_exact_across_sliding_windows():
+    """Gemma-3-270M: 15 sliding-window layers (512) + 3 global, prompt > window."""
+    from veloxquant.data import load_text
+    from veloxquant.models import load_model
+    model, tokenizer = load_model("gemma3")
+    tokens = mx.array(tokenizer.encode(load_text("austen"))[:700])[None]
+    ref = chunked_logits(model, tokens, mlx_prompt_cache(model), 256)
+    caches = vq.make_prompt_cache(model, _raw_recipe())
+    got = chunked_logits(model, tokens, caches, 256)
+    assert float(mx.abs(ref - got).max()) == 0.0
+    sliding = [c for c in caches if c.plan.window]
+    assert len(sliding) == 15 and all(c.size() <= 512 + 256 for c in sliding)
+
+
+def _raw_recipe() -> str:
+    import tempfile
+    path = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    path.write("veloxquant: 1\nname: raw\npipeline: identity\n")
+    path.close()
+    return path.name

@@ -23,6 +23,7 @@ def add_eval_args(p) -> None:
                    "('' for none; default 8,4,3,2, with --quick 4)")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON (input of `veloxquant compare`)")
     p.add_argument("--md", metavar="OUT", help="also write the markdown table to a file")
+    p.add_argument("--png", metavar="OUT", help="also write the Pareto plot (bytes/token vs ΔPPL)")
     p.add_argument("--quick", action="store_true", help="a smoke run (under a minute on 2 CPU cores): 1 short "
                    "window, 1 passkey prompt, mlx-lm at 4 bits only (explicit limits below still apply)")
     g = p.add_argument_group("limits")
@@ -50,6 +51,11 @@ def add_compare_args(p) -> None:
 def _defaults():
     from .config import EvalConfig
     return EvalConfig()
+
+
+def _quote(arg: str) -> str:
+    import shlex
+    return shlex.quote(arg)
 
 
 def _csv(text, cast):
@@ -89,7 +95,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model(args.model)
     name = args.model or "SmolLM2-135M-Instruct"
     meta = {"model": Path(name).name if Path(name).exists() else name, "corpus": args.corpus,
-            "command": "veloxquant eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None}
+            "command": " ".join(["veloxquant", *map(_quote, sys.argv[1:])]) if sys.argv[1:2] == ["eval"] else None}
     result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress)
     result["total_wall_s"] = time.perf_counter() - started  # with model and corpus loading
     md = report.markdown([result])
@@ -99,6 +105,9 @@ def cmd_eval(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.png:
+        report.plot([result], args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
     return 0
 
 

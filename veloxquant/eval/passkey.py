@@ -13,6 +13,8 @@ from typing import Dict, List, Sequence
 import attrs
 from mlx_lm import stream_generate
 
+from ..errors import VeloxError
+
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about the important information there.\n\n")
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
@@ -54,8 +56,11 @@ def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, 
     intro, question = tokenizer.encode(INTRO), tokenizer.encode(QUESTION, add_special_tokens=False)
     needle = tokenizer.encode(NEEDLE.format(key=key), add_special_tokens=False)
     n_hay = length - len(intro) - len(needle) - len(question)
-    if n_hay < 1 or len(haystack) < n_hay:
-        raise ValueError(f"a passkey prompt of {length} tokens needs a haystack of {n_hay} tokens")
+    if n_hay < 1:
+        raise VeloxError(f"a passkey prompt of {length} tokens leaves no room for a haystack: instruction, "
+                         f"needle and question take {length - n_hay} tokens")
+    if len(haystack) < n_hay:
+        raise VeloxError(f"a passkey prompt of {length} tokens needs {n_hay} haystack tokens, got {len(haystack)}")
     cut = round(depth * n_hay)
     snapped = [e + 1 for e in ends if cut - 64 <= e + 1 <= cut]
     cut = snapped[-1] if snapped else cut

@@ -11,6 +11,7 @@ from typing import Dict, List
 
 import mlx.core as mx
 
+from ..errors import VeloxError
 from .cost import held_bytes
 from .feed import prefill, score
 
@@ -19,7 +20,7 @@ def windows(tokens: List[int], count: int, length: int) -> List[List[int]]:
     """`count` non-overlapping windows of `length` tokens, spread evenly over `tokens`."""
     fit = len(tokens) // length
     if fit < 1:
-        raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one window of {length}")
+        raise VeloxError(f"the corpus has {len(tokens)} tokens, fewer than one window of {length}")
     count = min(count, fit)
     stride = len(tokens) // count
     return [tokens[i * stride:i * stride + length] for i in range(count)]
@@ -38,6 +39,6 @@ def window_nll(model, make_caches, window: List[int], prefix: int, prefill_chunk
 
 
 def _mode(cache) -> str:
-    if hasattr(cache, "bits"):
-        return "mlx-lm quantized SDPA"
+    if not hasattr(cache, "attended"):  # an mlx-lm cache: mlx-lm's own attention
+        return "mlx-lm quantized SDPA" if hasattr(cache, "bits") else "mlx-lm SDPA"
     return "by tiers (hook)" if cache.attended else "decoded K/V (no hook)"

@@ -85,7 +85,10 @@ def protocol(result: Dict) -> str:
 
 
 def markdown(results: Sequence[Dict]) -> str:
-    parts = []
+    parts = ["# Evaluation results\n"]
+    if len(results) == 1 and results[0].get("command"):
+        parts.append(f"Regenerate (on Linux CPUs with the README's OpenBLAS `LD_PRELOAD`):\n\n"
+                     f"```sh\n{results[0]['command']}\n```\n\nMetrics and protocol: `docs/eval.md`.\n")
     for res in results:
         if len(results) > 1:
             parts.append(f"### {res.get('model', '?')} — {res['source']}\n")
@@ -112,6 +115,7 @@ def plot(results: Sequence[Dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")  # no display: write the file only
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -128,9 +132,10 @@ def plot(results: Sequence[Dict], path: str) -> None:
         front = pareto_front(pts)
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color=color, lw=1,
                 label=f"Pareto front{' ' + label if label else ''}", zorder=2)
-    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_yscale("symlog", linthresh=1.0)  # ΔPPL spans 0.1% (8-bit) to 1000% (2-bit)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}%"))
     ax.set_xlabel("KV-cache bytes held per token (all layers, measured)")
-    ax.set_ylabel("perplexity increase vs fp16 (%, symlog)")
+    ax.set_ylabel("perplexity increase vs fp16 (symlog)")
     ax.axhline(0, color="grey", lw=0.6)
     ax.scatter([], [], marker="o", color="k", label="veloxquant recipe")
     ax.scatter([], [], marker="s", facecolors="none", color="k", label="mlx-lm QuantizedKVCache")

@@ -1,8 +1,9 @@
 """Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`.
 
-Two launches per call: `attend` (one block per split of CH tokens x kv head x
-row block, writing per-split max/sum/accumulator) and `reduce` (exact merge of
-the splits). See kernels/CONTRACT.md for the contract and the storage format.
+Two launches per call: `attend` (blocks over runs of CH-token chunks x kv
+heads x row blocks, double-buffering each chunk through shared memory and
+writing one max/sum/accumulator partial per chunk) and `reduce` (exact merge
+of the partials). See kernels/CONTRACT.md for the contract and the format.
 """
 import math
 import os
@@ -21,7 +22,8 @@ MAX_ROWS = 4  # rows (rep heads x queries) held in registers per block
 SM_COUNT = 132  # H200; only steers the split count
 SMEM_CAP = 100_000  # preferred bound on a block's dynamic shared memory
 SMEM_MAX = 227 * 1024  # what an sm_90 block may opt into
-# Tuning knobs for benchmarks (read once): tokens per sub-chunk, resident blocks per SM.
+LONG_TIER = 8192  # tokens from which 256-token chunks pay
+# Tuning knobs for benchmarks (read once): tokens per chunk, resident threads per SM.
 _FORCED_CHUNK = int(os.environ.get("VELOXQUANT_CUDA_CHUNK", "0") or 0)
 _THREADS_PER_SM = int(os.environ.get("VELOXQUANT_CUDA_THREADS_PER_SM", "384") or 384)
 
@@ -81,7 +83,7 @@ def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
             return "codes shape"
     rows = (Hq // Hkv) * Lq
     if not choose_chunk(D, 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS, (kb, kg, kax), (vb, vg, vax)):
-        return "no sub-chunk size fits shared memory"
+        return "no chunk size fits shared memory"
     return ""
 
 
@@ -96,14 +98,17 @@ def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg:
     return 2 * stage + R * D * 4 + ch * R * 4 + 16 * 4 + (D // 32) * R * D * 4
 
 
-def choose_chunk(D: int, R: int, kspec, vspec) -> int:
-    """Tokens per chunk: 128 (8 tokens per team), else the smallest
-    size that holds whole channel groups and fits shared memory; 0 if none."""
+def choose_chunk(D: int, R: int, kspec, vspec, L: int = 0) -> int:
+    """Tokens per chunk: 256 for long tiers (measured faster on the H200 at
+    32k/128k, docs/kernels.md), else 128 (8 tokens per team); failing that the
+    smallest size that holds whole channel groups and fits shared memory; 0 if none."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
     low = max(kg if kax == "channel" else 16, vg if vax == "channel" else 16)
     fits = lambda c, cap: c >= low and smem_bytes(c, D, R, kb, kg, kax, vb, vg, vax) <= cap
     if _FORCED_CHUNK and fits(_FORCED_CHUNK, SMEM_MAX):
         return _FORCED_CHUNK
+    if L >= LONG_TIER and fits(256, SMEM_CAP):
+        return 256
     for ch in (128, 64, 256):
         if fits(ch, SMEM_CAP):
             return ch
@@ -132,7 +137,7 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     rows = (Hq // Hkv) * Lq
     R = 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS
     nrb = math.ceil(rows / R)
-    ch = chunk or choose_chunk(D, R, kspec, vspec)
+    ch = chunk or choose_chunk(D, R, kspec, vspec, L)
     chunks = math.ceil(L / ch)
     want = max(1, math.ceil(SM_COUNT * blocks_per_sm(D) / (B * Hkv * nrb)))
     nsub = max(1, math.ceil(chunks / want))

@@ -117,6 +117,8 @@ class TieredCache(_BaseCache):
         return trimmed
 
     def size(self) -> int:
+        """Tokens held (after settling), not positions seen."""
+        self._settle()
         return sum(t.count for t in self.tiers if not t.drops)
 
     def empty(self) -> bool:
