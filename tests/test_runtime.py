@@ -167,3 +167,23 @@ def test_uninstalling_the_hook_mid_generation_stays_correct(llama_model):
     second = feed(llama_model, TOKENS[:, 60:120], caches, 1)
     assert not caches[0]._attend_epoch == vq.runtime.hook.epoch()
     assert maxdiff(mx.concatenate([first, second], axis=1), ref) < 5e-3
+
+
+def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
+    """The kernel path (here the kernel contract's MLX reference) merged by log-sum-exp
+    with the fp16 window gives the same logits as decoding everything into one SDPA."""
+    from veloxquant.kernels import reference
+    from veloxquant.runtime.cache import TieredCache
+    sets = ["window=32", "bits=8"]
+    dense = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
+
+    def reference_kernel(self, tier, queries, scale, first_q):
+        if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
+            return None
+        k, v = tier.encoded("k"), tier.encoded("v")
+        return lambda: reference.affine_partial_attention(
+            queries, k, v, tier.plan.keys.store, tier.plan.values.store, scale)
+
+    monkeypatch.setattr(TieredCache, "_kernel", reference_kernel)
+    merged = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
+    assert maxdiff(dense, merged) < 1e-3

@@ -59,7 +59,10 @@ def _quote(arg: str) -> str:
 
 
 def _csv(text, cast):
-    return tuple(cast(x) for x in text.split(",") if x.strip())
+    try:
+        return tuple(cast(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise VeloxError(f"expected a comma-separated list of {cast.__name__}s, got {text!r}") from None
 
 
 def config(args):

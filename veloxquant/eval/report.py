@@ -76,7 +76,8 @@ def passkey_grid(result: Dict) -> str:
 
 def protocol(result: Dict) -> str:
     p = result["protocol"]
-    return (f"model {result.get('model', '?')} ({result['dtype']}, {result['device']}), corpus "
+    dtype = str(result["dtype"]).replace("mlx.core.", "")
+    return (f"model {result.get('model', '?')} ({dtype}, {result['device']}), corpus "
             f"{result.get('corpus', '?')}; perplexity on {p['windows_used']} window(s) of {p['prefix']} prefix "
             f"+ {p['score_tokens']} scored tokens (prefill chunk {p['prefill_chunk']}, scoring chunk "
             f"{p['score_chunk']}); passkey {len(p['passkey_lengths'])} length(s) × "

@@ -56,7 +56,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         for row in rows:
             bar.set_description(f"eval {row.name}")
             done, asked = [], []
-            probe = row.make(model)
+            probe = row.make(model)  # only to describe the row (fingerprint); never fed
             with cost.PeakMemory() as peak:
                 for w in wins:
                     done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
@@ -88,8 +88,8 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         **(meta or {}),
         "model_shape": {"layers": shape.n_layers, "kv_heads": list(set(shape.n_kv_heads)),
                         "head_dim": list(set(shape.head_dim))},
-        "dtype": str(next(iter(_param_dtypes(model)))),
-        "device": str(mx.default_device()),
+        "dtype": _compute_dtype(model),
+        "device": str(mx.default_device().type).split(".")[-1],
         "platform": f"{platform.system()} {platform.machine()}, mlx {mx.__version__}",
         "protocol": {**attrs.asdict(cfg), "window_len": cfg.window_len, "windows_used": len(wins),
                      "passkey_prompts": len(prompts)},
@@ -98,6 +98,9 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     }
 
 
-def _param_dtypes(model):
+def _compute_dtype(model) -> str:
+    """The floating dtype most parameters have (quantized weights also hold uint32)."""
+    from collections import Counter
     from mlx.utils import tree_flatten
-    return {p.dtype for _, p in tree_flatten(model.parameters())}
+    floats = Counter(p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating))
+    return str(floats.most_common(1)[0][0]).replace("mlx.core.", "") if floats else "?"

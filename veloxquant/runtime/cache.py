@@ -57,13 +57,12 @@ class TieredCache(_BaseCache):
         self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
         first_q = self.offset - Lq
-        held = [t for t in self.tiers if t.count and not t.drops]
-        if len(held) == 1 and not held[0].fusable:
-            # One raw tier: mlx's fused SDPA (so `fp16` is bit-identical to KVCache).
-            k, v = held[0].decoded(queries.dtype)
-            return mx.fast.scaled_dot_product_attention(
-                queries, k, v, scale=scale, mask=self._dense_mask(held[0], first_q, Lq))
-        parts = [self._partial(t, queries, scale, first_q) for t in held]
+        held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        fused = [self._kernel(t, queries, scale, first_q) for t in held]
+        if not any(fused):
+            return self._dense(held, queries, scale, first_q)
+        # Kernel-backed tiers attend from their codes; the others decode; merge exactly.
+        parts = [call() if call else self._partial(t, queries, scale, first_q) for t, call in zip(held, fused)]
         return merge_partials(parts).astype(queries.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -198,23 +197,34 @@ class TieredCache(_BaseCache):
     def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
         return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
 
-    def _dense_mask(self, tier: Tier, first_q: int, Lq: int):
-        if not self._needs_mask(tier, first_q, Lq):
+    def _dense(self, held: List[Tier], queries, scale, first_q):
+        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory)."""
+        Lq = queries.shape[2]
+        pairs = [t.decoded(queries.dtype) for t in held]
+        k, v = pairs[0] if len(pairs) == 1 else (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
+        needs = [self._needs_mask(t, first_q, Lq) for t in held]
+        if not any(needs):
+            mask = None
+        elif len(held) == 1 and self._window(held[0]) is None and held[0].end == first_q + Lq:
+            mask = "causal"  # keys end at the last query: bottom-right aligned (as mlx-lm's KVCache)
+        else:
+            mask = mx.concatenate([self._tier_mask(t, first_q, Lq) for t in held], axis=1)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+    def _kernel(self, tier: Tier, queries, scale, first_q):
+        """A fused attention call for this tier, or None where no verified kernel applies."""
+        if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
             return None
-        if self._window(tier) is None and tier.end == first_q + Lq:
-            return "causal"  # keys end at the last query: bottom-right aligned causal
-        return self._tier_mask(tier, first_q, Lq)
+        k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+        k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
+        if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
+            return None
+        from ..kernels import cuda
+        return lambda: cuda.affine_partial_attention(queries, k_enc, v_enc, k_spec, v_spec, scale)
 
     def _partial(self, tier: Tier, queries, scale, first_q):
         Lq = queries.shape[2]
-        needs_mask = self._needs_mask(tier, first_q, Lq)
-        if not needs_mask and tier.fusable:
-            # Attend straight from the packed codes where a verified kernel exists.
-            k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
-            k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
-            if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "reference":
-                return dispatch.fused_affine_partial(queries, k_enc, v_enc, k_spec, v_spec, scale)
-        mask = self._tier_mask(tier, first_q, Lq) if needs_mask else None
+        mask = self._tier_mask(tier, first_q, Lq) if self._needs_mask(tier, first_q, Lq) else None
         k, v = tier.decoded(mx.float32)
         return partial_attention(queries, k, v, scale, mask)
 

@@ -1,0 +1,76 @@
+"""End-to-end generation under recipes on a random-init Llama (no weights needed).
+
+    python -m veloxquant.bench.e2e --context 32768 --layers 8 --heads 32/8 --head-dim 128 --recipes fp16,kivi
+
+Prefills `--context` random tokens through mlx-lm's generate_step (2048-token
+chunks), then decodes `--decode` tokens; prints prefill and decode tok/s, peak
+memory and cache bytes for mlx-lm's KVCache and each recipe, in one run.
+"""
+import argparse
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+from ..runtime import make_prompt_cache, uninstall
+
+
+def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype) -> llama.Model:
+    hidden = heads * head_dim
+    args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+                           intermediate_size=hidden * 2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           rms_norm_eps=1e-5, vocab_size=vocab, head_dim=head_dim)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def measure(model, prompt: mx.array, cache, decode: int):
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = None
+    for n, _ in enumerate(generate_step(prompt, model, max_tokens=decode + 1, prompt_cache=cache)):
+        if n == 0:
+            first = time.perf_counter()
+    mx.synchronize()
+    end = time.perf_counter()
+    cache_bytes = sum(c.nbytes for c in cache)
+    return prompt.size / (first - start), decode / (end - first), mx.get_peak_memory(), cache_bytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", default="32/8", help="query heads / kv heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--recipes", default="fp16,kivi")
+    args = ap.parse_args(argv)
+    heads, kv_heads = map(int, args.heads.split("/"))
+    mx.random.seed(0)
+    model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    prompt = mx.random.randint(0, args.vocab, (args.context,))
+    print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
+          f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
+    print("| cache | prefill tok/s | decode tok/s | peak memory GiB | cache MiB |")
+    print("|---|---|---|---|---|")
+    rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
+    rows += [(r, lambda r=r: make_prompt_cache(model, r)) for r in args.recipes.split(",") if r]
+    for label, make in rows:
+        cache = make()
+        pre, dec, peak, nbytes = measure(model, prompt, cache, args.decode)
+        print(f"| {label} | {pre:,.0f} | {dec:,.1f} | {peak / 2**30:.2f} | {nbytes / 2**20:,.1f} |", flush=True)
+        del cache
+        uninstall(model)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
