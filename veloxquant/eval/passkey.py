@@ -50,7 +50,8 @@ def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, 
                  ends: Sequence[int] = ()) -> PasskeyPrompt:
     """A prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
-    `haystack` must hold at least `length` tokens; `ends` (from sentence_ends)
+    `haystack` must hold the tokens left after instruction, needle and question;
+    `ends` (from sentence_ends)
     lets the needle snap back to a sentence boundary within 64 tokens.
     """
     intro, question = tokenizer.encode(INTRO), tokenizer.encode(QUESTION, add_special_tokens=False)

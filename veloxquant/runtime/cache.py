@@ -205,11 +205,16 @@ class TieredCache(_BaseCache):
         needs = [self._needs_mask(t, first_q, Lq) for t in held]
         if not any(needs):
             mask = None
-        elif len(held) == 1 and self._window(held[0]) is None and held[0].end == first_q + Lq:
-            mask = "causal"  # keys end at the last query: bottom-right aligned (as mlx-lm's KVCache)
+        elif self._causal_ok(held, first_q + Lq):
+            mask = "causal"  # one contiguous run ending at the last query: bottom-right aligned
         else:
             mask = mx.concatenate([self._tier_mask(t, first_q, Lq) for t in held], axis=1)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+    def _causal_ok(self, held: List[Tier], end: int) -> bool:
+        """The string mask "causal" (fused SDPA, no mask array) is exact for these keys."""
+        contiguous = sum(t.count for t in held) == held[-1].end - held[0].start
+        return contiguous and held[-1].end == end and all(self._window(t) is None for t in held)
 
     def _kernel(self, tier: Tier, queries, scale, first_q):
         """A fused attention call for this tier, or None where no verified kernel applies."""
