@@ -113,7 +113,8 @@ def cmd_list(args) -> int:
     for name in builtin_names():
         r = load_recipe(name)
         bits = long_run_bits(compile_recipe(r, SMOLLM2_135M).layers[0])
-        print(f"{name:<16} {bits:>9.2f}  {r.summary}")
+        shown = "bounded" if bits == 0 else f"{bits:.2f}"
+        print(f"{name:<16} {shown:>9}  {r.summary}")
     return 0
 
 

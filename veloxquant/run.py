@@ -41,6 +41,8 @@ def prompt_tokens(tokenizer, text: str, raw: bool, limit=None) -> List[int]:
 def cmd_run(args) -> int:
     from .models import load_model
     recipe = load_recipe(args.recipe)
+    from .compiler import apply_sets
+    apply_sets(recipe, args.sets)  # a bad --set fails before the model loads
     if args.prompt_file:
         text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
     elif args.corpus:
