@@ -86,7 +86,7 @@ def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
 
 
 def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> CodecPlan:
-    transforms, store = [], None
+    transforms, store, residuals = [], None, []
     for call, inst in stages:
         family = REGISTRY[inst.stage_name].family
         if family == "transform":
@@ -99,6 +99,11 @@ def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> Co
                 raise RecipeError(f"a codec holds values once; '{call.name}' follows '{store.stage_name}'", call.pos,
                                   "use one store stage (fp16, identity, affine, ...) per codec")
             store = inst
+        elif family == "residual":
+            if store is None:
+                raise RecipeError(f"'{call.name}' codes what a store before it left over, but none comes before it",
+                                  call.pos, "put a store stage such as lloydmax(bits=2) or affine(bits=2) before it")
+            residuals.append(inst)
         elif family == "entropy":
             if store is None or not getattr(store, "codes", False):
                 raise RecipeError(f"'{call.name}' entropy-codes integer codes, but "
@@ -110,7 +115,7 @@ def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> Co
             raise RecipeError(f"'{call.name}' cannot code this model's heads: {problem}", call.pos)
     if store is None:
         store = REGISTRY["fp16"].cls()  # a tier with no store holds 16-bit values
-    return CodecPlan(tuple(transforms), store)
+    return CodecPlan(tuple(transforms), store, residuals=tuple(residuals))
 
 
 def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
@@ -147,7 +152,8 @@ def _with_impl(tier: TierPlan) -> TierPlan:
     if tier.drops:
         return tier
     from ..kernels import dispatch
-    plain_affine = all(not c.transforms and c.store.stage_name == "affine" for c in (tier.keys, tier.values))
+    plain_affine = all(not c.transforms and not c.residuals and c.store.stage_name == "affine"
+                       for c in (tier.keys, tier.values))
     if plain_affine and dispatch.backend() in dispatch.VERIFIED_BACKENDS:
         impl = f"{dispatch.backend()}:affine_attention"
         return attrs.evolve(tier, keys=attrs.evolve(tier.keys, impl=impl), values=attrs.evolve(tier.values, impl=impl))
@@ -207,6 +213,8 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
         return node.value
     if isinstance(node, Word):
         return {"true": True, "false": False}.get(node.name.lower(), node.name)
+    if isinstance(node, Call) and node.name in REGISTRY and REGISTRY[node.name].family == "store":
+        return _instantiate(node, params, recipe, layer, shape)[1]  # a nested stage: residual(lloydmax(...))
     raise RecipeError(f"'{node.name}(...)' is not a value a stage parameter takes here", node.pos)
 
 

@@ -10,7 +10,10 @@ from .shape import ModelShape
 
 
 def stage_dict(stage) -> Dict[str, Any]:
-    return {"stage": stage.stage_name, **attrs.asdict(stage)}
+    """{"stage": name, **params}; stages nested as params (residual(inner)) likewise."""
+    values = attrs.asdict(stage, recurse=False)
+    return {"stage": stage.stage_name,
+            **{k: stage_dict(v) if hasattr(v, "stage_name") else v for k, v in values.items()}}
 
 
 @attrs.frozen
@@ -19,19 +22,25 @@ class CodecPlan:
     transforms: Tuple[Any, ...]
     store: Any
     impl: str = "mlx-ops"
+    residuals: Tuple[Any, ...] = ()
+
+    @property
+    def stages(self) -> Tuple[Any, ...]:
+        return self.transforms + (self.store,) + self.residuals
 
     @property
     def token_multiple(self) -> int:
-        return self.store.token_multiple
+        return math.lcm(self.store.token_multiple, *(r.inner.token_multiple for r in self.residuals))
 
     def bits_per_element(self, head_dim: int) -> float:
-        return self.store.bits_per_element(head_dim)
+        return self.store.bits_per_element(head_dim) + sum(r.inner.bits_per_element(head_dim)
+                                                           for r in self.residuals)
 
     def text(self) -> str:
-        return " | ".join(_stage_text(s) for s in self.transforms + (self.store,))
+        return " | ".join(_stage_text(s) for s in self.stages)
 
     def to_dict(self) -> list:
-        return [stage_dict(s) for s in self.transforms + (self.store,)]
+        return [stage_dict(s) for s in self.stages]
 
 
 @attrs.frozen
@@ -93,10 +102,11 @@ class Plan:
 
 
 def _stage_text(stage) -> str:
-    values = attrs.asdict(stage)
+    values = attrs.asdict(stage, recurse=False)
     if not values:
         return stage.stage_name
-    return f"{stage.stage_name}({', '.join(f'{k}={_fmt(v)}' for k, v in values.items())})"
+    shown = (f"{k}={_stage_text(v) if hasattr(v, 'stage_name') else _fmt(v)}" for k, v in values.items())
+    return f"{stage.stage_name}({', '.join(shown)})"
 
 
 def _fmt(v) -> str:

@@ -9,7 +9,7 @@ from .shape import ModelShape
 
 
 def _stage(d: Dict[str, Any]):
-    d = dict(d)
+    d = {k: _stage(v) if isinstance(v, dict) and "stage" in v else v for k, v in d.items()}
     name = d.pop("stage")
     if name not in REGISTRY:
         raise VeloxError(f"unknown stage '{name}' in a saved plan")
@@ -18,7 +18,9 @@ def _stage(d: Dict[str, Any]):
 
 def _codec(stages) -> CodecPlan:
     built = [_stage(s) for s in stages]
-    return CodecPlan(tuple(built[:-1]), built[-1])
+    family = [REGISTRY[s.stage_name].family for s in built]
+    store = family.index("store")
+    return CodecPlan(tuple(built[:store]), built[store], residuals=tuple(built[store + 1:]))
 
 
 def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:

@@ -51,8 +51,8 @@ def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, 
     """A prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
     `haystack` must hold the tokens left after instruction, needle and question;
-    `ends` (from sentence_ends)
-    lets the needle snap back to a sentence boundary within 64 tokens.
+    `ends` (from sentence_ends) lets the needle snap back to a sentence end
+    within 64 tokens.
     """
     intro, question = tokenizer.encode(INTRO), tokenizer.encode(QUESTION, add_special_tokens=False)
     needle = tokenizer.encode(NEEDLE.format(key=key), add_special_tokens=False)

@@ -79,7 +79,7 @@ class Tier:
     def fusable(self) -> bool:
         """K and V are plain affine codes: the fused attention kernels read them."""
         return not self.drops and all(
-            not c.transforms and c.store.stage_name == "affine" for c in self.codecs.values())
+            not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in self.codecs.values())
 
     @property
     def granularity(self) -> int:

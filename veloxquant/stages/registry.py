@@ -4,13 +4,14 @@ Families say where a stage may stand in a tier:
   route     -- first in a tier; decides which tokens the tier holds
   transform -- codec stage on real values, before the quantizer
   store     -- the codec stage that holds the values (fp16, affine, ...)
+  residual  -- after a store: codes what the stages before it left over
   entropy   -- after a store that yields integer codes
 """
 from typing import Dict, FrozenSet, Tuple, Type
 
 import attrs
 
-FAMILIES = ("route", "transform", "store", "entropy")
+FAMILIES = ("route", "transform", "store", "residual", "entropy")
 
 
 @attrs.frozen
@@ -67,4 +68,4 @@ def lookup(name: str) -> StageInfo:
 
 def load_builtin_stages() -> None:
     # Importing the modules runs their @stage decorators.
-    from . import route, store, transform  # noqa: F401
+    from . import codebook, route, store, transform  # noqa: F401
