@@ -102,7 +102,7 @@ def cmd_eval(args) -> int:
     result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress)
     result["total_wall_s"] = time.perf_counter() - started  # with model and corpus loading
     md = report.markdown([result])
-    print(md)
+    print(md, end="")
     if args.md:
         Path(args.md).write_text(md)
     if args.json:
@@ -122,7 +122,7 @@ def cmd_compare(args) -> int:
         Path(args.md).write_text(md)
         print(f"wrote {args.md}", file=sys.stderr)
     else:
-        print(md)
+        print(md, end="")
     if args.png:
         report.plot(results, args.png)
         print(f"wrote {args.png}", file=sys.stderr)

@@ -77,7 +77,8 @@ def passkey_grid(result: Dict) -> str:
 def protocol(result: Dict) -> str:
     p = result["protocol"]
     dtype = str(result["dtype"]).replace("mlx.core.", "")
-    return (f"model {result.get('model', '?')} ({dtype}, {result['device']}), corpus "
+    device = str(result["device"]).replace("Device(", "").split(",")[0]  # older files: "Device(cpu, 0)"
+    return (f"model {result.get('model', '?')} ({dtype}, {device}), corpus "
             f"{result.get('corpus', '?')}; perplexity on {p['windows_used']} window(s) of {p['prefix']} prefix "
             f"+ {p['score_tokens']} scored tokens (prefill chunk {p['prefill_chunk']}, scoring chunk "
             f"{p['score_chunk']}); passkey {len(p['passkey_lengths'])} length(s) × "
@@ -97,7 +98,7 @@ def markdown(results: Sequence[Dict]) -> str:
         grid = passkey_grid(res)
         if grid:
             parts += ["Passkey retrieval by prompt length @ needle depth (correct/trials):\n", grid + "\n"]
-    return "\n".join(parts)
+    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def pareto_front(points: Sequence[Tuple[float, float]]) -> List[int]:
@@ -120,6 +121,7 @@ def plot(results: Sequence[Dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = []
     for k, res in enumerate(results):
         rows = [r for r in res["rows"] if r.get("delta_ppl_pct") is not None and r["cost"]["bytes_per_token"]]
         pts = [(r["cost"]["bytes_per_token"], r["delta_ppl_pct"]) for r in rows]
@@ -129,7 +131,7 @@ def plot(results: Sequence[Dict], path: str) -> None:
             marker = "s" if r["kind"] == "mlx-lm" else "o"
             ax.scatter([x], [y], marker=marker, color=color, s=42, zorder=3,
                        facecolors="none" if r["kind"] == "mlx-lm" else color)
-            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            labels.append((r["name"], x, y))
         front = pareto_front(pts)
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color=color, lw=1,
                 label=f"Pareto front{' ' + label if label else ''}", zorder=2)
@@ -138,6 +140,8 @@ def plot(results: Sequence[Dict], path: str) -> None:
     ax.set_xlabel("KV-cache bytes held per token (all layers, measured)")
     ax.set_ylabel("perplexity increase vs fp16 (symlog)")
     ax.axhline(0, color="grey", lw=0.6)
+    ax.autoscale_view()
+    _place_labels(ax, labels)
     ax.scatter([], [], marker="o", color="k", label="veloxquant recipe")
     ax.scatter([], [], marker="s", facecolors="none", color="k", label="mlx-lm QuantizedKVCache")
     ax.legend(fontsize=8, loc="best")
@@ -147,3 +151,16 @@ def plot(results: Sequence[Dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _place_labels(ax, labels, height: float = 14.0, width: float = 80.0) -> None:
+    """Annotate points, nudging a label down while it would overlap one placed
+    before (rows at equal sizes, e.g. kivi and kivi_sink, otherwise collide)."""
+    placed = []
+    for name, x, y in sorted(labels, key=lambda t: -t[2]):
+        px, py = ax.transData.transform((x, y))
+        dy = 4.0
+        while any(abs(px - qx) < width and abs(py + dy - qy) < height for qx, qy in placed):
+            dy -= height
+        placed.append((px, py + dy))
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, dy * 72 / ax.figure.dpi), fontsize=8)
