@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     add_compare_args(sub.add_parser("compare", help="render eval results as a markdown table and a Pareto plot"))
 
     p = sub.add_parser("bench", help="benchmarks that print tables")
-    p.add_argument("what", choices=["attention"])
+    p.add_argument("what", choices=["attention", "entropy"])
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
@@ -112,7 +112,8 @@ def cmd_list(args) -> int:
     print(f"{'recipe':<16} {'bits/elem':>9}  summary")
     for name in builtin_names():
         r = load_recipe(name)
-        bits = long_run_bits(compile_recipe(r, SMOLLM2_135M).layers[0])
+        layers = compile_recipe(r, SMOLLM2_135M).layers  # mean: layers may differ (schedules, xquant's roles)
+        bits = sum(map(long_run_bits, layers)) / len(layers)
         shown = "bounded" if bits == 0 else f"{bits:.2f}"
         print(f"{name:<16} {shown:>9}  {r.summary}")
     return 0
@@ -125,6 +126,9 @@ def cmd_show(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.what == "entropy":
+        from .bench.entropy import main as bench_entropy
+        return bench_entropy(args.args) or 0
     from .bench.attention import main as bench_attention
     return bench_attention(args.args) or 0
 

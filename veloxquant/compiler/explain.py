@@ -1,8 +1,11 @@
 """`veloxquant explain`: the per-layer plan, its storage cost and implementations."""
 import math
+
+import attrs
 from typing import List
 
-from .plan import LayerPlan, Plan, TierPlan
+from .groups import codec_bits, render_groups
+from .plan import LayerPlan, Plan, TierPlan, _stage_text
 
 
 def tier_bits(tier: TierPlan, head_dim: int) -> str:
@@ -14,8 +17,8 @@ def tier_bits(tier: TierPlan, head_dim: int) -> str:
     return f"{(k + v) / 2:.2f}"
 
 
-def _tier_line(tier: TierPlan, head_dim: int) -> str:
-    route = tier.name if tier.route is None else _call(tier.route)
+def _tier_line(tier: TierPlan, head_dim: int, values: dict = None) -> str:
+    route = _route_text(tier.route, values or {})
     if tier.drops:
         return f"    {route:<16} tokens are discarded"
     if tier.keys == tier.values:
@@ -24,7 +27,15 @@ def _tier_line(tier: TierPlan, head_dim: int) -> str:
         codec = f"K: {tier.keys.text()}  V: {tier.values.text()}"
     impl = tier.keys.impl if tier.keys.impl == tier.values.impl else f"{tier.keys.impl}/{tier.values.impl}"
     moves = f"  moves {tier.chunk} at a time" if tier.route is not None and tier.route.spills else ""
-    return f"    {route:<16} {codec}\n{'':21}bits/elem {tier_bits(tier, head_dim)}  impl {impl}{moves}"
+    line = f"    {route:<16} {codec}\n{'':21}bits/elem {tier_bits(tier, head_dim)}  impl {impl}{moves}"
+    if tier.keys.entropy or tier.values.entropy:
+        # Coded codes cannot be attended: the live cost above stays, the file shrinks.
+        line += f"\n{'':21}entropy-coded when saved (K: {_chain(tier.keys)}, V: {_chain(tier.values)}); live bytes unchanged"
+    return line
+
+
+def _chain(codec) -> str:
+    return " | ".join(_stage_text(s) for s in codec.entropy) or "none"
 
 
 def _call(stage) -> str:
@@ -33,15 +44,40 @@ def _call(stage) -> str:
     return f"{stage.stage_name}({', '.join(str(v) for v in values.values())})" if values else stage.stage_name
 
 
-def _signature(layer: LayerPlan) -> tuple:
-    return (layer.n_kv_heads, layer.head_dim, layer.window, layer.tiers)
+def _scheduled(plan: Plan) -> dict:
+    from ..recipe.params import Schedule
+    return {k: v for k, v in plan.params.items() if isinstance(v, Schedule)}
+
+
+def _route_text(route, values: dict) -> str:
+    """The route, with fields that take a scheduled parameter's value shown as $name."""
+    if route is None:
+        return "rest"
+    fields = attrs.asdict(route, recurse=False)
+    for f, v in fields.items():
+        for name, sv in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == sv:
+                fields[f] = f"${name}"
+    shown = ", ".join(str(v) for v in fields.values())
+    return f"{route.stage_name}({shown})" if fields else route.stage_name
+
+
+def _layer_values(plan: Plan, index: int) -> dict:
+    n = plan.shape.n_layers
+    return {k: round(s.at(index, n)) for k, s in _scheduled(plan).items()}
+
+
+def _signature(layer: LayerPlan, plan: Plan = None) -> tuple:
+    values = _layer_values(plan, layer.index) if plan is not None else {}
+    tiers = tuple((_route_text(t.route, values), t.keys, t.values, t.chunk) for t in layer.tiers)
+    return (layer.n_kv_heads, layer.head_dim, layer.window, tiers)
 
 
 def group_layers(plan: Plan) -> List[List[LayerPlan]]:
     """Runs of consecutive layers with the same plan, so 30 equal layers print once."""
     groups: List[List[LayerPlan]] = []
     for layer in plan.layers:
-        if groups and _signature(groups[-1][-1]) == _signature(layer):
+        if groups and _signature(groups[-1][-1], plan) == _signature(layer, plan):
             groups[-1].append(layer)
         else:
             groups.append([layer])
@@ -50,11 +86,12 @@ def group_layers(plan: Plan) -> List[List[LayerPlan]]:
 
 def long_run_bits(layer: LayerPlan) -> float:
     """Bits per element once the context is long: the last non-dropping tier dominates."""
-    kept = [t for t in layer.tiers if not t.drops and not (t.route is not None and t.route.bounded)]
+    kept = [t for t in layer.tiers if not t.drops and not (t.route is not None and t.route.bounded)
+            and not (getattr(t.route, "per_head", False) and not t.route.once)]  # h2o/tova: a fixed budget
     if not kept:
         return 0.0  # bounded memory: bits per element of context tends to zero
     t = kept[-1]
-    return (t.keys.bits_per_element(layer.head_dim) + t.values.bits_per_element(layer.head_dim)) / 2
+    return (codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)) / 2
 
 
 def render(plan: Plan) -> str:
@@ -73,13 +110,40 @@ def render(plan: Plan) -> str:
         layer = group[0]
         window = f", sliding window {layer.window}" if layer.window else ""
         lines.append(f"{which} ({layer.kind}{window}; {layer.n_kv_heads} kv heads x {layer.head_dim}):")
-        lines += [_tier_line(t, layer.head_dim) for t in layer.tiers]
-        bits = long_run_bits(layer)
+        values = _layer_values(plan, layer.index)
+        lines += [_tier_line(t, layer.head_dim, values) for t in layer.tiers]
+        lines += _per_head_lines(layer)
+        shared = any(l.share for l in group)  # anchors and reuse layers hold different bytes: average them
+        bits = sum(map(long_run_bits, group)) / len(group) if shared else long_run_bits(layer)
         if math.isnan(bits):
             lines.append("    long-context cost: the model's own dtype (identity store)")
         else:
             ratio = f"{bits / 16:.3f} of fp16" if bits else "bounded memory"
-            lines.append(f"    long-context cost: {bits:.2f} bits/elem ({ratio}), metadata included")
+            mean = ", mean over anchor and reuse layers" if shared else ""
+            lines.append(f"    long-context cost: {bits:.2f} bits/elem ({ratio}), metadata included{mean}")
         if layer.needs:
             lines.append(f"    needs: {', '.join(sorted(layer.needs))}")
+    lines += _schedule_lines(plan)
+    lines += render_groups(plan)
     return "\n".join(lines)
+
+
+def _per_head_lines(layer: LayerPlan) -> List[str]:
+    out = []
+    for t in layer.tiers:
+        if getattr(t.route, "per_head", False):
+            when = "once, at the end of the prompt" if t.route.once else "every step"
+            out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
+                       "+8 bytes/token/head of positions and scores")
+    return out
+
+
+def _schedule_lines(plan: Plan) -> List[str]:
+    """Per-layer values of scheduled parameters (PyramidKV's budgets)."""
+    out = []
+    n = plan.shape.n_layers
+    for name, sched in _scheduled(plan).items():
+        values = [round(sched.at(i, n)) for i in range(n)]
+        out += ["", f"layer schedule {name} = {sched.text()}: " + " ".join(map(str, values)),
+                f"    mean {sum(values) / n:.1f} over {n} layers"]
+    return out

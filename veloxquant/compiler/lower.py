@@ -9,6 +9,7 @@ from ..recipe import Recipe
 from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 from ..recipe.params import Schedule, coerce, parse_set
 from ..stages import REGISTRY
+from .groups import assign_groups
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
 from .shape import ModelShape
 from .selectors import select_layers
@@ -36,6 +37,7 @@ def compile_recipe(recipe: Recipe, shape: ModelShape, sets: Iterable[str] = (), 
             params = {**params, **{k: v for k, v in override.params.items() if k not in _set_names(sets)}}
             per_layer[i] = (override.pipeline or pipeline, params)
     layers = tuple(_lower_layer(i, pipe, params, recipe, shape, hook) for i, (pipe, params) in enumerate(per_layer))
+    layers = assign_groups(layers, [pipe for pipe, _ in per_layer])  # cross-layer groups (xquant)
     return Plan(recipe.name, shape, layers, base)
 
 
@@ -86,9 +88,13 @@ def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
 
 
 def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> CodecPlan:
-    transforms, store, residuals = [], None, []
+    transforms, store, residuals, entropy = [], None, [], []
     for call, inst in stages:
         family = REGISTRY[inst.stage_name].family
+        if entropy and family != "entropy":
+            raise RecipeError(f"'{call.name}' follows the entropy stage '{entropy[-1][0].name}', but entropy stages "
+                              "code the finished integer codes", call.pos,
+                              f"put '{call.name}' before '{entropy[0][0].name}'")
         if family == "transform":
             if store is not None:
                 raise RecipeError(f"'{call.name}' transforms real values, but '{store.stage_name}' before it already "
@@ -109,13 +115,20 @@ def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> Co
                 raise RecipeError(f"'{call.name}' entropy-codes integer codes, but "
                                   f"{'nothing' if store is None else repr(store.stage_name)} before it yields codes",
                                   call.pos, "put a quantizer such as affine(bits=2) before it")
-            raise RecipeError(f"entropy stage '{call.name}' is not supported in live caches yet", call.pos)
+            if entropy and getattr(entropy[-1][1], "coder", False):
+                raise RecipeError(f"'{call.name}' follows the coder '{entropy[-1][0].name}', whose output is "
+                                  "bytes, not codes", call.pos, f"end the codec with '{entropy[-1][0].name}'")
+            entropy.append((call, inst))
         problem = getattr(inst, "check_head_dim", lambda d: "")(head_dim)
         if problem:
             raise RecipeError(f"'{call.name}' cannot code this model's heads: {problem}", call.pos)
+    if entropy and not getattr(entropy[-1][1], "coder", False):
+        call = entropy[-1][0]
+        raise RecipeError(f"'{call.name}' prepares codes for an entropy coder, but no coder follows it", call.pos,
+                          f"add a coder after it, e.g. '{call.name} | rans'")
     if store is None:
         store = REGISTRY["fp16"].cls()  # a tier with no store holds 16-bit values
-    return CodecPlan(tuple(transforms), store, residuals=tuple(residuals))
+    return CodecPlan(tuple(transforms), store, residuals=tuple(residuals), entropy=tuple(i for _, i in entropy))
 
 
 def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
@@ -130,6 +143,14 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
             raise RecipeError("this tier has no routing stage, so it holds every token that reaches it and the "
                               "tiers after it would stay empty", node.pos,
                               "begin this tier with recent(N) or sink(N), or make it the last tier")
+        if getattr(tier.route, "per_head", False):
+            if not last:
+                raise RecipeError(f"'{tier.name}' discards the tokens it evicts, so it must be the last tier",
+                                  ast_tiers[i + 1].pos, f"remove the tiers after '{tier.name}'")
+            if _multiple(tier) > 1:
+                raise RecipeError(f"'{tier.name}' keeps different tokens in each head, so its codec must code "
+                                  f"tokens one by one, not {_multiple(tier)} at a time", node.pos,
+                                  "use a per-token codec, e.g. affine(bits=4, axis=token)")
         if tier.route is not None and tier.route.bounded and last:
             raise RecipeError(f"tokens leaving '{tier.name}' have nowhere to go", node.pos,
                               "add a tier after it, e.g. '>> drop' or '>> affine(bits=2)'")
@@ -149,8 +170,8 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
 
 def _with_impl(tier: TierPlan) -> TierPlan:
     """Pick how the tier's attention runs: a fused kernel where one is verified."""
-    if tier.drops:
-        return tier
+    if tier.drops or getattr(tier.route, "per_head", False):
+        return tier  # per-head tiers attend with masks by position: no fused kernel yet
     from ..kernels import dispatch
     plain_affine = all(not c.transforms and not c.residuals and c.store.stage_name == "affine"
                        for c in (tier.keys, tier.values))

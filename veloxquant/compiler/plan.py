@@ -18,15 +18,20 @@ def stage_dict(stage) -> Dict[str, Any]:
 
 @attrs.frozen
 class CodecPlan:
-    """transform* store for one tensor (K or V) of one tier."""
+    """transform* store residual* entropy* for one tensor (K or V) of one tier.
+
+    Entropy stages (delta, rans) code the store's integer codes losslessly when
+    the cache is saved; the live cache, its bytes and bits/elem do not change."""
     transforms: Tuple[Any, ...]
     store: Any
     impl: str = "mlx-ops"
     residuals: Tuple[Any, ...] = ()
+    entropy: Tuple[Any, ...] = ()
 
     @property
     def stages(self) -> Tuple[Any, ...]:
-        return self.transforms + (self.store,) + self.residuals
+        # to_dict, text and the fingerprint all go through this flat list.
+        return self.transforms + (self.store,) + self.residuals + self.entropy
 
     @property
     def token_multiple(self) -> int:
@@ -65,6 +70,17 @@ class TierPlan:
 
 
 @attrs.frozen
+class Share:
+    """A cross-layer group (XQuant): the anchor, layers[0], holds the codes the others reuse."""
+    group: int
+    layers: Tuple[int, ...]
+
+    @property
+    def anchor(self) -> int:
+        return self.layers[0]
+
+
+@attrs.frozen
 class LayerPlan:
     index: int
     n_kv_heads: int
@@ -72,14 +88,23 @@ class LayerPlan:
     window: Optional[int]
     tiers: Tuple[TierPlan, ...]
     needs: FrozenSet[str] = frozenset()
+    share: Optional[Share] = None  # set by compiler/groups.py for layers that share codes
 
     @property
     def kind(self) -> str:
         return "sliding" if self.window else "full"
 
+    @property
+    def role(self) -> Optional[str]:
+        """'anchor' or 'reuse' in a cross-layer group, else None."""
+        return None if self.share is None else "anchor" if self.share.anchor == self.index else "reuse"
+
     def to_dict(self) -> Dict[str, Any]:
-        return {"layer": self.index, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
-                "window": self.window, "tiers": [t.to_dict() for t in self.tiers]}
+        d = {"layer": self.index, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+             "window": self.window, "tiers": [t.to_dict() for t in self.tiers]}
+        if self.share is not None:  # only then: other recipes keep their fingerprints
+            d["share"] = {"group": self.share.group, "layers": list(self.share.layers), "role": self.role}
+        return d
 
 
 @attrs.frozen

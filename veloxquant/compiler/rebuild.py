@@ -4,7 +4,7 @@ from typing import Any, Dict
 
 from ..errors import VeloxError
 from ..stages import REGISTRY
-from .plan import CodecPlan, LayerPlan, Plan, TierPlan
+from .plan import CodecPlan, LayerPlan, Plan, Share, TierPlan
 from .shape import ModelShape
 
 
@@ -20,7 +20,9 @@ def _codec(stages) -> CodecPlan:
     built = [_stage(s) for s in stages]
     family = [REGISTRY[s.stage_name].family for s in built]
     store = family.index("store")
-    return CodecPlan(tuple(built[:store]), built[store], residuals=tuple(built[store + 1:]))
+    coded = family.index("entropy") if "entropy" in family else len(built)
+    return CodecPlan(tuple(built[:store]), built[store], residuals=tuple(built[store + 1:coded]),
+                     entropy=tuple(built[coded:]))
 
 
 def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
@@ -36,7 +38,8 @@ def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
             tiers.append(TierPlan(route, keys, values, td["chunk"]))
         needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers
                                     for s in ([t.route] if t.route else []) + ([t.keys.store] if t.keys else [])))
-        layers.append(LayerPlan(ld["layer"], ld["kv_heads"], ld["head_dim"], ld["window"], tuple(tiers), needs))
+        share = Share(ld["share"]["group"], tuple(ld["share"]["layers"])) if ld.get("share") else None
+        layers.append(LayerPlan(ld["layer"], ld["kv_heads"], ld["head_dim"], ld["window"], tuple(tiers), needs, share))
     return Plan(recipe, shape, tuple(layers))
 
 

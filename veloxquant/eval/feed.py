@@ -24,6 +24,9 @@ def prefill(model, tokens: mx.array, caches, chunk: int) -> float:
     for s in range(0, tokens.shape[1], chunk):
         model(tokens[:, s:s + chunk], cache=caches)
         settle(caches)
+    for c in caches:  # the prefix is the prompt: prompt-time eviction (SnapKV) decides here
+        getattr(c, "finish_prompt", lambda: None)()
+    settle(caches)
     return time.perf_counter() - start
 
 

@@ -55,11 +55,17 @@ class Tee:
 
     def attend(self, queries, scale, mask=None, sinks=None):
         out = self.ref.attend(queries, scale=scale, mask=mask, sinks=sinks)
-        if self.recording:
-            for i, s in enumerate(self.shadows):
+        for i, s in enumerate(self.shadows):
+            if self.recording:
                 self.sums[i] = self.sums[i] + mx.sum(cosine(out, shadow_attend(s, queries, scale)))
                 self.counts[i] += out.size // out.shape[-1]
+            elif getattr(s, "per_head", False):
+                s.attend(queries, scale=scale)  # eviction scorers must see the prefill queries too
         return out
+
+    def finish_prompt(self):
+        for c in (self.ref, *self.shadows):
+            getattr(c, "finish_prompt", lambda: None)()
 
     def make_mask(self, *args, **kwargs):
         return self.ref.make_mask(*args, **kwargs)

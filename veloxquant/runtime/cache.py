@@ -14,8 +14,9 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import dispatch
-from . import hook
+from . import hook, per_head
 from .attention import merge_partials, partial_attention
+from .head_tier import HeadTier
 from .tier import Tier
 
 
@@ -26,7 +27,11 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
-        self.tiers = [Tier(t) for t in plan.tiers]
+        self.tiers = [HeadTier(t) if getattr(t.route, "per_head", False) else Tier(t) for t in plan.tiers]
+        self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
+        self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
+        self.observed_queries = None  # SnapKV's window of prompt queries, until it decides
+        self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
         self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
@@ -38,8 +43,11 @@ class TieredCache(_BaseCache):
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        if self.per_head and keys.shape[2] == 1:
+            self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
         self._settle()
         self.dtype = keys.dtype
+        self.new_keys = keys if self.per_head else None
         self._place(0, keys, values, self.offset)
         self.offset += keys.shape[2]
         self._unsettled = True
@@ -49,14 +57,19 @@ class TieredCache(_BaseCache):
             return keys, values
         return self._fetch()  # lazy: never computed when the hook routes to attend()
 
-    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
-        """Attention for the newest queries over everything held, tier by tier."""
+    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None, observe: bool = True) -> mx.array:
+        """Attention for the newest queries over everything held, tier by tier.
+
+        `observe=False` answers without feeding scorers (a measurement on the side)."""
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
         self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
         first_q = self.offset - Lq
+        if self.per_head:
+            self.scale_seen = scale
+            return per_head.attend(self, self.held(), queries, scale, first_q, observe)
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
         if not any(fused):
@@ -67,6 +80,8 @@ class TieredCache(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode)."""
+        if self.per_head:
+            return None if N == 1 else "causal"  # unused: attend() masks by per-head positions
         self._settle()
         window = window_size or self.plan.window
         held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]
@@ -107,7 +122,8 @@ class TieredCache(_BaseCache):
             if newest is None or newest.end != self.offset - trimmed:
                 break  # the newest positions are not held (dropped): cannot rewind past a gap
             g = newest.granularity
-            take = min(n - trimmed, newest.count) // g * g
+            held_tail = newest.tail() if isinstance(newest, HeadTier) else newest.count
+            take = min(n - trimmed, held_tail) // g * g
             if take == 0:
                 break
             newest.drop_back(take)
@@ -126,7 +142,16 @@ class TieredCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         self._settle()
-        return sum(t.nbytes for t in self.tiers)
+        pending = self.observed_queries.nbytes if self.observed_queries is not None else 0
+        return sum(t.nbytes for t in self.tiers) + pending
+
+    def finish_prompt(self) -> None:
+        """The prompt is over: prompt-time eviction (SnapKV) decides now. Idempotent."""
+        if self.per_head:
+            per_head.finish_prompt(self)
+
+    def held(self) -> List:
+        return [t for t in self.tiers if t.count and not t.drops]
 
     # --- routing ----------------------------------------------------------
     def _place(self, first: int, keys: mx.array, values: mx.array, start: int) -> None:
@@ -141,6 +166,9 @@ class TieredCache(_BaseCache):
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue
+            if isinstance(tier, HeadTier):
+                tier.evict()
+                continue
             spill = tier.route.spill(tier.count, tier.plan.chunk)
             if spill:
                 k, v, start = tier.take_front(spill, self.dtype)
@@ -151,6 +179,8 @@ class TieredCache(_BaseCache):
     def _expire(self, oldest_visible: int) -> None:
         """Sliding-window layers: forget tokens no future query can see."""
         for tier in self.tiers:
+            if isinstance(tier, HeadTier):
+                continue  # heads differ: their old tokens are masked, never dropped
             n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
             if tier.count and n > 0:
                 tier.drop_front(n)

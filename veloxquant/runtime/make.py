@@ -5,6 +5,7 @@ from ..compiler import ModelShape, Plan, compile_recipe
 from ..recipe import Recipe, load_recipe
 from . import hook
 from .cache import TieredCache
+from .coordinator import link_groups
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
@@ -17,6 +18,7 @@ def caches_for(plan: Plan) -> List[TieredCache]:
     for c in caches:
         c.fingerprint = plan.fingerprint
         c.plan_root = plan
+    link_groups(plan, caches)  # cross-layer groups (xquant): one coordinator shared by the caches
     return caches
 
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
+from . import coded
 from .cache import TieredCache
 from .make import caches_for
 
@@ -26,10 +27,12 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
     arrays: Dict[str, mx.array] = {}
     layers = []
     for i, cache in enumerate(caches):
+        cache.finish_prompt()  # a saved prompt is over: prompt-time eviction (SnapKV) decides first
         cache._settle()
         tiers = []
         for t, tier in enumerate(cache.tiers):
-            for name, arr in tier.arrays().items():
+            # Tiers whose codecs have entropy stages save their codes entropy-coded.
+            for name, arr in coded.encode(tier.arrays(), coded.sides_of(tier.plan)).items():
                 arrays[f"{i}.{t}.{name}"] = arr
             tiers.append([tier.start, tier.count])
         layers.append({"offset": cache.offset, "dtype": str(cache.dtype).split(".")[-1], "tiers": tiers})
@@ -67,8 +70,15 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tu
         cache.dtype = getattr(mx, info.get("dtype", "float16"))
         for t, (tier, (start, count)) in enumerate(zip(cache.tiers, info["tiers"])):
             mine = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{i}.{t}.")}
+            try:
+                mine = coded.decode(mine, coded.sides_of(tier.plan), int(count))
+            except coded.CodedStreamError as e:
+                raise CacheFileError(f"{path}: layer {i} tier {t} ({tier.plan.name}): {e}") from None
             problem = tier.restore(int(start), int(count), mine)
             if problem:
                 raise CacheFileError(f"{path}: layer {i} tier {t} ({tier.plan.name}): {problem}")
+    coordinator = getattr(caches[0], "coordinator", None) if caches else None
+    for problem in coordinator.problems() if coordinator else ():
+        raise CacheFileError(f"{path}: {problem}")  # re-linked, but the groups' tiers do not add up
     user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
     return caches, user

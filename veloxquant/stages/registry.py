@@ -68,4 +68,4 @@ def lookup(name: str) -> StageInfo:
 
 def load_builtin_stages() -> None:
     # Importing the modules runs their @stage decorators.
-    from . import codebook, route, store, transform  # noqa: F401
+    from . import codebook, entropy, evict, route, store, transform, xquant  # noqa: F401

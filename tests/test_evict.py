@@ -1,0 +1,231 @@
+"""Eviction by real attention: h2o, tova, proxy scores, snapkv, pyramidkv.
+
+Each cache is driven block by block and compared with a slow NumPy model of
+the published method written independently here (per head sets of kept
+positions, scores from explicit softmax).
+"""
+import numpy as np
+import mlx.core as mx
+import pytest
+
+import veloxquant
+from veloxquant.errors import RecipeError
+from veloxquant.recipe import load_recipe
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
+
+from conftest import feed, tiny_llama
+
+B, HQ, HKV, D = 1, 6, 2, 16
+SCALE = D ** -0.5
+
+
+def recipe(tmp_path, pipeline, name="t"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: {pipeline}\n")
+    return load_recipe(str(path))
+
+
+def layer_cache(model, tmp_path, pipeline):
+    return veloxquant.make_prompt_cache(model, recipe(tmp_path, pipeline))[0]
+
+
+def blocks(seed, sizes):
+    """Random (q, k, v) blocks; key norms vary per token and head, so heads have heavy hitters of their own."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, HQ, n, D), (B, HKV, n, D), (B, HKV, n, D)))
+        out.append((q, (k * np.exp(rng.standard_normal((B, HKV, n, 1)))).astype(np.float32), v))
+    return out
+
+
+class Reference:
+    """Per kv head: kept positions, their K/V and scores; the method's rules, slowly."""
+
+    def __init__(self, budget, sinks, score):
+        self.budget, self.sinks, self.score = budget, sinks, score
+        self.pos = [[] for _ in range(HKV)]
+        self.k = [[] for _ in range(HKV)]
+        self.v = [[] for _ in range(HKV)]
+        self.s = [[] for _ in range(HKV)]
+        self.seen = 0
+
+    def evict(self):
+        for h in range(HKV):
+            while len(self.pos[h]) > self.budget:
+                cand = [i for i, p in enumerate(self.pos[h]) if p >= self.sinks]
+                drop = min(cand, key=lambda i: self.s[h][i])
+                for lst in (self.pos[h], self.k[h], self.v[h], self.s[h]):
+                    lst.pop(drop)
+
+    @staticmethod
+    def softmax(K, query, P, qpos):
+        logits = K @ query * SCALE
+        logits[P > qpos] = -np.inf
+        w = np.exp(logits - logits.max())
+        return w / w.sum()
+
+    def step(self, q, k, v):
+        self.evict()
+        n = k.shape[2]
+        out = np.zeros((B, HQ, n, D), np.float64)
+        for h in range(HKV):
+            for j in range(n):
+                self.pos[h].append(self.seen + j)
+                self.k[h].append(k[0, h, j])
+                self.v[h].append(v[0, h, j])
+                self.s[h].append(0.0)
+            K, V, P = np.array(self.k[h], np.float64), np.array(self.v[h], np.float64), np.array(self.pos[h])
+            rep = HQ // HKV
+            got, last = np.zeros(len(P)), np.zeros(len(P))
+            for qh in range(h * rep, (h + 1) * rep):
+                for j in range(n):
+                    w = self.softmax(K, q[0, qh, j], P, self.seen + j)
+                    out[0, qh, j] = w @ V
+                    if self.score != "proxy":
+                        got += w
+                        last += w if j == n - 1 else 0
+            if self.score == "proxy":  # the new keys stand in for queries, one per kv head
+                for j in range(n):
+                    got += self.softmax(K, k[0, h, j], P, self.seen + j)
+            self.s[h] = list(last) if self.score == "current" else list(np.array(self.s[h]) + got)
+        self.seen += n
+        return out
+
+
+@pytest.mark.parametrize("score", ["mass", "current", "proxy"])
+def test_eviction_matches_reference(llama_model, tmp_path, score):
+    cache = layer_cache(llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}) | identity")
+    ref = Reference(8, 2, score)
+    for q, k, v in blocks(0, [12, 1, 1, 3, 1, 1, 1, 1, 1, 1]):
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        out = cache.attend(mx.array(q), SCALE)
+        np.testing.assert_allclose(np.array(out), ref.step(q, k, v), atol=2e-5)
+    cache._settle()
+    ref.evict()
+    held = np.array(cache.tiers[0].positions)
+    assert held.shape == (B, HKV, 8)
+    for h in range(HKV):
+        assert list(held[0, h]) == sorted(ref.pos[h])
+        assert {0, 1} <= set(held[0, h])  # sinks survive
+    assert (held[0, 0] != held[0, 1]).any(), "kv heads should keep different tokens"
+
+
+def test_bytes_are_the_arrays_held(llama_model, tmp_path):
+    cache = layer_cache(llama_model, tmp_path, "evict(budget=8, sinks=2) | affine(bits=4, group=16)")
+    for q, k, v in blocks(1, [20, 1]):
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        cache.attend(mx.array(q), SCALE)
+    cache._settle()
+    arrays = cache.state
+    assert cache.nbytes == sum(a.nbytes for a in arrays)
+    assert cache.tiers[0].count == 8 and cache.offset == 21
+
+
+def test_budget_above_context_is_exact(llama_model, tmp_path):
+    """With nothing to evict, h2o's explicit-softmax attention equals the plain cache's."""
+    tokens = mx.array(np.random.default_rng(2).integers(0, 500, (1, 40)))
+    plain = feed(llama_model, tokens, veloxquant.make_prompt_cache(llama_model, "fp16"), 16)
+    h2o = feed(llama_model, tokens, veloxquant.make_prompt_cache(llama_model, "h2o", ["budget=64"]), 16)
+    np.testing.assert_allclose(np.array(h2o), np.array(plain), atol=1e-4)
+
+
+def test_real_and_proxy_scores_keep_different_tokens(llama_model):
+    tokens = mx.array(np.random.default_rng(3).integers(0, 500, (1, 48)))
+    kept = {}
+    for score in ("mass", "proxy"):
+        caches = veloxquant.make_prompt_cache(llama_model, "h2o", [f"score={score}", "budget=16"])
+        feed(llama_model, tokens, caches, 48)
+        caches[0]._settle()
+        kept[score] = [np.array(c.tiers[0].positions) for c in caches]
+    assert any((a != b).any() for a, b in zip(kept["mass"], kept["proxy"]))
+
+
+def test_snapkv_decides_once_at_prompt_end(llama_model, tmp_path):
+    budget, window, pool, sinks = 16, 8, 3, 1
+    cache = layer_cache(llama_model, tmp_path, f"snap(budget={budget}, window={window}, pool={pool}, "
+                                                f"sinks={sinks}) | identity")
+    data = blocks(4, [16, 16, 8, 1, 1])
+    for q, k, v in data[:3]:  # the prompt, in chunks: nothing is evicted yet
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        cache.attend(mx.array(q), SCALE)
+    assert cache.tiers[0].count == 40
+    q_win = np.concatenate([d[0] for d in data[:3]], axis=2)[:, :, -window:]
+    K = np.concatenate([d[1] for d in data[:3]], axis=2)
+    for q, k, v in data[3:]:  # the first one-token step ends the prompt
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        cache.attend(mx.array(q), SCALE)
+    held = np.array(cache.tiers[0].positions)
+    assert held.shape[2] == budget + 2  # decode tokens are appended, never evicted
+    rep = HQ // HKV
+    for h in range(HKV):
+        votes = np.zeros(40)
+        for qh in range(h * rep, (h + 1) * rep):
+            for j in range(window):
+                logits = K[0, h] @ q_win[0, qh, j] * SCALE
+                logits[np.arange(40) > 32 + j] = -np.inf
+                w = np.exp(logits - logits.max())
+                votes += w / w.sum()
+        pooled = np.array([votes[max(0, i - 1):i + 2].max() for i in range(40)])
+        pooled[32:] = np.inf
+        pooled[:sinks] = np.inf
+        want = sorted(np.argsort(-pooled, kind="stable")[:budget])
+        assert list(held[0, h, :budget]) == want
+        assert list(held[0, h, budget:]) == [40, 41]
+
+
+def test_pyramid_flat_schedule_is_h2o_bit_for_bit(llama_model):
+    tokens = mx.array(np.random.default_rng(5).integers(0, 500, (1, 40)))
+    outs = []
+    for name, sets in (("h2o", ["budget=12"]), ("pyramidkv", ["budget=pyramid(from=12, to=12)"])):
+        caches = veloxquant.make_prompt_cache(llama_model, name, sets)
+        outs.append(np.array(feed(llama_model, tokens, caches, 8)))
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_pyramid_budgets_shrink_with_depth(llama_model):
+    caches = veloxquant.make_prompt_cache(llama_model, "pyramidkv", ["budget=pyramid(from=24, to=6)"])
+    feed(llama_model, mx.array(np.arange(40)[None] % 500), caches, 40)
+    held = [c.size() for c in caches]
+    assert held == [24, 18, 12, 6]
+
+
+def test_save_load_round_trip(llama_model, tmp_path):
+    tokens = mx.array(np.random.default_rng(6).integers(0, 500, (1, 30)))
+    caches = veloxquant.make_prompt_cache(llama_model, "h2o", ["budget=12"])
+    feed(llama_model, tokens[:, :24], caches, 24)
+    save_prompt_cache(tmp_path / "c.safetensors", caches)
+    loaded, _ = load_prompt_cache(tmp_path / "c.safetensors")
+    a = feed(llama_model, tokens[:, 24:], caches, 1)
+    b = feed(llama_model, tokens[:, 24:], loaded, 1)
+    assert np.array_equal(np.array(a), np.array(b))
+
+
+def test_trim_rewinds_only_what_every_head_holds(llama_model, tmp_path):
+    cache = layer_cache(llama_model, tmp_path, "evict(budget=8, sinks=2) | identity")
+    for q, k, v in blocks(7, [12, 1, 3]):
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        cache.attend(mx.array(q), SCALE)
+    assert cache.trim(3) == 3 and cache.offset == 13  # the newest block: still held by every head
+    cache._settle()
+    tail = cache.tiers[0].tail()
+    pos = np.array(cache.tiers[0].positions)
+    assert all(set(range(13 - tail, 13)) <= set(pos[0, h]) for h in range(HKV))
+    assert cache.trim(5) == min(5, tail) and cache.offset == 13 - min(5, tail)
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    ("evict(budget=8) >> drop", "must be the last tier"),
+    ("evict(budget=8, sinks=8)", "sinks=8 must be smaller than budget=8"),
+    ("evict(budget=32) | affine(bits=2, axis=channel)", "per-token codec"),
+    ("snap(budget=8, window=8, sinks=1)", "exceed budget"),
+    ("evict(budget=8, score=attention)", "must be one of"),
+])
+def test_bad_eviction_recipes(llama_model, tmp_path, pipeline, message):
+    with pytest.raises(RecipeError, match=message):
+        veloxquant.make_prompt_cache(llama_model, recipe(tmp_path, pipeline))
+
+
+def test_eviction_needs_the_hook(llama_model):
+    with pytest.raises(RecipeError, match="needs the attention hook"):
+        veloxquant.make_prompt_cache(llama_model, "h2o", use_hook=False)

@@ -1,0 +1,125 @@
+"""How much of fp16's attention lands on the tokens an eviction recipe kept.
+
+    python -m veloxquant.bench.kept_mass --prompt-tokens 1024 --budget 256
+
+The prompt goes through each recipe as mlx-lm's generate feeds it (all but
+the last token in one prefill call, then the last token alone), so eviction
+has run. Then the fp16 cache reads the next `--next` tokens of the text; their
+real queries' attention over the prompt, per layer and query head, is the
+yardstick: kept mass = the share of it on positions the recipe still holds
+(for that query head's kv head). Averaged over queries and heads, then layers.
+"""
+import argparse
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+from ..runtime.make import make_prompt_cache
+from ..runtime.scoring import attention_weights, position_mask
+
+ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]), ("tova", "tova", []),
+        ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", [])]
+
+
+class Recorder:
+    """Wraps a layer cache; keeps the queries attention is asked for."""
+
+    def __init__(self, cache):
+        self.cache, self.queries, self.scale = cache, [], None
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def update_and_fetch(self, keys, values):
+        return self.cache.update_and_fetch(keys, values)
+
+    def attend(self, queries, scale, mask=None, sinks=None):
+        self.queries.append(queries)
+        self.scale = scale
+        return self.cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
+
+
+def prompt_through(model, caches, prompt: mx.array) -> None:
+    model(prompt[:, :-1], cache=caches)
+    model(prompt[:, -1:], cache=caches)
+    mx.eval([c.state for c in caches])
+
+
+def fp16_weights(model, tokens: mx.array, n_prompt: int) -> List[mx.array]:
+    """Per layer: attention of the continuation queries over the prompt [B, Hkv, rep, Lq, n_prompt]."""
+    caches = make_prompt_cache(model, "fp16")
+    model(tokens[:, :n_prompt], cache=caches)
+    rec = [Recorder(c) for c in caches]
+    model(tokens[:, n_prompt:], cache=rec)
+    out = []
+    for r in rec:
+        (q,) = r.queries
+        k, _ = r.cache.tiers[0].decoded(mx.float32)
+        kpos = mx.broadcast_to(mx.arange(k.shape[2], dtype=mx.int32), k.shape[:3])
+        w = attention_weights(q, k, r.scale, position_mask(kpos, n_prompt, q.shape[2], None))
+        out.append(w[..., :n_prompt])
+    return out
+
+
+def kept_positions(caches) -> List[np.ndarray]:
+    return [np.array(c.tiers[-1].positions) for c in caches]
+
+
+def kept_mass(weights: List[mx.array], kept: List[np.ndarray], n_prompt: int) -> List[float]:
+    per_layer = []
+    for w, pos in zip(weights, kept):
+        onehot = np.zeros((*pos.shape[:2], n_prompt), np.float32)
+        np.put_along_axis(onehot, pos, 1.0, axis=2)
+        w = np.array(w)  # [B, Hkv, rep, Lq, n_prompt]
+        share = (w * onehot[:, :, None, None, :]).sum(-1) / np.maximum(w.sum(-1), 1e-30)
+        per_layer.append(float(share.mean()))
+    return per_layer
+
+
+def jaccard(a: List[np.ndarray], b: List[np.ndarray]) -> float:
+    scores = [len(set(x[0, h]) & set(y[0, h])) / len(set(x[0, h]) | set(y[0, h]))
+              for x, y in zip(a, b) for h in range(x.shape[1])]
+    return float(np.mean(scores))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="veloxquant bench kept-mass", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--next", type=int, default=32, help="continuation tokens whose queries are the yardstick")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--corpus", default="austen")
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args(argv)
+    from ..data.corpus import load_text
+    from ..models.default import load_model
+    model, tokenizer = load_model(args.model) if args.model else load_model()
+    ids = tokenizer.encode(load_text(args.corpus))[: args.prompt_tokens + args.next]
+    tokens = mx.array(ids)[None]
+    n = args.prompt_tokens
+    weights = fp16_weights(model, tokens, n)
+    kept: Dict[str, List[np.ndarray]] = {}
+    print(f"SmolLM2 prompt {n} tokens ({args.corpus}), budget {args.budget} per kv head; yardstick: fp16 "
+          f"attention of the next {args.next} tokens' queries over the prompt\n")
+    print("| recipe | held per head (layer mean) | fp16 attention mass kept, mean over layers | worst layer |")
+    print("| --- | --- | --- | --- |")
+    for label, name, sets in ROWS:
+        sets = sets + ([f"budget=pyramid(from={args.budget * 7 // 4}, to={args.budget // 4})"]
+                       if name == "pyramidkv" else [f"budget={args.budget}"])
+        caches = make_prompt_cache(model, name, sets)
+        prompt_through(model, caches, tokens[:, :n])
+        for c in caches:
+            c.finish_prompt()
+            c._settle()
+        kept[label] = kept_positions(caches)  # the whole prompt went in: every position is < n
+        per_layer = kept_mass(weights, kept[label], n)
+        held = np.mean([p.shape[2] for p in kept[label]])
+        worst = int(np.argmin(per_layer))
+        print(f"| {label} | {held:.0f} | {np.mean(per_layer):.4f} | {per_layer[worst]:.4f} (layer {worst}) |")
+    print(f"\nkept-set overlap (Jaccard, mean over layers and kv heads), h2o real vs proxy: "
+          f"{jaccard(kept['h2o'], kept['h2o proxy']):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Cross-layer groups: adjacent layers that share one anchor layer's codes (XQuant).
+
+A layer whose last tier stores with `xquant(layers=N)` joins a group: the first
+layer of a run of such layers is the anchor, the next N-1 reuse its codes. A
+group never reaches over a layer without xquant, and its layers must hold the
+same tokens the same way (same shape, same tiers) and no sliding window, or the
+reuse layers would ask for codes the anchor never made or already freed.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import attrs
+
+from ..errors import RecipeError
+from ..recipe.ast import Pipeline
+from .plan import CodecPlan, LayerPlan, Plan, Share, TierPlan
+
+STAGE = "xquant"
+
+
+def shares(codec: Optional[CodecPlan]) -> bool:
+    return codec is not None and codec.store.stage_name == STAGE
+
+
+def shared_tiers(layer: LayerPlan) -> List[int]:
+    """Indices of the tiers whose K or V codes a group shares."""
+    return [i for i, t in enumerate(layer.tiers) if shares(t.keys) or shares(t.values)]
+
+
+def assign_groups(layers: Sequence[LayerPlan], pipelines: Sequence[Pipeline]) -> Tuple[LayerPlan, ...]:
+    sizes = [_group_size(layer, pipe) for layer, pipe in zip(layers, pipelines)]
+    out, group, i = list(layers), 0, 0
+    while i < len(layers):
+        if sizes[i] is None:
+            i += 1
+            continue
+        members = [i]
+        while len(members) < sizes[i] and i + len(members) < len(layers) and sizes[i + len(members)] is not None:
+            members.append(i + len(members))
+        for m in members[1:]:
+            _check_match(layers[i], layers[m], pipelines[m])
+        for m in members:
+            out[m] = attrs.evolve(layers[m], share=Share(group, tuple(members)))
+        group, i = group + 1, i + len(members)
+    return tuple(out)
+
+
+def _group_size(layer: LayerPlan, pipeline: Pipeline) -> Optional[int]:
+    """`layers` of this layer's xquant stores, after checking where they stand; None without xquant."""
+    where = shared_tiers(layer)
+    if not where:
+        return None
+    pos = _xquant_pos(pipeline)
+    last = len(layer.tiers) - 1
+    tier = layer.tiers[where[0]]
+    if where != [last] or tier.route is not None:
+        raise RecipeError("xquant codes are shared across layers for as long as the cache lives, so xquant must "
+                          "stand in the last tier, which keeps every token that reaches it", pos,
+                          "e.g. recent(128) >> keys: xquant(...) values: xquant(...)")
+    if layer.window is not None:
+        raise RecipeError(f"layer {layer.index} has a sliding window of {layer.window} tokens, so it frees old "
+                          "tokens that xquant layers share across layers", pos,
+                          "give sliding layers another pipeline: layers: {sliding: {pipeline: ...}}")
+    for codec in (tier.keys, tier.values):
+        if shares(codec) and codec.residuals:
+            raise RecipeError("xquant codes its drift itself (residual_bits); residual(...) cannot follow it", pos)
+        if shares(codec) and getattr(codec, "entropy", ()):
+            raise RecipeError("xquant's codes live in the anchor layer only, so saved caches cannot entropy-code "
+                              "them per layer yet", pos, "remove the entropy stages after xquant")
+    sizes = {c.store.layers for c in (tier.keys, tier.values) if shares(c)}
+    if len(sizes) > 1:
+        asked = " and ".join(map(str, sorted(sizes)))
+        raise RecipeError(f"the keys and values of layer {layer.index} ask for groups of {asked} layers; a group "
+                          "shares both", pos, "give both xquant stages the same layers=")
+    return sizes.pop()
+
+
+def _check_match(anchor: LayerPlan, layer: LayerPlan, pipeline: Pipeline) -> None:
+    if (anchor.n_kv_heads, anchor.head_dim) != (layer.n_kv_heads, layer.head_dim):
+        raise RecipeError(f"layers {anchor.index} and {layer.index} would share xquant codes, but their heads differ "
+                          f"({anchor.n_kv_heads}x{anchor.head_dim} vs {layer.n_kv_heads}x{layer.head_dim})",
+                          _xquant_pos(pipeline), "end the group earlier: a smaller layers= or a layer override")
+    if anchor.tiers != layer.tiers:
+        raise RecipeError(f"layers {anchor.index} and {layer.index} would share xquant codes, but their tiers differ "
+                          f"({_tiers_text(anchor.tiers)} vs {_tiers_text(layer.tiers)}); the layers of a group must "
+                          "hold the same tokens the same way", _xquant_pos(pipeline),
+                          "use the same pipeline and parameters for every layer of a group")
+
+
+def _tiers_text(tiers: Sequence[TierPlan]) -> str:
+    return " >> ".join(t.name if t.route is None else f"{t.route.stage_name}({getattr(t.route, 'n', '')})"
+                       for t in tiers) + f" [{tiers[-1].keys.text()}]"
+
+
+def _xquant_pos(pipeline: Pipeline):
+    for tier in pipeline.tiers:
+        for call in tier.stages + (tier.keys or ()) + (tier.values or ()):
+            if call.name == STAGE:
+                return call.pos
+    return pipeline.tiers[0].pos
+
+
+# --- cost and explain ----------------------------------------------------------------
+
+def codec_bits(codec: CodecPlan, head_dim: int, role: Optional[str]) -> float:
+    """Bits per element this layer really holds: a reuse layer holds no codes."""
+    if role == "reuse" and shares(codec):
+        return codec.store.reuse_bits_per_element(head_dim)
+    return codec.bits_per_element(head_dim)
+
+
+def render_groups(plan: Plan) -> List[str]:
+    """One line per cross-layer group: who holds the codes, who reuses them, and what each costs."""
+    seen, lines = set(), []
+    for layer in plan.layers:
+        share = layer.share
+        if share is None or share.group in seen:
+            continue
+        seen.add(share.group)
+        span = f"layer {share.anchor}" if len(share.layers) == 1 else f"layers {share.layers[0]}-{share.layers[-1]}"
+        reuse = ", ".join(map(str, share.layers[1:])) or "none"
+        tier = layer.tiers[shared_tiers(layer)[0]]
+        costs = ", ".join(f"{r} {_bits(tier, layer.head_dim, r):.2f}" for r in ("anchor", "reuse")[:len(share.layers)])
+        lines.append(f"    {span + ':':<14} group {share.group}, anchor {share.anchor}, reuse {reuse}"
+                     f"  (bits/elem in the shared tier: {costs})")
+    if not lines:
+        return []
+    return ["", "cross-layer groups (xquant: the anchor holds the codes; reuse layers hold their own "
+                "scale/zero [+ residual] and read the anchor's codes):"] + lines
+
+
+def _bits(tier: TierPlan, head_dim: int, role: str) -> float:
+    return (codec_bits(tier.keys, head_dim, role) + codec_bits(tier.values, head_dim, role)) / 2

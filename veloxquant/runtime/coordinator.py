@@ -1,0 +1,94 @@
+"""The coordinator shared by one model's layer caches: cross-layer groups (XQuant).
+
+The compiler puts layers in groups (LayerPlan.share). Here each reuse layer's
+shared tier becomes a ReuseTier whose Link reads the anchor layer's packed
+codes for the positions it holds. Layers stay in step because mlx-lm runs
+layer i before layer j in every step and all layers of a group route tokens
+the same way; the Link checks that, and refuses reads or trims that would let
+a reuse layer drift from its anchor's codes.
+"""
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..compiler.groups import shared_tiers
+from ..compiler.plan import Plan
+from ..errors import VeloxError
+from .reuse_tier import ReuseTier
+
+TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"
+
+
+class Link:
+    """One reuse layer's way to its anchor's codes in one tier."""
+
+    def __init__(self, coordinator: "Coordinator", anchor: int, layer: int, tier: int):
+        self.coordinator, self.anchor, self.layer, self.tier = coordinator, anchor, layer, tier
+
+    def _anchor_tier(self):
+        return self.coordinator.caches[self.anchor].tiers[self.tier]
+
+    def codes(self, side: str, start: int, end: int) -> mx.array:
+        """The anchor's packed codes for positions [start, end): a slice, never a copy."""
+        anchor = self.coordinator.caches[self.anchor]
+        tier = self._anchor_tier()
+        if not (tier.start <= start and end <= tier.end):
+            anchor._settle()  # the anchor moves its overflow on lazily; it has seen these tokens first
+        problem = self.problem(start, end)
+        if problem:
+            raise VeloxError(problem)
+        codes = tier.buffers[side]["codes"].view()
+        return codes[:, :, start - tier.start:end - tier.start]
+
+    def problem(self, start: int, end: int) -> Optional[str]:
+        anchor, mine = self.coordinator.caches[self.anchor], self.coordinator.caches[self.layer]
+        tier = self._anchor_tier()
+        if anchor.offset < mine.offset:
+            return (f"layer {self.layer} reuses layer {self.anchor}'s xquant codes, but layer {self.anchor} has seen "
+                    f"{anchor.offset} positions and layer {self.layer} {mine.offset}: the anchor was trimmed or "
+                    f"skipped alone; {TRIM_HINT}")
+        if start < end and not (tier.start <= start and end <= tier.end):
+            held = f"{tier.start}-{tier.end - 1}" if tier.count else "none"
+            return (f"layer {self.layer} reads layer {self.anchor}'s xquant codes for positions {start}-{end - 1}, "
+                    f"but layer {self.anchor} holds codes for {held}; {TRIM_HINT}")
+        return None
+
+    def check_trim(self, start: int, end: int) -> None:
+        """A reuse layer may drop positions only once its anchor has dropped them too."""
+        if start < self._anchor_tier().end:
+            raise VeloxError(f"refused: trimming layer {self.layer} would drop its xquant params for positions "
+                             f"{start}-{end - 1} while its anchor, layer {self.anchor}, still holds their codes; "
+                             f"{TRIM_HINT}, anchors first")
+
+
+class Coordinator:
+    """Shared by the caches of one model; built by caches_for, so loading a saved cache re-links it."""
+
+    def __init__(self, plan: Plan, caches: List):
+        self.caches = caches
+        self.links: List[Link] = []
+        for layer, cache in zip(plan.layers, caches):
+            cache.coordinator = self
+            if layer.role != "reuse":
+                continue
+            for t in shared_tiers(layer):
+                link = Link(self, layer.share.anchor, layer.index, t)
+                cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
+                self.links.append(link)
+
+    def problems(self) -> List[str]:
+        """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
+        out = []
+        for link in self.links:
+            tier = self.caches[link.layer].tiers[link.tier]
+            problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)
+            if problem:
+                out.append(problem)
+        return out
+
+
+def link_groups(plan: Plan, caches: List) -> Optional[Coordinator]:
+    """One coordinator for the model when its plan has cross-layer groups."""
+    if not any(layer.share for layer in plan.layers):
+        return None
+    return Coordinator(plan, caches)

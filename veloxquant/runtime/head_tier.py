@@ -1,0 +1,148 @@
+"""A tier whose kv heads each keep their own tokens (eviction by score).
+
+Every array's axis 2 counts tokens, so evicting is one gather per array.
+Heads hold equally many tokens but at different positions: `pos` [B, H, L]
+says which, and masks are built from it. Positions and scores are real
+memory and count in nbytes.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..compiler.plan import TierPlan
+from .buffer import Buffer
+from .codec import Codec
+from .tier import UNBOUNDED_STEP
+
+META = ("pos", "score")  # arrays beside the codec's: positions and running scores
+
+
+class HeadTier:
+    per_head = True
+    fusable = False
+    granularity = 1
+
+    def __init__(self, plan: TierPlan):
+        self.plan = plan
+        self.route = plan.route
+        self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        self.buffers: Dict[str, Dict[str, Buffer]] = {
+            side: {name: Buffer(UNBOUNDED_STEP) for name in codec.units()} for side, codec in self.codecs.items()}
+        self.meta = {name: Buffer(UNBOUNDED_STEP) for name in META}
+        self.count = 0  # tokens per head
+        self.decided = False  # `once` routes (SnapKV) decide a single time
+
+    # --- contents -------------------------------------------------------
+    drops = False
+
+    @property
+    def positions(self) -> Optional[mx.array]:
+        return self.meta["pos"].view()
+
+    @property
+    def scores(self) -> Optional[mx.array]:
+        return self.meta["score"].view()
+
+    @property
+    def start(self) -> int:
+        return int(mx.min(self.positions).item()) if self.count else 0
+
+    @property
+    def end(self) -> int:
+        return int(mx.max(self.positions).item()) + 1 if self.count else 0
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        B, H, n, _ = keys.shape
+        for side, x in (("k", keys), ("v", values)):
+            for name, arr in self.codecs[side].encode(x).items():
+                self.buffers[side][name].append(arr)
+        pos = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (B, H, n))
+        self.meta["pos"].append(pos)
+        self.meta["score"].append(mx.zeros((B, H, n), mx.float32))
+        self.count += n
+
+    def encoded(self, side: str) -> Dict[str, mx.array]:
+        return {name: buf.view() for name, buf in self.buffers[side].items()}
+
+    def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
+        return tuple(self.codecs[s].decode(self.encoded(s), dtype) for s in ("k", "v"))
+
+    # --- scoring and eviction ---------------------------------------------
+    def observe(self, received: mx.array, newest: mx.array) -> None:
+        """received: attention each held token got from this step's queries [B, H, L];
+        newest: from the last query only (what a memoryless score keeps)."""
+        if self.route.score == "current":
+            self.meta["score"].set(newest)
+        else:
+            self.meta["score"].set(self.scores + received)
+
+    def keep(self, priority: mx.array) -> None:
+        """Keep the `budget` highest-priority tokens of each head, in position order."""
+        budget = self.route.budget
+        protected = self.positions < self.route.sinks
+        priority = mx.where(protected, mx.inf, priority)
+        idx = mx.argpartition(-priority, kth=budget - 1, axis=2)[:, :, :budget]
+        idx = mx.sort(idx, axis=2)  # older first, so the newest tokens stay at the back
+        for bufs in (*self.buffers.values(), self.meta):
+            for buf in bufs.values():
+                arr = buf.view()
+                gather = idx.reshape(*idx.shape, *([1] * (arr.ndim - 3)))
+                buf.set(mx.take_along_axis(arr, gather, axis=2))
+        self.count = budget
+
+    def evict(self) -> None:
+        """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
+        if not self.route.once and self.count > self.route.budget:
+            self.keep(self.scores)
+
+    # --- trimming -----------------------------------------------------------
+    def tail(self) -> int:
+        """How many of the newest positions every head still holds (what trim can rewind)."""
+        if not self.count:
+            return 0
+        pos = self.positions
+        expected = self.end - 1 - mx.arange(self.count - 1, -1, -1)
+        run = mx.cumprod((pos == expected)[..., ::-1].astype(mx.int32), axis=-1)
+        return int(mx.min(mx.sum(run, axis=-1)).item())
+
+    def drop_back(self, n: int) -> None:
+        for bufs in (*self.buffers.values(), self.meta):
+            for buf in bufs.values():
+                buf.drop_back(n)
+        self.count -= n
+
+    def drop_front(self, n: int) -> None:
+        pass  # sliding-window expiry: heads differ, so old tokens are masked, not dropped
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
+
+    # --- persistence ----------------------------------------------------
+    def arrays(self) -> Dict[str, mx.array]:
+        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items() for name, buf in bufs.items()}
+        out.update({name: buf.view() for name, buf in self.meta.items()})
+        return {k: v for k, v in out.items() if v is not None}
+
+    def expected_names(self) -> List[str]:
+        return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs] + list(META)
+
+    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
+        self.count = count
+        self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
+        for key in self.expected_names():
+            side, _, name = key.rpartition(".")
+            buf = self.buffers[side][name] if side else self.meta[name]
+            arr = arrays.get(key)
+            if count == 0:
+                buf.set(None)
+                continue
+            if arr is None:
+                return f"missing array {key}"
+            if arr.ndim < 3 or arr.shape[2] != count:
+                return f"array {key} has shape {tuple(arr.shape)}, which does not hold {count} tokens per head"
+            buf.set(arr)
+        pos = self.positions
+        if count and (pos.dtype != mx.int32 or bool(mx.any(pos[..., 1:] <= pos[..., :-1]).item())):
+            return "positions are not increasing int32 per head"
+        return None

@@ -1,0 +1,82 @@
+"""The tier of a reuse layer in a cross-layer group (XQuant).
+
+It holds only its own arrays (per-group scale and zero, and the optional
+residual); the integer codes it is decoded from are read, packed and uncopied,
+from the anchor layer's tier through the coordinator, by range of positions.
+"""
+from typing import Callable, Dict, Tuple
+
+import mlx.core as mx
+
+from ..compiler.groups import shares
+from ..compiler.plan import CodecPlan, TierPlan
+from ..stages.bitpack import unpack
+from .buffer import Buffer
+from .tier import UNBOUNDED_STEP, Tier
+
+CodesOf = Callable[[int, int], mx.array]  # (start, end) -> the anchor's packed codes for those positions
+
+
+class ReuseCodec:
+    """Transforms, then the xquant store in its reuse role: fit to / decode from the anchor's codes."""
+
+    residuals = ()  # the store codes its own drift
+
+    def __init__(self, plan: CodecPlan, codes_of: CodesOf):
+        self.plan, self.store, self.transforms = plan, plan.store, plan.transforms
+        self.codes_of = codes_of
+
+    def units(self) -> Dict[str, int]:
+        return self.store.reuse_units()
+
+    def _codes(self, start: int, end: int, head_dim: int) -> mx.array:
+        return unpack(self.codes_of(start, end), self.store.bits, head_dim).astype(mx.float32)
+
+    def encode(self, x: mx.array, start: int) -> Dict[str, mx.array]:
+        for t in self.transforms:
+            x = t.forward(x)
+        return self.store.fit(x, self._codes(start, start + x.shape[2], x.shape[-1]))
+
+    def decode(self, enc: Dict[str, mx.array], dtype, start: int, end: int, head_dim: int) -> mx.array:
+        x = self.store.rebuild(enc, self._codes(start, end, head_dim), mx.float32 if self.transforms else dtype)
+        for t in reversed(self.transforms):
+            x = t.inverse(x)
+        return x.astype(dtype)
+
+
+class ReuseTier(Tier):
+    fusable = False  # no fused kernel reads codes from another layer yet
+
+    def __init__(self, plan: TierPlan, link, head_dim: int):
+        super().__init__(plan)
+        self.link, self.head_dim = link, head_dim  # link: coordinator.Link, the way to the anchor's codes
+        for side, codec in (("k", plan.keys), ("v", plan.values)):
+            if shares(codec):
+                self.codecs[side] = ReuseCodec(codec, lambda s, e, side=side: link.codes(side, s, e))
+                # The last tier is unbounded (checked by the compiler): grow in steps, like Tier.
+                self.buffers[side] = {name: Buffer(max(1, UNBOUNDED_STEP // per_unit))
+                                      for name, per_unit in self.codecs[side].units().items()}
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        if self.count == 0:
+            self.start = start
+        for side, x in (("k", keys), ("v", values)):
+            codec = self.codecs[side]
+            enc = codec.encode(x, start) if isinstance(codec, ReuseCodec) else codec.encode(x)
+            for name, arr in enc.items():
+                self.buffers[side][name].append(arr)
+        self.count += keys.shape[2]
+
+    def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
+        out = []
+        for side in ("k", "v"):
+            codec, enc = self.codecs[side], self.encoded(side)
+            if isinstance(codec, ReuseCodec):
+                out.append(codec.decode(enc, dtype, self.start, self.end, self.head_dim))
+            else:
+                out.append(codec.decode(enc, dtype))
+        return tuple(out)
+
+    def drop_back(self, n: int) -> None:
+        self.link.check_trim(self.end - n, self.end)  # refuse to drift from the anchor's codes
+        super().drop_back(n)
