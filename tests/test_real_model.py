@@ -83,3 +83,27 @@ def _raw_recipe() -> str:
     path.write("veloxquant: 1\nname: raw\npipeline: identity\n")
     path.close()
     return path.name
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "pyramidkv", "cachegen", "xquant", "turboquant_rvq"])
+def test_builtin_runs_in_mlx_lm_generate_with_honest_bytes(smollm2, austen_ids, name):
+    """mlx-lm's own generate loop drives the caches; bytes are those of the arrays held."""
+    from mlx_lm.generate import generate_step
+    model, _ = smollm2
+    caches = vq.make_prompt_cache(model, name, ["budget=128"] if name in ("h2o", "tova", "snapkv") else [])
+    prompt = mx.array(austen_ids[:384])
+    steps = [tok for (tok, _), _ in zip(generate_step(prompt, model, prompt_cache=caches), range(4))]
+    assert len(steps) == 4
+    report = cache_report(caches)
+    assert report["attention"] == "by tiers (hook)"
+    for c in caches:  # nbytes is the allocation: what state shows plus growth slack (< 64 tokens per array)
+        shown = sum(a.nbytes for a in c.state)
+        slack = sum(a.nbytes // a.shape[2] * 64 for a in c.state if a.ndim >= 3)
+        assert shown <= c.nbytes <= shown + slack, (shown, c.nbytes)
+    if name in ("h2o", "tova"):
+        assert all(c.size() == 128 for c in caches)
+    if name == "snapkv":  # decided when the last prompt token arrives alone; it and decode tokens are appended
+        assert all(c.size() == 128 + c.offset - 383 for c in caches)  # the last prompt token comes after
+    if name == "pyramidkv":
+        sizes = [c.size() for c in caches]
+        assert sizes[0] == caches[0].offset and sizes[-1] == 64, sizes  # layer 0's budget (448) exceeds it

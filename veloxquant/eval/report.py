@@ -54,9 +54,15 @@ def table(result: Dict) -> str:
         mib = "–" if peak is None else f"{peak / 2**20:.0f} (+{extra / 2**20:.0f})"
         lines.append(
             f"| {r['name']} | {_f(c['bytes_per_token'], ',.0f')} | {_f(c['ratio'], '.3f')} "
-            f"| {_f(r['ppl'], '.3f')} | {_delta(r)} | {_passkey(r)} | {_fid(r)} "
+            f"| {_f(r['ppl'], '.3f', 'fails¹' if r.get('error') else '–')} | {_delta(r)} | {_passkey(r)} "
+            f"| {_fid(r)} "
             f"| {mib} | {_f(c['prefill_tok_s'], '.0f')} "
             f"| {_f(c['decode_tok_s'], '.1f')} |")
+    notes = [f"- {r['name']}: {r['error']}" for r in result["rows"] if r.get("error")]
+    notes += [f"- {r['name']} (fidelity only): {r['fidelity_error']}" for r in result["rows"]
+              if r.get("fidelity_error")]
+    if notes:
+        lines += ["", "¹ the row could not run on this backend; its error:", ""] + notes
     return "\n".join(lines)
 
 

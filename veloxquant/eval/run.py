@@ -48,24 +48,39 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     bar = tqdm(total=total, desc="eval", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     out_rows = []
     try:
-        fid = {}
-        if fid_wins:
+        # A row whose cache cannot run on this backend (e.g. an op the backend
+        # lacks) is reported with its error instead of ending the evaluation.
+        failed = {row.name: _probe(model, row, corpus, cfg.prefill_chunk) for row in rows}
+        failed = {k: v for k, v in failed.items() if v}
+        fid, fid_error = {}, None
+        live = [row for row in rows if row.name not in failed]
+        if fid_wins and live:
             bar.set_description("eval fidelity (all rows)")
-            fid = fidelity.measure(model, rows[0], rows, fid_wins, cfg.prefix, cfg.prefill_chunk,
-                                   cfg.score_chunk, on_window=lambda: bar.update(1))
+            try:
+                fid = fidelity.measure(model, rows[0], live, fid_wins, cfg.prefix, cfg.prefill_chunk,
+                                       cfg.score_chunk, on_window=lambda: bar.update(1))
+            except Exception as e:  # noqa: BLE001 -- recorded in the result
+                fid_error = _why(e)
+                uninstall(model)
         for row in rows:
             bar.set_description(f"eval {row.name}")
             done, asked = [], []
             probe = row.make(model)  # only to describe the row (fingerprint); never fed
+            error = failed.get(row.name)
             with cost.PeakMemory() as peak:
-                for w in wins:
-                    done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
-                                               cfg.prefill_chunk, cfg.score_chunk))
-                    bar.update(1)
-                for p in prompts:
-                    asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
-                                             cfg.passkey_max_tokens))
-                    bar.update(1)
+                try:
+                    for w in ([] if error else wins):
+                        done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
+                                                   cfg.prefill_chunk, cfg.score_chunk))
+                        bar.update(1)
+                    for p in ([] if error else prompts):
+                        asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
+                                                 cfg.passkey_max_tokens))
+                        bar.update(1)
+                except Exception as e:  # noqa: BLE001 -- recorded in the result
+                    error = _why(e)
+                    done, asked = [], []
+                    uninstall(model)
             nll, n = sum(d["nll"] for d in done), sum(d["tokens"] for d in done)
             r = row.describe(probe)
             r["ppl"] = math.exp(nll / n) if n else None
@@ -74,8 +89,12 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             r["window_ppl"] = [math.exp(d["nll"] / d["tokens"]) for d in done]
             r["passkey"] = passkey.summarize(asked) if asked else None
             r["fidelity"] = fidelity.summarize(fid[row.name]) if row.name in fid else None
-            r["cost"] = _row_cost(shape, done, asked, peak)
+            r["cost"] = _row_cost(shape, done, asked, None if error else peak)
             r["attention"] = done[0]["attention"] if done else None
+            if error:
+                r["error"] = error
+            elif fid_error and fid_wins:
+                r["fidelity_error"] = fid_error
             out_rows.append(r)
     finally:
         bar.close()
@@ -96,6 +115,27 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         "rows": out_rows,
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def _probe(model, row, corpus: List[int], chunk: int) -> Optional[str]:
+    """None if a short prefill plus one decode step runs with the row's caches,
+    else the error (type: first line)."""
+    from ..runtime import uninstall
+    toks = corpus[: max(2, min(chunk, 256) + 1)]
+    try:
+        caches = row.make(model)
+        x = mx.array(toks)[None]
+        mx.eval(model(x[:, :-1], cache=caches))
+        mx.eval(model(x[:, -1:], cache=caches))
+        return None
+    except Exception as e:  # noqa: BLE001 -- the caller records it
+        return _why(e)
+    finally:
+        uninstall(model)
 
 
 def _compute_dtype(model) -> str:

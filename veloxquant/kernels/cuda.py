@@ -150,6 +150,18 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     return Plan(R, nrb, ch, chunks, ns, smem, template)
 
 
+def _strip(src: str) -> str:
+    """The source without comment lines and blank lines: MLX rebuilds the full
+    kernel text on every call (graph construction), so shorter is cheaper."""
+    out = []
+    for line in src.splitlines():
+        t = line.strip()
+        if not t or t.startswith("//"):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def attend_header(threads: int) -> str:
     """The attend kernel's header: launch bounds first (see the .cu file)."""
     return f"#define VQ_LAUNCH_BOUNDS {threads}, {blocks_per_sm(threads)}\n" + sections()["header"]
@@ -161,7 +173,7 @@ def _attend_kernel(smem: int, threads: int):
         name=f"vq_affine_attend_{smem}_{threads}_{blocks_per_sm(threads)}",
         input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
         output_names=["pm", "pl", "pacc"],
-        source=sections()["attend"], header=attend_header(threads), shared_memory=smem)
+        source=_strip(sections()["attend"]), header=_strip(attend_header(threads)), shared_memory=smem)
 
 
 @lru_cache(maxsize=None)
@@ -169,11 +181,38 @@ def _reduce_kernel():
     s = sections()
     return mx.fast.cuda_kernel(
         name="vq_affine_reduce", input_names=["pm", "pl", "pacc"], output_names=["out", "lse"],
-        source=s["reduce"], header=s["header"])
+        source=_strip(s["reduce"]), header=_strip(s["header"]))
 
 
 def _float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+class _Launch(NamedTuple):
+    """Everything one call needs, prepared once per (shapes, specs, scale)."""
+    attend: object
+    a_kw: dict
+    reduce: object
+    r_kw: dict
+
+
+def _spec_key(spec: Spec) -> tuple:
+    return spec_fields(spec)
+
+
+@lru_cache(maxsize=1024)
+def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float,
+            chunk: int) -> _Launch:
+    B, Hq, Lq, D = qshape
+    _, Hkv, L, _ = cshape
+    p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale, chunk)
+    nrows = B * Hq * Lq
+    f32 = mx.float32
+    a_kw = dict(template=list(p.template), grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
+                output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
+    r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
+                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
+    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), r_kw)
 
 
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
@@ -182,20 +221,13 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     """The fused kernel. Same contract as reference.affine_partial_attention; the
     caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
     other op: inputs go in as they are (4-D, row-contiguous), outputs come out
-    in their final shapes."""
-    B, Hq, Lq, D = q.shape
-    _, Hkv, L, _ = k_enc["codes"].shape
-    p = plan(B, Hq, Lq, D, Hkv, L, q.dtype, spec_fields(k_spec), spec_fields(v_spec), float(scale), chunk or 0)
-    nrows = B * Hq * Lq
-    pm, pl, pacc = _attend_kernel(p.smem, D)(
-        inputs=[q, k_enc["codes"], k_enc["scales"], k_enc["zeros"],
-                v_enc["codes"], v_enc["scales"], v_enc["zeros"]],
-        template=list(p.template),
-        grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
-        output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    out, lse = _reduce_kernel()(
-        inputs=[pm, pl, pacc], template=[("D", D)],
-        grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[mx.float32, mx.float32])
+    in their final shapes. The launch parameters are prepared once per
+    (shapes, specs, scale) (`_launch`): per call only the two kernel calls
+    remain on the host."""
+    kc = k_enc["codes"]
+    la = _launch(tuple(q.shape), q.dtype, tuple(kc.shape), _spec_key(k_spec), _spec_key(v_spec),
+                 float(scale), chunk or 0)
+    pm, pl, pacc = la.attend(inputs=[q, kc, k_enc["scales"], k_enc["zeros"],
+                                     v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
+    out, lse = la.reduce(inputs=[pm, pl, pacc], **la.r_kw)
     return out, lse

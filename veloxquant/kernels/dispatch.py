@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 import mlx.core as mx
 
 from . import reference
-from .reference import Spec
+from .reference import Spec, spec_fields
 
 # Backends on which kernels/cuda/affine_attention.cu passed tests/test_kernels.py
 # (the gpu-marked parity tests) on real hardware: NVIDIA H200, mlx 0.32.4 (CUDA 13),
@@ -53,11 +53,25 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
         return "reference", "the CUDA kernel is not verified on this backend"
     if not scale > 0:
         return "reference", "non-positive scale"
+    # The answer depends only on shapes, dtypes and specs: decided once per
+    # signature (a decode step asks the same question for every layer).
+    try:
+        key = (q.ndim, tuple(q.shape), q.dtype, spec_fields(k_spec), spec_fields(v_spec),
+               *((tuple(e[n].shape), e[n].dtype) for e in (k_enc, v_enc) for n in ("codes", "scales", "zeros")))
+    except (KeyError, TypeError, AttributeError):
+        key = None
+    hit = _CHOICES.get(key) if key is not None else None
+    if hit is not None:
+        return hit
     from . import cuda  # imported late: only this path needs the kernel source
     why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
-    if why:
-        return "reference", why
-    return "cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu)"
+    res = ("reference", why) if why else ("cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu)")
+    if key is not None and len(_CHOICES) < 4096:
+        _CHOICES[key] = res
+    return res
+
+
+_CHOICES: Dict[tuple, Tuple[str, str]] = {}
 
 
 def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
