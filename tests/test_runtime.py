@@ -187,3 +187,15 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
     monkeypatch.setattr(TieredCache, "_kernel", reference_kernel)
     merged = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
     assert maxdiff(dense, merged) < 1e-3
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_window_smaller_than_a_channel_group_spills_whole_groups(llama_model, chunk):
+    """kivi with window=16 and key groups of 32 tokens: the window waits for a whole group."""
+    caches = vq.make_prompt_cache(llama_model, "kivi", ["window=16"])
+    tokens = mx.array(np.arange(100)[None] % 500)
+    logits = feed(llama_model, tokens, caches, chunk)
+    recent, rest = caches[0].tiers
+    caches[0]._settle()
+    assert rest.count % 32 == 0 and rest.count + recent.count == 100
+    assert recent.count <= 16 and bool(mx.all(mx.isfinite(logits)).item())

@@ -38,9 +38,13 @@ class Recent:
         return count
 
     def spill(self, held: int, chunk: int) -> int:
-        # Spill whole chunks so the next tier's groups are complete; keep <= n.
+        # Spill whole chunks so the next tier's groups are complete: enough to keep
+        # <= n when whole chunks allow it; a window smaller than a chunk waits for one.
         over = held - self.n
-        return 0 if over <= 0 else min(held, -(-over // chunk) * chunk)
+        if over <= 0:
+            return 0
+        whole = -(-over // chunk) * chunk
+        return whole if whole <= held else held // chunk * chunk
 
 
 @stage("drop", "route")
