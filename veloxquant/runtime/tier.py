@@ -57,10 +57,15 @@ class Tier:
     def take_front(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
         """Remove the n oldest tokens and return them decoded, with their start."""
         start = self.start
-        k, v = self.decoded(dtype)
-        k, v = k[:, :, :n], v[:, :, :n]
+        # Decode only the front n tokens (n is a whole number of every array's units).
+        k, v = (self._front(side, n, dtype) for side in ("k", "v"))
         self.drop_front(n)
         return k, v, start
+
+    def _front(self, side: str, n: int, dtype) -> mx.array:
+        units = self.codecs[side].units()
+        return self.codecs[side].decode({name: buf.view()[:, :, : n // units[name]]
+                                         for name, buf in self.buffers[side].items()}, dtype)
 
     def drop_front(self, n: int) -> None:
         for side, codec in self.codecs.items():
