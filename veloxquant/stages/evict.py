@@ -15,9 +15,22 @@ def _sinks_below_budget(instance, attribute, value):
         raise ValueError(f"sinks={value} must be smaller than budget={instance.budget}")
 
 
+class _PerHeadRoute:
+    """Takes every token offered; the tier itself decides what leaves (nothing spills on)."""
+    bounded = False
+    spills = False
+    per_head = True
+
+    def take(self, start: int, count: int, held: int) -> int:
+        return count
+
+    def spill(self, held: int, chunk: int) -> int:
+        return 0
+
+
 @stage("evict", "route", needs=("attention",))
 @attrs.frozen
-class Evict:
+class Evict(_PerHeadRoute):
     """Keeps `budget` tokens per head; evicts the lowest-scoring ones every step.
 
     score=mass: attention received so far, accumulated (H2O);
@@ -29,21 +42,12 @@ class Evict:
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     score: str = attrs.field(default="mass", validator=choices("mass", "current", "proxy"))
 
-    bounded = False  # the tier itself decides what leaves: nothing spills on
-    spills = False
-    per_head = True
     once = False
-
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
-
-    def spill(self, held: int, chunk: int) -> int:
-        return 0
 
 
 @stage("snap", "route", needs=("attention",))
 @attrs.frozen
-class Snap:
+class Snap(_PerHeadRoute):
     """SnapKV: once, at the end of the prompt, keeps `budget` tokens per head.
 
     The last `window` prompt queries vote (their attention, max-pooled over
@@ -55,18 +59,9 @@ class Snap:
     pool: int = attrs.field(default=7, validator=in_range(1, 1 << 10))
     sinks: int = attrs.field(default=0, validator=[in_range(0, 1 << 20), _sinks_below_budget])
 
-    bounded = False
-    spills = False
-    per_head = True
     once = True
     score = "window"
 
     def __attrs_post_init__(self):
         if self.window + self.sinks > self.budget:
             raise ValueError(f"window={self.window} plus sinks={self.sinks} exceed budget={self.budget}")
-
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
-
-    def spill(self, held: int, chunk: int) -> int:
-        return 0
