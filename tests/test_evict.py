@@ -42,8 +42,8 @@ def blocks(seed, sizes):
 class Reference:
     """Per kv head: kept positions, their K/V and scores; the method's rules, slowly."""
 
-    def __init__(self, budget, sinks, score):
-        self.budget, self.sinks, self.score = budget, sinks, score
+    def __init__(self, budget, sinks, score, recent=0):
+        self.budget, self.sinks, self.score, self.recent = budget, sinks, score, recent
         self.pos = [[] for _ in range(HKV)]
         self.k = [[] for _ in range(HKV)]
         self.v = [[] for _ in range(HKV)]
@@ -53,7 +53,7 @@ class Reference:
     def evict(self):
         for h in range(HKV):
             while len(self.pos[h]) > self.budget:
-                cand = [i for i, p in enumerate(self.pos[h]) if p >= self.sinks]
+                cand = [i for i, p in enumerate(self.pos[h]) if self.sinks <= p < self.seen - self.recent]
                 drop = min(cand, key=lambda i: self.s[h][i])
                 for lst in (self.pos[h], self.k[h], self.v[h], self.s[h]):
                     lst.pop(drop)
@@ -93,10 +93,10 @@ class Reference:
         return out
 
 
-@pytest.mark.parametrize("score", ["mass", "current", "proxy"])
-def test_eviction_matches_reference(llama_model, tmp_path, score):
-    cache = layer_cache(llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}) | identity")
-    ref = Reference(8, 2, score)
+@pytest.mark.parametrize("score, recent", [("mass", 0), ("current", 0), ("proxy", 0), ("mass", 3)])
+def test_eviction_matches_reference(llama_model, tmp_path, score, recent):
+    cache = layer_cache(llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}, recent={recent}) | identity")
+    ref = Reference(8, 2, score, recent)
     for q, k, v in blocks(0, [12, 1, 1, 3, 1, 1, 1, 1, 1, 1]):
         cache.update_and_fetch(mx.array(k), mx.array(v))
         out = cache.attend(mx.array(q), SCALE)
@@ -108,6 +108,7 @@ def test_eviction_matches_reference(llama_model, tmp_path, score):
     for h in range(HKV):
         assert list(held[0, h]) == sorted(ref.pos[h])
         assert {0, 1} <= set(held[0, h])  # sinks survive
+        assert set(range(ref.seen - recent, ref.seen)) <= set(held[0, h])  # so does the recent window
     assert (held[0, 0] != held[0, 1]).any(), "kv heads should keep different tokens"
 
 
@@ -219,6 +220,7 @@ def test_trim_rewinds_only_what_every_head_holds(llama_model, tmp_path):
     ("evict(budget=8, sinks=8)", "sinks=8 must be smaller than budget=8"),
     ("evict(budget=32) | affine(bits=2, axis=channel)", "per-token codec"),
     ("snap(budget=8, window=8, sinks=1)", "exceed budget"),
+    ("evict(budget=8, sinks=4, recent=4)", "leave no room"),
     ("evict(budget=8, score=attention)", "must be one of"),
 ])
 def test_bad_eviction_recipes(llama_model, tmp_path, pipeline, message):

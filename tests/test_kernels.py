@@ -134,6 +134,17 @@ def test_kernel_layout_fits_every_supported_config():
                         assert p.nc == -(-L // p.ch) and (p.ns - 1) * nsub < p.nc  # no idle block
 
 
+def test_mma_kernel_scope_and_default():
+    from veloxquant.kernels import cuda
+    kivi = ((4, 32, "channel"), (4, 32, "token"))
+    assert cuda.mma_supported(32, 1, 128, 8, 32768, *kivi) == ""
+    assert "rows" in cuda.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
+    assert "per-channel" in cuda.mma_supported(8, 1, 128, 2, 512, (4, 32, "token"), (4, 32, "token"))
+    os.environ.pop("VELOXQUANT_CUDA_IMPL", None)
+    assert cuda.default_impl(64, 32768) == "v1" and cuda.default_impl(128, 4096) == "v1"
+    assert cuda.default_impl(128, 32768) == ("mma" if cuda.MMA_VERIFIED else "v1")
+
+
 # ---------------------------------------------------------------- CUDA only
 S = spec
 GPU_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype)
@@ -147,7 +158,16 @@ GPU_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype)
     (1, 12, 4, 8, 128, 640, S(4, 128, "channel"), S(4, 128, "channel"), mx.bfloat16),
     (1, 16, 2, 1, 256, 2048, S(2, 64, "token"), S(4, 32, "token"), mx.float16),
     (1, 4, 4, 2, 64, 77, S(4, 64, "token"), S(8, 64, "token"), mx.float16),
+    # more shapes the tensor-core kernel (attend_mma) takes
+    (1, 8, 2, 1, 128, 2048, S(4, 32, "channel"), S(4, 16, "token"), mx.float32),
+    (1, 4, 4, 1, 64, 512, S(8, 16, "channel"), S(2, 16, "token"), mx.float16),
+    (1, 4, 1, 1, 256, 1024, S(8, 32, "channel"), S(8, 16, "token"), mx.float16),
+    (1, 4, 2, 2, 128, 640, S(2, 64, "channel"), S(4, 32, "token"), mx.bfloat16),
+    (2, 6, 2, 1, 64, 4096, S(4, 32, "channel"), S(4, 32, "token"), mx.float16),
 ]
+
+
+_WANT = {}
 
 
 def _record(name, err):
@@ -157,19 +177,27 @@ def _record(name, err):
             f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"D{c[4]}-L{c[5]}-{c[6]['bits']}{c[6]['axis'][0]}")
+@pytest.mark.parametrize("impl", ["v1", "mma"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
+                         f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_cuda_kernel_matches_reference(case):
+def test_cuda_kernel_matches_reference(case, impl):
     from veloxquant.kernels import cuda
+    from veloxquant.kernels.reference import spec_fields
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
+    if impl == "mma" and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
+        pytest.skip("not a call the mma kernel takes")
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     scale = D ** -0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
-    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale)
-    want = on_cpu(reference, q, ke, ve, ks, vs, scale)
-    err = maxerr(got, want)
-    _record(f"B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
+    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl=impl)
+    key = (B, Hq, Hkv, Lq, D, L, str(ks), str(vs), str(qdt))
+    if key not in _WANT:  # the CPU reference of the big cases is slow: once per case
+        _WANT.clear()
+        _WANT[key] = on_cpu(reference, q, ke, ve, ks, vs, scale)
+    err = maxerr(got, _WANT[key])
+    _record(f"[{impl}] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
             f"V{vs['bits']}{vs['axis'][0]}{vs['group']} q{qdt}", err)
     assert err <= TOL
 
@@ -194,6 +222,9 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL
+    err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl="mma"), want)
+    _record(f"[mma] sliced views (V group {vgroup})", err)
+    assert err <= TOL
 
 
 @pytest.mark.gpu

@@ -465,3 +465,360 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     // natural-log lse of the row's scores: (max + log2(sum)) * ln 2
     if (dc == 0 && lane == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
   }
+
+//@@ mma_header
+// Helpers of the tensor-core kernel (attend_mma). fp16 pairs travel as
+// unsigned ints; a pair's low half is its first element.
+union vq_pun { unsigned int u; __half2 h; };
+__device__ __forceinline__ __half2 vq_h2(unsigned int v) { vq_pun p; p.u = v; return p.h; }
+__device__ __forceinline__ unsigned int vq_u(__half2 h) { vq_pun p; p.h = h; return p.u; }
+__device__ __forceinline__ float vq_g(float x) { return x; }
+__device__ __forceinline__ float vq_g(__half x) { return __half2float(x); }
+__device__ __forceinline__ float vq_g(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float vq_minf() { return __int_as_float(0xff800000); }
+template <class X> struct vq_is_f32 { static constexpr bool value = false; };
+template <> struct vq_is_f32<float> { static constexpr bool value = true; };
+
+// Position p of both 16-bit halves of x (codes of B bits, little-endian) as
+// an exact fp16 pair: the code goes into a 1024.0 mantissa (one lop3 or
+// prmt), one hfma2/hsub2 removes the offset (and the 2^k of its position).
+template <int B>
+__device__ __forceinline__ unsigned int vq_pair(unsigned int x, int p) {
+  if constexpr (B == 8) {
+    const unsigned int v = __byte_perm(x, 0x64646464u, p ? 0x4341 : 0x4240);
+    return vq_u(__hsub2(vq_h2(v), vq_h2(0x64006400u)));
+  } else {
+    constexpr int PPS = 8 / B;
+    const int sh = (p / PPS) * 8, k = p % PPS;
+    unsigned int m = ((1u << B) - 1u) << (k * B);
+    m |= m << 16;
+    const unsigned int v = ((x >> sh) & m) | 0x64006400u;
+    // 2^-(kB) and -1024 * 2^-(kB) as fp16 bit patterns (exact constants).
+    const unsigned int e1 = (unsigned int)(15 - k * B) << 10;
+    const unsigned int e2 = 0x8000u | ((unsigned int)(25 - k * B) << 10);
+    return vq_u(__hfma2(vq_h2(v), vq_h2(e1 | (e1 << 16)), vq_h2(e2 | (e2 << 16))));
+  }
+}
+
+// NB bytes (2..64) from p into words (p aligned to min(NB, 16)).
+template <int NB>
+__device__ __forceinline__ void vq_ld(unsigned int* w, const unsigned char* p) {
+  if constexpr (NB == 2) {
+    w[0] = *reinterpret_cast<const unsigned short*>(p);
+  } else if constexpr (NB == 4) {
+    w[0] = *reinterpret_cast<const unsigned int*>(p);
+  } else if constexpr (NB == 8) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x; w[1] = u.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < NB / 16; ++k) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[k];
+      w[4 * k] = u.x; w[4 * k + 1] = u.y; w[4 * k + 2] = u.z; w[4 * k + 3] = u.w;
+    }
+  }
+}
+
+__device__ __forceinline__ void vq_mma(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                       unsigned int a3, unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// fp32 pair -> fp16 pair: the rounded pair (hi) or, with lo = 1, the
+// remainder x - hi rounded (together exact to ~2^-22).
+__device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 f = __half22float2(h);
+  return vq_u(__floats2half2_rn(fmaf(-lo, f.x, x), fmaf(-lo, f.y, y)));
+}
+
+//@@ attend_mma
+  // Tensor-core variant for per-channel keys / per-token values (KIVI) and at
+  // most 4 rows (rep * Lq) per kv head. inputs/outputs as attend, one partial
+  // per block: pm, pl [B*Hkv*ROWS, NS], pacc [B*Hkv*ROWS, NS, D].
+  // template: T, D, ROWS, BK, GK, BV, GV, QSCALE, NW, PF
+  // A warp walks 16-token steps. Scores: mma m16n8k16 with A = key codes
+  // (16 tokens x 16 channels, exact in fp16) and B = q*s split into fp16
+  // hi/lo columns (8 columns = 4 rows x hi/lo); the channel order inside a
+  // lane is free (a dot product), so a lane widens whole code words.
+  // Values: A = code*scale split hi/lo (16 channels x 16 tokens, two mmas),
+  // B = probabilities split hi/lo; zeros: A = z (groups x tokens), one mma.
+  // Online softmax per row with a lazy rescale (only when the max grows by
+  // more than 2^8); warps merge through shared memory at the end.
+  constexpr int NT = NW * 32;
+  constexpr int KNB = D * BK / 32;      // key code bytes of a lane block (D/4 channels)
+  constexpr int KWN = KNB / 4;
+  constexpr int KPP = 16 / BK;          // pairs per word
+  constexpr int KPAIRS = D / 8;         // pairs per lane block
+  constexpr int VCH = D / 8;            // value channels per lane block
+  constexpr int VNB = VCH * BV / 8;     // their code bytes (2..32)
+  constexpr int VWN = VNB >= 4 ? VNB / 4 : 1;
+  constexpr int VPW = 32 / BV, VPP = 16 / BV;
+  constexpr int NGV = D / GV;           // value groups per token (<= 16)
+  constexpr int VT = D / 16;            // value m-tiles
+  static_assert(ROWS >= 1 && ROWS <= 4, "rows");
+  static_assert(GK % 16 == 0 && GV >= 16 && NGV <= 16, "groups");
+  static_assert(KWN >= 1, "key block");
+
+  __shared__ __align__(16) float s_q[4 * D];                   // q rows, fp32
+  __shared__ __align__(16) unsigned int s_qh[4 * 4 * KPAIRS];  // [head][tig][pair] fp16 hi pairs
+  __shared__ __align__(16) unsigned int s_ql[4 * 4 * KPAIRS];  // fp16 lo pairs (float q)
+  __shared__ __align__(16) float s_acc[NW * 4 * D];
+  __shared__ float s_z[NW * 4 * 16];
+  __shared__ float s_m[NW * 4], s_l[NW * 4];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tig = lane % 4;
+  const int bh = blockIdx.y;
+  const int L = kc_shape[2];
+  const int NS = gridDim.x;
+  const int nstep = L / 16;
+  const int spb = (nstep + NS - 1) / NS;
+  const int b0 = blockIdx.x * spb, b1 = min(b0 + spb, nstep);
+  const int spw = (b1 - b0 + NW - 1) / NW;
+  const int s0 = min(b0 + warp * spw, b1), s1 = min(s0 + spw, b1);
+
+  for (int i = tid; i < 4 * D; i += NT) {
+    const int r = i / D;
+    s_q[i] = r < ROWS ? vq_g(q[((size_t)bh * ROWS + r) * D + i % D]) : 0.0f;
+  }
+  __syncthreads();
+  // q pairs in the lanes' channel order: lane block tig = channels
+  // [tig*D/4, +D/4); pair P = word P/KPP, position P%KPP: channels
+  // (w*2*KPP + p, w*2*KPP + p + KPP).
+  for (int i = tid; i < 4 * 4 * KPAIRS; i += NT) {
+    const int h = i / (4 * KPAIRS), t4 = (i / KPAIRS) % 4, P = i % KPAIRS;
+    const int ca = t4 * (D / 4) + (P / KPP) * 2 * KPP + P % KPP;
+    const float xa = s_q[h * D + ca], xb = s_q[h * D + ca + KPP];
+    const __half2 hi = __floats2half2_rn(xa, xb);
+    const float2 f = __half22float2(hi);
+    s_qh[i] = vq_u(hi);
+    s_ql[i] = vq_u(__floats2half2_rn(xa - f.x, xb - f.y));
+  }
+  __syncthreads();
+
+  const float qsc = __int_as_float(QSCALE);
+  const bool lo = g & 1;
+  const float lof = lo ? 1.0f : 0.0f;
+  const unsigned int lomask = lo ? 0xffffffffu : 0u;
+
+  const unsigned char* kcb = reinterpret_cast<const unsigned char*>(kc) + (size_t)bh * L * (D * BK / 8);
+  const unsigned char* vcb = reinterpret_cast<const unsigned char*>(vc) + (size_t)bh * L * (D * BV / 8);
+  const __half* vsb = reinterpret_cast<const __half*>(vs) + (size_t)bh * L * NGV;
+  const __half* vzb = reinterpret_cast<const __half*>(vz) + (size_t)bh * L * NGV;
+
+  float acc[VT][4];
+#pragma unroll
+  for (int i = 0; i < VT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float cz[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float mrun = vq_minf(), lsum = 0.0f, bias = 0.0f;
+  unsigned int qp[KPAIRS];
+  int grp = -1;
+
+  unsigned int kw[2][KWN], vw[4][VWN];
+  unsigned int kwn[2][KWN], vwn[4][VWN];  // next step's codes (PF); unused and dropped otherwise
+  auto load_codes = [&](int st, unsigned int (&k_)[2][KWN], unsigned int (&v_)[4][VWN]) {
+    const int T0 = st * 16;
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      vq_ld<KNB>(k_[e], kcb + (size_t)(T0 + g + 8 * e) * (D * BK / 8) + tig * KNB);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      vq_ld<VNB>(v_[e], vcb + (size_t)(T0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * (D * BV / 8) + g * VNB);
+  };
+  if constexpr (PF) {
+    if (s0 < s1) load_codes(s0, kwn, vwn);
+  }
+
+  for (int st = s0; st < s1; ++st) {
+    const int T0 = st * 16;
+    if constexpr (PF) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int k = 0; k < KWN; ++k) kw[e][k] = kwn[e][k];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int k = 0; k < VWN; ++k) vw[e][k] = vwn[e][k];
+      if (st + 1 < s1) load_codes(st + 1, kwn, vwn);
+    } else {
+      load_codes(st, kw, vw);
+    }
+    // Value metadata of this lane's tokens: ta, tb = T0+2tig+{0,1}; tc, td = +8.
+    unsigned int zz[4];  // (z[ta][g], z[tb][g]), (z[ta][g+8], ..), (z[tc][g], z[td][g]), (z[tc][g+8], ..)
+    {
+      unsigned short zr[4][2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const size_t t = (size_t)(T0 + 2 * tig + (e & 1) + 8 * (e >> 1));
+        zr[e][0] = g < NGV ? *reinterpret_cast<const unsigned short*>(vzb + t * NGV + g) : 0;
+        zr[e][1] = g + 8 < NGV ? *reinterpret_cast<const unsigned short*>(vzb + t * NGV + g + 8) : 0;
+      }
+      zz[0] = zr[0][0] | ((unsigned int)zr[1][0] << 16);
+      zz[1] = zr[0][1] | ((unsigned int)zr[1][1] << 16);
+      zz[2] = zr[2][0] | ((unsigned int)zr[3][0] << 16);
+      zz[3] = zr[2][1] | ((unsigned int)zr[3][1] << 16);
+    }
+
+    // Key group change: rebuild the q*s columns and the q.z bias.
+    if (T0 / GK != grp) {
+      grp = T0 / GK;
+      const __half* ksr = reinterpret_cast<const __half*>(ks) + ((size_t)bh * (L / GK) + grp) * D;
+      const __half* kzr = reinterpret_cast<const __half*>(kz) + ((size_t)bh * (L / GK) + grp) * D;
+      unsigned int sr[D / 8];
+      vq_ld<D / 2>(sr, reinterpret_cast<const unsigned char*>(ksr + tig * (D / 4)));
+      const unsigned int* qh = s_qh + ((g / 2) * 4 + tig) * KPAIRS;
+      const unsigned int* ql = s_ql + ((g / 2) * 4 + tig) * KPAIRS;
+#pragma unroll
+      for (int P = 0; P < KPAIRS; ++P) {
+        const int ia = (P / KPP) * 2 * KPP + P % KPP, ib = ia + KPP;
+        const unsigned int s2u =
+            __byte_perm(sr[ia / 2], sr[ib / 2], ((ia & 1) ? 0x32 : 0x10) | (((ib & 1) ? 0x76 : 0x54) << 8));
+        const __half2 s2 = vq_h2(s2u);
+        const __half2 qh2 = vq_h2(qh[P]);
+        const unsigned int t = vq_u(__hmul2(qh2, s2));
+        unsigned int r = vq_u(__hfma2(qh2, s2, vq_h2((t ^ 0x80008000u) & lomask)));
+        if constexpr (vq_is_f32<T>::value) r = vq_u(__hfma2(vq_h2(ql[P] & lomask), s2, vq_h2(r)));
+        qp[P] = r;
+      }
+      // bias of row g/2: this lane takes half of its block's channels.
+      unsigned int zr[D / 16];
+      const int cb = tig * (D / 4) + (g & 1) * (D / 8);
+      vq_ld<D / 4>(zr, reinterpret_cast<const unsigned char*>(kzr + cb));
+      float b = 0.0f;
+      const float* qrow = s_q + (g / 2) * D + cb;
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        const float2 z2 = __half22float2(vq_h2(zr[k]));
+        b = fmaf(qrow[2 * k], z2.x, b);
+        b = fmaf(qrow[2 * k + 1], z2.y, b);
+      }
+      b += __shfl_xor_sync(0xffffffffu, b, 4);
+      b += __shfl_xor_sync(0xffffffffu, b, 1);
+      b += __shfl_xor_sync(0xffffffffu, b, 2);
+      bias = __shfl_sync(0xffffffffu, b, 8 * tig);  // row tig
+    }
+
+    // Scores S[token][row hi/lo] for tokens g, g+8 of the step.
+    float sc4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int ks_ = 0; ks_ < D / 16; ++ks_) {
+      const int Pa = 2 * ks_, Pb = 2 * ks_ + 1;
+      vq_mma(sc4, vq_pair<BK>(kw[0][Pa / KPP], Pa % KPP), vq_pair<BK>(kw[1][Pa / KPP], Pa % KPP),
+             vq_pair<BK>(kw[0][Pb / KPP], Pb % KPP), vq_pair<BK>(kw[1][Pb / KPP], Pb % KPP), qp[Pa], qp[Pb]);
+    }
+    const float x0 = (sc4[0] + sc4[1] + bias) * qsc;  // token g, row tig (log2 units)
+    const float x1 = (sc4[2] + sc4[3] + bias) * qsc;  // token g + 8
+    float tmax = fmaxf(x0, x1);
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+    const bool need = tmax > mrun + 8.0f;
+    if (__any_sync(0xffffffffu, need)) {
+      const float mnew = need ? tmax : mrun;
+      const float f = exp2f(mrun - mnew);
+      mrun = mnew;
+      lsum *= f;
+#pragma unroll
+      for (int i = 0; i < VT; ++i) {
+        acc[i][0] *= f; acc[i][1] *= f; acc[i][2] *= f; acc[i][3] *= f;
+      }
+      cz[0] *= f; cz[1] *= f; cz[2] *= f; cz[3] *= f;
+    }
+    const float p0 = exp2f(x0 - mrun), p1 = exp2f(x1 - mrun);
+    lsum += p0 + p1;
+    // Probabilities of row g/2 at tokens 2tig, 2tig+1 (held by lanes 8tig + g/2
+    // and 8tig + 4 + g/2 as their token g') and 2tig+8, 2tig+9 (their g'+8).
+    const int sa = 8 * tig + g / 2;
+    const float pa = __shfl_sync(0xffffffffu, p0, sa), pb = __shfl_sync(0xffffffffu, p0, sa + 4);
+    const float pc = __shfl_sync(0xffffffffu, p1, sa), pd = __shfl_sync(0xffffffffu, p1, sa + 4);
+    const unsigned int pb0 = vq_split(pa, pb, lof), pb1 = vq_split(pc, pd, lof);
+
+    // Values. Lane block g = channels g*VCH + [0, VCH); tile i rows g / g+8 =
+    // channels 2i / 2i+1 of the block. Pairs are (token a, token b).
+    unsigned int xlo[2][VWN], xhi[2][VWN];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int k = 0; k < VWN; ++k) {
+        xlo[e][k] = __byte_perm(vw[2 * e][k], vw[2 * e + 1][k], 0x5410);
+        xhi[e][k] = __byte_perm(vw[2 * e][k], vw[2 * e + 1][k], 0x7632);
+      }
+    constexpr int NGT = VCH > GV ? VCH / GV : 1;
+    __half2 sv[2][NGT];
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int u = 0; u < NGT; ++u) {
+        const int j = (g * VCH) / GV + u;
+        const size_t ta = (size_t)(T0 + 2 * tig + 8 * e);
+        const unsigned int sa_ = *reinterpret_cast<const unsigned short*>(vsb + ta * NGV + j);
+        const unsigned int sb_ = *reinterpret_cast<const unsigned short*>(vsb + (ta + 1) * NGV + j);
+        sv[e][u] = vq_h2(sa_ | (sb_ << 16));
+      }
+#pragma unroll
+    for (int i = 0; i < VT; ++i) {
+      unsigned int ah[4], al[4];  // (ch 2i, tok ab), (ch 2i+1, tok ab), (ch 2i, tok cd), (ch 2i+1, tok cd)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = 2 * i + (r & 1), e = r >> 1;
+        const int w = c / VPW, qq = c % VPW;
+        const unsigned int x = (qq / VPP) ? xhi[e][w] : xlo[e][w];
+        const __half2 c2 = vq_h2(vq_pair<BV>(x, qq % VPP));
+        const __half2 s2 = sv[e][NGT > 1 ? c / GV : 0];
+        const __half2 h = __hmul2(c2, s2);
+        ah[r] = vq_u(h);
+        al[r] = vq_u(__hfma2(c2, s2, __hneg2(h)));
+      }
+      vq_mma(acc[i], ah[0], ah[1], ah[2], ah[3], pb0, pb1);
+      vq_mma(acc[i], al[0], al[1], al[2], al[3], pb0, pb1);
+    }
+    vq_mma(cz, zz[0], zz[1], zz[2], zz[3], pb0, pb1);
+  }
+
+  // Warp partials -> shared memory (row tig, hi + lo columns).
+  {
+    float* wa = s_acc + (warp * 4 + tig) * D + g * VCH;
+#pragma unroll
+    for (int i = 0; i < VT; ++i) {
+      wa[2 * i] = acc[i][0] + acc[i][1];
+      wa[2 * i + 1] = acc[i][2] + acc[i][3];
+    }
+    float* wz = s_z + (warp * 4 + tig) * 16;
+    if (g < NGV) wz[g] = cz[0] + cz[1];
+    if (g + 8 < NGV) wz[g + 8] = cz[2] + cz[3];
+    float l = lsum;
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    l += __shfl_xor_sync(0xffffffffu, l, 8);
+    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    if (g == 0) {
+      s_m[warp * 4 + tig] = mrun;
+      s_l[warp * 4 + tig] = l;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < ROWS * D; e += NT) {
+    const int r = e / D, d = e % D;
+    float M = vq_minf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * 4 + r]);
+    float a = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = s_m[w * 4 + r];
+      const float f = mw == vq_minf() ? 0.0f : exp2f(mw - M);
+      a += f * (s_acc[(w * 4 + r) * D + d] + s_z[(w * 4 + r) * 16 + d / GV]);
+      l += f * s_l[w * 4 + r];
+    }
+    const size_t o = ((size_t)bh * ROWS + r) * NS + blockIdx.x;
+    pacc[o * D + d] = a;
+    if (d == 0) {
+      pm[o] = M;
+      pl[o] = l;
+    }
+  }

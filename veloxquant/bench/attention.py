@@ -6,7 +6,9 @@ Times, per (head shape, sequence length, bits):
              mx.quantize'd K/V (same bits and group)
   reference  veloxquant's MLX-ops reference over affine codes (KIVI layout:
              keys per-channel, values per-token)
-  fused      veloxquant's CUDA kernel over the same codes (CUDA backend only)
+  fused      veloxquant's CUDA kernel over the same codes (CUDA backend only;
+             the default attend kernel, cuda.default_impl / VELOXQUANT_CUDA_IMPL)
+  fused-v1, fused-mma   one attend kernel explicitly (A/B rows; not in the default list)
 and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
 and each method's peak transient memory.
@@ -93,10 +95,17 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     from veloxquant.kernels.dispatch import backend
     if backend() == "cuda":
         from veloxquant.kernels import cuda
+        # "fused": the default attend kernel (cuda.default_impl(), VELOXQUANT_CUDA_IMPL);
+        # "fused-v1" / "fused-mma": one kernel explicitly, for A/B rows.
         methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk),
                             coded)
+        methods["fused-v1"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk,
+                                                                     impl="v1"), coded)
+        methods["fused-mma"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="mma"),
+                                coded)
     else:
-        methods["fused"] = (None, "n/a (no CUDA)")
+        for name in ("fused", "fused-v1", "fused-mma"):
+            methods[name] = (None, "n/a (no CUDA)")
     return methods
 
 
@@ -144,7 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bits", default="2,4,8")
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
-    p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused")
+    p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
+                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")
     p.add_argument("--per-eval", type=int, default=32, help="calls per evaluation (layers in a decode step)")

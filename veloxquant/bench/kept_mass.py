@@ -18,7 +18,8 @@ import numpy as np
 from ..runtime.make import make_prompt_cache
 from ..runtime.scoring import attention_weights, position_mask
 
-ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]), ("tova", "tova", []),
+ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
+        ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
         ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", [])]
 
 
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
     print("| recipe | held per head (layer mean) | fp16 attention mass kept, mean over layers | worst layer |")
     print("| --- | --- | --- | --- |")
     for label, name, sets in ROWS:
+        sets = [x.replace("HALF", str(args.budget // 2)) for x in sets]
         sets = sets + ([f"budget=pyramid(from={args.budget * 7 // 4}, to={args.budget // 4})"]
                        if name == "pyramidkv" else [f"budget={args.budget}"])
         caches = make_prompt_cache(model, name, sets)

@@ -1,6 +1,6 @@
 """Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`.
 
-Two launches per call: `attend` (blocks over runs of CH-token chunks x kv
+Two launches per call (either attend kernel, see `default_impl`): `attend` (blocks over runs of CH-token chunks x kv
 heads x row blocks, double-buffering each chunk through shared memory and
 writing one max/sum/accumulator partial per chunk) and `reduce` (exact merge
 of the partials). See kernels/CONTRACT.md for the contract and the format.
@@ -34,6 +34,42 @@ def blocks_per_sm(D: int) -> int:
     return max(1, _THREADS_PER_SM // D)
 
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+# Two attend kernels share the contract and the reduce:
+#   "mma" -- tensor-core kernel (section attend_mma): per-channel keys,
+#            per-token values (KIVI), rows = rep * Lq <= 4;
+#   "v1"  -- the CUDA-core kernel (section attend): every supported call.
+# MMA_VERIFIED: tests/test_kernels.py passed with the mma kernel on an NVIDIA
+# H200 (mlx 0.32.4; 41 passed, mma worst 4.8e-5, docs/kernels.md). It is the
+# default only where it measured faster than v1 there: D = 128 at >= 32k
+# tokens (32/8/128 at 32k, 4 bits: 39-41 vs 57 us per call); at 4k and for 9/3/64 it
+# measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL (mma / v1)
+# overrides the default, e.g. for A/B timing.
+MMA_VERIFIED = True
+MMA_MIN_TOKENS = 32768  # default_impl: the shortest tier measured faster with mma
+MMA_WARPS = 4  # warps per attend_mma block
+MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
+_IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
+
+
+def default_impl(D: int = 0, L: int = 0) -> str:
+    """The attend kernel a call of head_dim D over L tokens gets by default."""
+    forced = os.environ.get(_IMPL_ENV, "").lower()
+    if forced in ("mma", "v1"):
+        return forced
+    return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
+
+
+def mma_supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    """Why attend_mma cannot take a call the kernel family supports ('' when it can)."""
+    (kb, kg, kax), (vb, vg, vax) = kspec, vspec
+    if kax != "channel" or vax != "token":
+        return "mma kernel: keys per-channel and values per-token only"
+    if (Hq // Hkv) * Lq > 4:
+        return "mma kernel: at most 4 rows (rep x queries) per kv head"
+    if kg % 16 or vg < 16 or L % 16:
+        return "mma kernel: groups / tier length"
+    return ""
 
 
 @lru_cache(maxsize=None)
@@ -215,9 +251,48 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
     return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), r_kw)
 
 
+@lru_cache(maxsize=None)
+def _mma_kernel():
+    return mx.fast.cuda_kernel(
+        name="vq_affine_attend_mma", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
+        output_names=["pm", "pl", "pacc"], source=_strip(sections()["attend_mma"]),
+        header=_strip(sections()["mma_header"]))
+
+
+def mma_prefetch(D: int, kb: int, vb: int) -> int:
+    """1 when the next step's codes fit in registers next to the current ones
+    (no spills at D=256 otherwise; ptxas -v on sm_90)."""
+    kw, vw = D * kb // 128, max(1, D * vb // 256)
+    return int(2 * (2 * kw + 4 * vw) + D // 8 + D // 4 <= 140)
+
+
+@lru_cache(maxsize=1024)
+def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float) -> _Launch:
+    B, Hq, Lq, D = qshape
+    _, Hkv, L, _ = cshape
+    (kb, kg, _), (vb, vg, _) = kspec, vspec
+    rows = (Hq // Hkv) * Lq
+    nstep = L // 16
+    want = max(1, math.ceil(SM_COUNT * MMA_BLOCKS_PER_SM / (B * Hkv)))
+    ns = max(1, min(nstep, want))
+    spb = math.ceil(nstep / ns)
+    ns = math.ceil(nstep / spb)  # every block gets at least one step
+    nrows = B * Hq * Lq
+    f32 = mx.float32
+    nt = 32 * MMA_WARPS
+    template = [("T", qdtype), ("D", D), ("ROWS", rows), ("BK", kb), ("GK", kg), ("BV", vb), ("GV", vg),
+                ("QSCALE", _float_bits(scale * math.log2(math.e))), ("NW", MMA_WARPS),
+                ("PF", mma_prefetch(D, kb, vb))]
+    a_kw = dict(template=template, grid=(ns * nt, B * Hkv, 1), threadgroup=(nt, 1, 1),
+                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+    r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
+                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
+    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), r_kw)
+
+
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
                              k_spec: Spec, v_spec: Spec, scale: float,
-                             chunk: Optional[int] = None) -> Tuple[mx.array, mx.array]:
+                             chunk: Optional[int] = None, impl: Optional[str] = None) -> Tuple[mx.array, mx.array]:
     """The fused kernel. Same contract as reference.affine_partial_attention; the
     caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
     other op: inputs go in as they are (4-D, row-contiguous), outputs come out
@@ -225,6 +300,14 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     (shapes, specs, scale) (`_launch`): per call only the two kernel calls
     remain on the host."""
     kc = k_enc["codes"]
+    if (impl or default_impl(q.shape[-1], kc.shape[2])) == "mma" and not chunk:
+        B, Hq, Lq, D = q.shape
+        ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
+        if not mma_supported(Hq, Lq, D, kc.shape[1], kc.shape[2], ksp, vsp):
+            la = _launch_mma(tuple(q.shape), q.dtype, tuple(kc.shape), ksp, vsp, float(scale))
+            pm, pl, pacc = la.attend(inputs=[q, kc, k_enc["scales"], k_enc["zeros"],
+                                             v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
+            return tuple(la.reduce(inputs=[pm, pl, pacc], **la.r_kw))
     la = _launch(tuple(q.shape), q.dtype, tuple(kc.shape), _spec_key(k_spec), _spec_key(v_spec),
                  float(scale), chunk or 0)
     pm, pl, pacc = la.attend(inputs=[q, kc, k_enc["scales"], k_enc["zeros"],

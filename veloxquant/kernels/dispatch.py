@@ -17,7 +17,8 @@ from .reference import Spec, spec_fields
 
 # Backends on which kernels/cuda/affine_attention.cu passed tests/test_kernels.py
 # (the gpu-marked parity tests) on real hardware: NVIDIA H200, mlx 0.32.4 (CUDA 13),
-# 26/26 passed, worst max abs error 4.8e-5 vs the float32 CPU reference (docs/kernels.md).
+# 41 passed (both attend kernels), worst max abs error 4.8e-5 vs the float32 CPU
+# reference (docs/kernels.md).
 VERIFIED_BACKENDS = frozenset({"cuda"})
 
 # VELOXQUANT_KERNELS=off forces the reference (debugging, A/B timing).
@@ -65,7 +66,15 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
         return hit
     from . import cuda  # imported late: only this path needs the kernel source
     why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
-    res = ("reference", why) if why else ("cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu)")
+    if why:
+        res = ("reference", why)
+    else:
+        B, Hq, Lq, D = q.shape
+        L = k_enc["codes"].shape[2]
+        mma = cuda.default_impl(D, L) == "mma" and not cuda.mma_supported(
+            Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec), spec_fields(v_spec))
+        res = ("cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu, "
+                       + ("tensor-core attend_mma)" if mma else "CUDA-core attend)"))
     if key is not None and len(_CHOICES) < 4096:
         _CHOICES[key] = res
     return res

@@ -167,7 +167,7 @@ class TieredCache(_BaseCache):
             if tier.route is None or tier.drops:
                 continue
             if isinstance(tier, HeadTier):
-                tier.evict()
+                tier.evict(self.offset)
                 continue
             spill = tier.route.spill(tier.count, tier.plan.chunk)
             if spill:

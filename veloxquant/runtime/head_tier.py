@@ -76,10 +76,12 @@ class HeadTier:
         else:
             self.meta["score"].set(self.scores + received)
 
-    def keep(self, priority: mx.array) -> None:
-        """Keep the `budget` highest-priority tokens of each head, in position order."""
+    def keep(self, priority: mx.array, offset: int) -> None:
+        """Keep the `budget` highest-priority tokens of each head, in position order;
+        `offset` (positions seen) places the protected recent window."""
         budget = self.route.budget
-        protected = self.positions < self.route.sinks
+        recent = getattr(self.route, "recent", 0)
+        protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
         idx = mx.argpartition(-priority, kth=budget - 1, axis=2)[:, :, :budget]
         idx = mx.sort(idx, axis=2)  # older first, so the newest tokens stay at the back
@@ -90,10 +92,10 @@ class HeadTier:
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
         self.count = budget
 
-    def evict(self) -> None:
+    def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
         if not self.route.once and self.count > self.route.budget:
-            self.keep(self.scores)
+            self.keep(self.scores, offset)
 
     # --- trimming -----------------------------------------------------------
     def tail(self) -> int:

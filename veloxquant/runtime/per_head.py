@@ -102,6 +102,6 @@ def finish_prompt(cache) -> None:
             votes, _ = received(w)
             votes = max_pool(votes[..., slices[held.index(t)]], t.route.pool)
             in_window = t.positions >= cache.offset - t.route.window
-            t.keep(mx.where(in_window, mx.inf, votes))
+            t.keep(mx.where(in_window, mx.inf, votes), cache.offset)
         t.decided = True
     cache.observed_queries = None

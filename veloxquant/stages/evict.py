@@ -36,11 +36,17 @@ class Evict(_PerHeadRoute):
     score=mass: attention received so far, accumulated (H2O);
     score=current: attention from the newest query only (TOVA, memoryless);
     score=proxy: accumulated attention with the new keys standing in for queries.
-    The first `sinks` positions are never evicted.
+    The first `sinks` positions and the newest `recent` are never evicted
+    (H2O's paper splits its budget between heavy hitters and recent tokens).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     score: str = attrs.field(default="mass", validator=choices("mass", "current", "proxy"))
+    recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
+
+    def __attrs_post_init__(self):
+        if self.sinks + self.recent >= self.budget:
+            raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
 
     once = False
 
