@@ -132,7 +132,9 @@ def plot(results: Sequence[Dict], path: str) -> None:
         rows = [r for r in res["rows"] if r.get("delta_ppl_pct") is not None and r["cost"]["bytes_per_token"]]
         pts = [(r["cost"]["bytes_per_token"], r["delta_ppl_pct"]) for r in rows]
         color = colors[k % len(colors)]
-        label = res.get("model", "?") if len(results) > 1 else None
+        models = [r.get("model", "?") for r in results]
+        label = None if len(results) == 1 else models[k] if models.count(models[k]) == 1 else \
+            f"{models[k]}, run {k + 1} ({res['device'].split(',')[0].replace('Device(', '')})"
         for r, (x, y) in zip(rows, pts):
             marker = "s" if r["kind"] == "mlx-lm" else "o"
             ax.scatter([x], [y], marker=marker, color=color, s=42, zorder=3,
