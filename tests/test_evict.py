@@ -231,3 +231,14 @@ def test_bad_eviction_recipes(llama_model, tmp_path, pipeline, message):
 def test_eviction_needs_the_hook(llama_model):
     with pytest.raises(RecipeError, match="needs the attention hook"):
         veloxquant.make_prompt_cache(llama_model, "h2o", use_hook=False)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_sliding_window_layers_mask_by_position(name):
+    """Gemma-style local layers: with nothing evicted, eviction recipes see what fp16 sees."""
+    from conftest import tiny_gemma3
+    model = tiny_gemma3(window=32)
+    tokens = mx.array(np.random.default_rng(8).integers(0, 500, (1, 100)))
+    want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 16)
+    got = feed(model, tokens, veloxquant.make_prompt_cache(model, name, ["budget=200"]), 16)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3)
