@@ -17,6 +17,7 @@ from ..kernels import dispatch
 from . import hook, per_head
 from .attention import merge_partials, partial_attention
 from .head_tier import HeadTier
+from .scoring import position_mask
 from .tier import Tier
 
 
@@ -263,10 +264,4 @@ class TieredCache(_BaseCache):
         k, v = tier.decoded(mx.float32)
         return partial_attention(queries, k, v, scale, mask)
 
-    @staticmethod
-    def _position_mask(kpos: mx.array, first_q: int, Lq: int, window: Optional[int]) -> mx.array:
-        qpos = mx.arange(first_q, first_q + Lq)[:, None]
-        mask = kpos[None] <= qpos
-        if window is not None:
-            mask = mask & (qpos - kpos[None] < window)
-        return mask
+    _position_mask = staticmethod(position_mask)

@@ -25,8 +25,7 @@ def _positions(tier, B: int, H: int) -> mx.array:
 def _gather(cache, held: List, dtype):
     """Keys, values and per-head positions of everything held, plus each tier's slice."""
     pairs = [t.decoded(dtype) for t in held]
-    k = mx.concatenate([p[0] for p in pairs], axis=2) if len(pairs) > 1 else pairs[0][0]
-    v = mx.concatenate([p[1] for p in pairs], axis=2) if len(pairs) > 1 else pairs[0][1]
+    k, v = (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
     B, H = k.shape[:2]
     kpos = mx.concatenate([_positions(t, B, H) for t in held], axis=2)
     slices, at = [], 0
@@ -38,22 +37,19 @@ def _gather(cache, held: List, dtype):
 
 def _mask(cache, held, kpos, first_q: int, Lq: int) -> Optional[mx.array]:
     """Per-kv-head mask, or None when every held key is visible to every query."""
-    window = cache.plan.window
-    if Lq == 1 and window is None and all(cache.horizons[cache.tiers.index(t)] is None for t in held):
+    windows = [cache._window(t) for t in held]
+    if Lq == 1 and all(w is None for w in windows):
         return None  # decode: everything held is older than the one query
-    masks = []
-    at = 0
-    for t in held:
-        part = kpos[:, :, at:at + t.count]
+    masks, at = [], 0
+    for t, window in zip(held, windows):
+        masks.append(position_mask(kpos[:, :, at:at + t.count], first_q, Lq, window))
         at += t.count
-        h = cache.horizons[cache.tiers.index(t)]
-        masks.append(position_mask(part, first_q, Lq, window if h is None else min(h, window or h)))
     return mx.concatenate(masks, axis=-1)
 
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
     Lq, Hq = queries.shape[2], queries.shape[1]
-    scorers = [(t, s) for t, s in zip(held, range(len(held))) if getattr(t, "per_head", False)]
+    scorers = [(t, i) for i, t in enumerate(held) if getattr(t, "per_head", False)]
     live = observe and any(t.route.score in ("mass", "current") for t, _ in scorers)
     k, v, kpos, slices = _gather(cache, held, mx.float32 if live else queries.dtype)
     mask = _mask(cache, held, kpos, first_q, Lq)
@@ -69,7 +65,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     if observe:
         for t, i in scorers:
             if t.route.score == "proxy" and cache.new_keys is not None:
-                _observe_proxy(cache, t, k, kpos[..., slices[i]], slices[i], first_q, mask, scale)
+                _observe_proxy(cache, t, k, slices[i], mask, scale)
             elif t.route.once and not t.decided:
                 keep = t.route.window
                 prev = cache.observed_queries
@@ -78,7 +74,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     return out
 
 
-def _observe_proxy(cache, tier, k, tier_pos, where: slice, first_q: int, mask, scale: float) -> None:
+def _observe_proxy(cache, tier, k, where: slice, mask, scale: float) -> None:
     """Keys of the new block act as queries (one per kv head): the approximation."""
     proxy = cache.new_keys  # [B, Hkv, n, D], positions first_q..
     w = attention_weights(proxy, k, scale, mask)

@@ -10,9 +10,9 @@ import mlx.core as mx
 
 
 def position_mask(kpos: mx.array, first_q: int, Lq: int, window: Optional[int]) -> mx.array:
-    """kpos [B, H, L] -> boolean [B, H, Lq, L]: key not after the query, inside its window."""
+    """kpos [..., L] -> boolean [..., Lq, L]: key not after the query, inside its window."""
     qpos = mx.arange(first_q, first_q + Lq, dtype=mx.int32)[:, None]
-    kpos = kpos[:, :, None, :]
+    kpos = kpos[..., None, :]
     mask = kpos <= qpos
     if window is not None:
         mask = mask & (qpos - kpos < window)
