@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     add_compare_args(sub.add_parser("compare", help="render eval results as a markdown table and a Pareto plot"))
 
     p = sub.add_parser("bench", help="benchmarks that print tables")
-    p.add_argument("what", choices=["attention", "entropy", "kept-mass"])
+    p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
@@ -132,6 +132,9 @@ def cmd_bench(args) -> int:
     if args.what == "kept-mass":
         from .bench.kept_mass import main as bench_kept_mass
         return bench_kept_mass(args.args) or 0
+    if args.what == "decode-ops":
+        from .bench.decode_ops import main as bench_decode_ops
+        return bench_decode_ops(args.args) or 0
     from .bench.attention import main as bench_attention
     return bench_attention(args.args) or 0
 

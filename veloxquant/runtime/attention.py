@@ -1,6 +1,11 @@
 """Attention by tiers: each tier answers a partial (output, log-sum-exp) and the
 partials merge exactly, flash-decoding style.
+
+Decode runs this once per layer per token, so op count is host time (and a
+kernel launch each on the GPU): the unmasked path skips the guards a mask
+needs, and merging is one compiled elementwise kernel per extra tier.
 """
+from functools import partial
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -17,29 +22,39 @@ def partial_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     B, Hq, Lq, D = queries.shape
     Hkv = keys.shape[1]
     rep = Hq // Hkv
-    q = queries.astype(mx.float32).reshape(B, Hkv, rep, Lq, D) * scale
-    k = keys.astype(mx.float32)[:, :, None]
-    v = values.astype(mx.float32)[:, :, None]
-    scores = q @ k.swapaxes(-1, -2)  # [B, Hkv, rep, Lq, Lk]
+    # The rep query heads of a kv head become rows of one matmul (no broadcast K/V).
+    q = queries.reshape(B, Hkv, rep * Lq, D).astype(mx.float32) * scale
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep*Lq, Lk]
     if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    peak = mx.stop_gradient(mx.max(scores, axis=-1, keepdims=True))
-    # A row that may attend to nothing here gets lse=-inf and weight 0 in the merge.
-    peak = mx.where(mx.isinf(peak), 0.0, peak)
+        Lk = scores.shape[-1]
+        scores = mx.where(mask, scores.reshape(B, Hkv, rep, Lq, Lk), -mx.inf).reshape(B, Hkv, rep * Lq, Lk)
+    peak = mx.max(scores, axis=-1, keepdims=True)
+    if mask is not None:
+        # A row that may attend to nothing here gets lse=-inf and weight 0 in the merge.
+        peak = mx.where(mx.isinf(peak), 0.0, peak)
     weights = mx.exp(scores - peak)
     total = mx.sum(weights, axis=-1, keepdims=True)
-    out = (weights @ v) / mx.maximum(total, 1e-30)
-    lse = (mx.log(total) + peak).squeeze(-1)
-    return out.reshape(B, Hq, Lq, -1), lse.reshape(B, Hq, Lq)
+    if mask is not None:
+        total = mx.maximum(total, 1e-30)
+    out = (weights @ values.astype(mx.float32)) / total
+    lse = mx.log(total) + peak
+    return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+
+
+@partial(mx.compile, shapeless=True)
+def _merge2(o1: mx.array, l1: mx.array, o2: mx.array, l2: mx.array):
+    """Two partials -> one (exact); a row empty in both stays empty (out 0, lse -inf)."""
+    peak = mx.maximum(l1, l2)
+    peak = mx.where(mx.isinf(peak), 0.0, peak)
+    w1, w2 = mx.exp(l1 - peak), mx.exp(l2 - peak)
+    total = w1 + w2
+    out = (w1[..., None] * o1 + w2[..., None] * o2) / mx.maximum(total, 1e-30)[..., None]
+    return out, mx.log(total) + peak
 
 
 def merge_partials(parts: List[Partial]) -> mx.array:
     """Exact softmax over the union of the tiers' tokens from their partials."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lses = mx.stack([lse for _, lse in parts])
-    peak = mx.max(lses, axis=0)
-    peak = mx.where(mx.isinf(peak), 0.0, peak)
-    weights = mx.exp(lses - peak)  # [T, B, Hq, Lq]
-    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
-    return out / mx.maximum(mx.sum(weights, axis=0), 1e-30)[..., None]
+    out, lse = parts[0]
+    for o, l in parts[1:]:
+        out, lse = _merge2(out, lse, o, l)
+    return out

@@ -18,7 +18,7 @@ from . import hook, per_head
 from .attention import merge_partials, partial_attention
 from .head_tier import HeadTier
 from .scoring import position_mask
-from .tier import Tier
+from .tier import EXACT_MIN_CHUNK, Tier, fusable
 
 
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -28,7 +28,8 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
-        self.tiers = [HeadTier(t) if getattr(t.route, "per_head", False) else Tier(t) for t in plan.tiers]
+        self.tiers = [HeadTier(t) if getattr(t.route, "per_head", False) else Tier(t, self._fed_in_chunks(i))
+                      for i, t in enumerate(plan.tiers)]
         self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.observed_queries = None  # SnapKV's window of prompt queries, until it decides
@@ -75,8 +76,12 @@ class TieredCache(_BaseCache):
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
         if not any(fused):
             return self._dense(held, queries, scale, first_q)
-        # Kernel-backed tiers attend from their codes; the others decode; merge exactly.
-        parts = [call() if call else self._partial(t, queries, scale, first_q) for t, call in zip(held, fused)]
+        # Kernel-backed tiers attend from their codes; the others decode and attend
+        # together as one partial (fewer ops per layer); the partials merge exactly.
+        parts = [call() for call in fused if call]
+        rest = [t for t, call in zip(held, fused) if not call]
+        if rest:
+            parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -197,6 +202,12 @@ class TieredCache(_BaseCache):
             return pairs[0]
         return tuple(mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
 
+    def _fed_in_chunks(self, i: int) -> bool:
+        """Tier i receives only whole spills of >= EXACT_MIN_CHUNK tokens and a kernel reads it."""
+        before = self.plan.tiers[i - 1] if i else None
+        return (before is not None and getattr(before.route, "spills", False)
+                and before.chunk >= EXACT_MIN_CHUNK and fusable(self.plan.tiers[i]))
+
     def _horizon(self, i: int) -> Optional[int]:
         route, rest = self.plan.tiers[i].route, self.plan.tiers[i + 1:]
         if route is not None and route.stage_name == "recent" and rest and rest[0].drops:
@@ -258,10 +269,18 @@ class TieredCache(_BaseCache):
         from ..kernels import cuda
         return lambda: cuda.affine_partial_attention(queries, k_enc, v_enc, k_spec, v_spec, scale)
 
-    def _partial(self, tier: Tier, queries, scale, first_q):
+    def _partial(self, tiers: List[Tier], queries, scale, first_q):
+        """One partial over the decoded tokens of `tiers` (any order: masks go by position)."""
         Lq = queries.shape[2]
-        mask = self._tier_mask(tier, first_q, Lq) if self._needs_mask(tier, first_q, Lq) else None
-        k, v = tier.decoded(mx.float32)
+        mask = None
+        if any(self._needs_mask(t, first_q, Lq) for t in tiers):
+            mask = mx.concatenate([self._tier_mask(t, first_q, Lq) for t in tiers], axis=1)
+        # 16-bit stores decode exactly in their own dtype; partial_attention accumulates in float32.
+        pairs = [t.decoded(self.dtype if t.sixteen_bit else mx.float32) for t in tiers]
+        if len(pairs) == 1:
+            k, v = pairs[0]
+        else:
+            k, v = (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
         return partial_attention(queries, k, v, scale, mask)
 
     _position_mask = staticmethod(position_mask)

@@ -8,11 +8,22 @@ from .buffer import Buffer
 from .codec import Codec
 
 UNBOUNDED_STEP = 64  # tokens; growth step of tiers that keep everything they get (slack is real memory)
+EXACT_MIN_CHUNK = 16  # tokens; tiers fed chunks at least this long may grow exactly (one copy per chunk)
+
+
+def fusable(plan: TierPlan) -> bool:
+    """K and V are plain affine codes: the fused attention kernels read them."""
+    return not plan.drops and all(
+        not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (plan.keys, plan.values))
 
 
 class Tier:
-    def __init__(self, plan: TierPlan):
+    def __init__(self, plan: TierPlan, exact: bool = False):
+        """`exact`: buffers hold exactly their tokens (grown by concatenation). For
+        tiers fed whole chunks whose codes a kernel reads: a sliced buffer is not
+        row-contiguous, and the kernel launch would copy the whole tier every call."""
         self.plan = plan
+        self._fusable = fusable(plan)
         self.route = plan.route
         self.start = 0  # position of the oldest token held
         self.count = 0
@@ -25,7 +36,7 @@ class Tier:
         for side, codec in self.codecs.items():
             bounded = plan.route is not None and plan.route.bounded
             self.buffers[side] = {
-                name: Buffer(None if bounded else max(1, UNBOUNDED_STEP // per_unit))
+                name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit))
                 for name, per_unit in codec.units().items()
             }
 
@@ -83,8 +94,13 @@ class Tier:
     @property
     def fusable(self) -> bool:
         """K and V are plain affine codes: the fused attention kernels read them."""
-        return not self.drops and all(
-            not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in self.codecs.values())
+        return self._fusable
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """K and V are stored as they came (fp16 / identity): decoding is a no-op."""
+        return not self.drops and all(c.store.stage_name in ("fp16", "identity") and not c.transforms
+                                      and not c.residuals for c in self.codecs.values())
 
     @property
     def granularity(self) -> int:

@@ -1,0 +1,100 @@
+"""What one decode step costs the host: graph ops per layer and graph-build time.
+
+    veloxquant bench decode-ops --recipes fp16,kivi,kivi_sink --as-cuda
+
+On a GPU every op is a kernel launch or at least a scheduler node, so at short
+contexts decode speed follows this count, not the bytes read. The graph of
+`model(token)` is exported (mx.export_to_dot) and its primitives counted, for
+mlx-lm's KVCache and each recipe, on a random-init Llama (no weights needed).
+`--as-cuda` counts the graph the CUDA backend would build, on any machine: the
+fused kernel's entry point is answered by a three-op stand-in (one op more than
+the kernel's two launches; the binding's own host time is not included).
+"""
+import argparse
+import collections
+import os
+import re
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+from ..kernels import cuda, dispatch
+from ..runtime import make_prompt_cache, uninstall
+from .e2e import random_llama
+
+_OP = re.compile(r'label ="([^"]+)", shape=rectangle')
+
+
+def count_ops(out: mx.array) -> collections.Counter:
+    """Primitives in the (unevaluated) graph behind `out`."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.dot")
+        mx.export_to_dot(path, out)
+        return collections.Counter(_OP.findall(open(path).read()))
+
+
+def stand_in_for_cuda():
+    """Route affine tiers through the kernel entry point, answered by a stand-in of
+    three primitives (AsType, Sin, Sum) for the kernel's two launches. The numbers
+    it returns are meaningless; only the graph around it is counted."""
+    dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
+
+    def stand_in(q, ke, ve, ks, vs, scale, **kw):
+        out = mx.sin(q.astype(mx.float32))
+        return out, mx.sum(out, axis=-1)
+    cuda.affine_partial_attention = stand_in
+
+
+def step(model, cache, context: int, steps: int):
+    """Prefill `context` tokens, then time building `steps` one-token graphs."""
+    prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(0))
+    for s in range(0, context, 512):
+        mx.eval(model(prompt[:, s:s + 512], cache=cache))
+    build = 0.0
+    for i in range(steps):
+        t = time.perf_counter()
+        out = model(mx.array([[i + 1]]), cache=cache)
+        build += time.perf_counter() - t
+        ops = count_ops(out) if i == steps - 1 else None
+        mx.eval(out)
+    return ops, build / steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="veloxquant bench decode-ops", description=__doc__.splitlines()[0])
+    ap.add_argument("--recipes", default="fp16,kivi,kivi_sink,streaming_llm,turboquant_rvq,cachegen")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", default="9/3", help="query heads / kv heads (SmolLM2's by default)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps timed (crossing spills)")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--as-cuda", action="store_true", help="count the CUDA backend's graph (see above)")
+    args = ap.parse_args(argv)
+    if args.as_cuda:
+        stand_in_for_cuda()
+    heads, kv_heads = map(int, args.heads.split("/"))
+    mx.random.seed(0)
+    model = random_llama(args.layers, heads, kv_heads, args.head_dim, 1000, getattr(mx, args.dtype))
+    print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; "
+          f"context {args.context}, {args.steps} decode steps; device {mx.default_device()}"
+          + ("; graph of the CUDA path" if args.as_cuda else ""))
+    print("| cache | ops per step | ops per layer over KVCache | host build ms per step | most frequent extra ops |")
+    print("|---|---|---|---|---|")
+    base, _ = step(model, mlx_prompt_cache(model), args.context, 2)
+    rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
+    rows += [(r, lambda r=r: make_prompt_cache(model, r)) for r in args.recipes.split(",") if r]
+    for label, make in rows:
+        ops, build = step(model, make(), args.context, args.steps)
+        uninstall(model)
+        extra = ops - base
+        common = ", ".join(f"{k[:40]} {v}" for k, v in extra.most_common(4))
+        per_layer = (sum(ops.values()) - sum(base.values())) / args.layers
+        print(f"| {label} | {sum(ops.values())} | {per_layer:+.1f} | {build * 1e3:.2f} | {common} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
