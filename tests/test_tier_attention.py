@@ -81,3 +81,17 @@ def test_partial_attention_gqa_rows_match_repeated_heads():
     assert float(mx.abs(out - want).max()) < 1e-5
     s = (q @ mx.repeat(k, 3, axis=1).swapaxes(-1, -2)) * 0.25
     assert float(mx.abs(lse - mx.logsumexp(s, axis=-1)).max()) < 1e-5
+
+
+@pytest.mark.parametrize("recipe,most", [("fp16", 4), ("kivi", 22), ("kivi_sink", 25)])
+def test_decode_step_graph_stays_small(model, recipe, most):
+    """Each op is a launch (or scheduler node) on the GPU: decode speed follows this count.
+    Counted on the CUDA path's graph (kernel = a three-op stand-in)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+    from veloxquant.bench.decode_ops import stand_in_for_cuda, step
+    base, _ = step(model, mlx_cache(model), 200, 1)
+    with stand_in_for_cuda():
+        ops, _ = step(model, make_prompt_cache(model, recipe), 200, 40)
+        uninstall(model)
+    per_layer = (sum(ops.values()) - sum(base.values())) / len(model.layers)
+    assert per_layer <= most, ops - base

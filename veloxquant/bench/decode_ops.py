@@ -12,6 +12,7 @@ the kernel's two launches; the binding's own host time is not included).
 """
 import argparse
 import collections
+import contextlib
 import os
 import re
 import tempfile
@@ -35,16 +36,21 @@ def count_ops(out: mx.array) -> collections.Counter:
         return collections.Counter(_OP.findall(open(path).read()))
 
 
+@contextlib.contextmanager
 def stand_in_for_cuda():
     """Route affine tiers through the kernel entry point, answered by a stand-in of
     three primitives (AsType, Sin, Sum) for the kernel's two launches. The numbers
     it returns are meaningless; only the graph around it is counted."""
-    dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
-
     def stand_in(q, ke, ve, ks, vs, scale, **kw):
         out = mx.sin(q.astype(mx.float32))
         return out, mx.sum(out, axis=-1)
+    saved = dispatch.choice, cuda.affine_partial_attention
+    dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
     cuda.affine_partial_attention = stand_in
+    try:
+        yield
+    finally:
+        dispatch.choice, cuda.affine_partial_attention = saved
 
 
 def step(model, cache, context: int, steps: int):
@@ -73,8 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--as-cuda", action="store_true", help="count the CUDA backend's graph (see above)")
     args = ap.parse_args(argv)
-    if args.as_cuda:
-        stand_in_for_cuda()
+    with stand_in_for_cuda() if args.as_cuda else contextlib.nullcontext():
+        table(args)
+    return 0
+
+
+def table(args) -> None:
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
     model = random_llama(args.layers, heads, kv_heads, args.head_dim, 1000, getattr(mx, args.dtype))
@@ -93,8 +103,6 @@ def main(argv=None) -> int:
         common = ", ".join(f"{k[:40]} {v}" for k, v in extra.most_common(4))
         per_layer = (sum(ops.values()) - sum(base.values())) / args.layers
         print(f"| {label} | {sum(ops.values())} | {per_layer:+.1f} | {build * 1e3:.2f} | {common} |", flush=True)
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
