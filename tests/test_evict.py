@@ -93,14 +93,23 @@ class Reference:
         return out
 
 
-@pytest.mark.parametrize("score, recent", [("mass", 0), ("current", 0), ("proxy", 0), ("mass", 3)])
-def test_eviction_matches_reference(llama_model, tmp_path, score, recent):
+@pytest.mark.parametrize("score, recent, score_block", [("mass", 0, 128), ("current", 0, 128), ("proxy", 0, 128),
+                                                         ("mass", 3, 128), ("mass", 0, 5), ("current", 2, 5)])
+def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, recent, score_block):
+    # score_block 5: blocks of 12 queries take the prefill path (fused output, weights 5 queries at a time)
+    monkeypatch.setattr(veloxquant.runtime.per_head, "SCORE_BLOCK", score_block)
     cache = layer_cache(llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}, recent={recent}) | identity")
     ref = Reference(8, 2, score, recent)
     for q, k, v in blocks(0, [12, 1, 1, 3, 1, 1, 1, 1, 1, 1]):
         cache.update_and_fetch(mx.array(k), mx.array(v))
         out = cache.attend(mx.array(q), SCALE)
         np.testing.assert_allclose(np.array(out), ref.step(q, k, v), atol=2e-5)
+        tier = cache.tiers[0]
+        for h in range(HKV):  # the scores themselves, not only the sets they select
+            got = dict(zip(np.array(tier.positions)[0, h].tolist(), np.array(tier.scores)[0, h].tolist()))
+            want = dict(zip(ref.pos[h], ref.s[h]))
+            assert got.keys() == want.keys()
+            np.testing.assert_allclose([got[p] for p in want], list(want.values()), atol=1e-4)
     cache._settle()
     ref.evict()
     held = np.array(cache.tiers[0].positions)

@@ -13,7 +13,10 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .scoring import attend_with_weights, attention_weights, expand_heads, max_pool, position_mask, received
+from .scoring import (attend_with_weights, attention_weights, expand_heads, max_pool, position_mask, received,
+                      received_blocked)
+
+SCORE_BLOCK = 128  # queries whose explicit softmax weights are held at once while scoring
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
@@ -51,11 +54,17 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     Lq, Hq = queries.shape[2], queries.shape[1]
     scorers = [(t, i) for i, t in enumerate(held) if getattr(t, "per_head", False)]
     live = observe and any(t.route.score in ("mass", "current") for t, _ in scorers)
-    k, v, kpos, slices = _gather(cache, held, mx.float32 if live else queries.dtype)
+    blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
+    k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
     mask = _mask(cache, held, kpos, first_q, Lq)
     if live:
-        out, w = attend_with_weights(queries, k, v, scale, mask)
-        total, newest = received(w)
+        if blocked:
+            out = mx.fast.scaled_dot_product_attention(
+                queries, k, v, scale=scale, mask=None if mask is None else expand_heads(mask, Hq))
+            total, newest = received_blocked(queries, k, scale, mask, SCORE_BLOCK)
+        else:
+            out, w = attend_with_weights(queries, k, v, scale, mask)
+            total, newest = received(w)
         for t, i in scorers:
             if t.route.score in ("mass", "current"):
                 t.observe(total[..., slices[i]], newest[..., slices[i]])

@@ -48,6 +48,19 @@ def attend_with_weights(queries: mx.array, keys: mx.array, values: mx.array, sca
     return out.reshape(B, Hq, Lq, -1), w
 
 
+def received_blocked(queries: mx.array, keys: mx.array, scale: float, mask: Optional[mx.array],
+                     block: int) -> Tuple[mx.array, mx.array]:
+    """`received` of attention_weights(...), computed `block` queries at a time: rows are
+    independent softmaxes, so the sums are exact and only one block of weights lives at once."""
+    Lq = queries.shape[2]
+    total = newest = None
+    for s in range(0, Lq, block):
+        part = mask[:, :, s:s + block] if mask is not None else None
+        t, newest = received(attention_weights(queries[:, :, s:s + block], keys, scale, part))
+        total = t if total is None else total + t
+    return total, newest
+
+
 def received(weights: mx.array) -> Tuple[mx.array, mx.array]:
     """Attention each key received, summed over the query heads sharing its kv head:
     (from all queries [B, Hkv, L], from the newest query only [B, Hkv, L])."""

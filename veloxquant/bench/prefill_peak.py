@@ -1,0 +1,46 @@
+"""Peak memory of prefilling a prompt into each recipe's caches (SmolLM2, Austen).
+
+    python -m veloxquant.bench.prefill_peak fp16 h2o tova snapkv --tokens 2048 --chunk 512
+
+Prefills `--tokens` corpus tokens in chunks the way generate does (the cache
+settles after every chunk), then one decode step; prints the peak of MLX's
+allocator over what was held before, and the bytes the caches hold after.
+"""
+import argparse
+
+import mlx.core as mx
+
+from ..data import load_text
+from ..eval.feed import prefill
+from ..models import load_model
+from ..runtime import make_prompt_cache, uninstall
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.prefill_peak", description=__doc__.splitlines()[0])
+    ap.add_argument("recipes", nargs="+")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args(argv)
+    model, tokenizer = load_model(args.model, progress=False)
+    x = mx.array(tokenizer.encode(load_text("austen"))[: args.tokens])[None]
+    print(f"{x.shape[1]} tokens in chunks of {args.chunk}, then one decode step; device {mx.default_device()}")
+    print("| recipe | peak MiB over start | held MiB after |")
+    print("|---|---|---|")
+    for name in args.recipes:
+        caches = make_prompt_cache(model, name)
+        mx.synchronize()
+        start = mx.get_active_memory()
+        mx.reset_peak_memory()
+        prefill(model, x, caches, args.chunk)
+        mx.eval(model(mx.array([[5]]), cache=caches))
+        peak = (mx.get_peak_memory() - start) / 2 ** 20
+        print(f"| {name} | {peak:,.0f} | {sum(c.nbytes for c in caches) / 2 ** 20:,.1f} |", flush=True)
+        uninstall(model)
+        del caches
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
