@@ -251,3 +251,14 @@ def test_sliding_window_layers_mask_by_position(name):
     want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 16)
     got = feed(model, tokens, veloxquant.make_prompt_cache(model, name, ["budget=200"]), 16)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3)
+
+
+def test_recent_window_before_eviction_tier_masks_by_position(llama_model, tmp_path):
+    """recent >> evict holds the newest tokens in the first tier: keys are not in position
+    order, so attention must mask by position (not SDPA's index-causal) -- same as fp16."""
+    model = llama_model
+    tokens = mx.array(np.arange(60)[None] % 500)
+    want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 7)
+    got = feed(model, tokens, veloxquant.make_prompt_cache(
+        model, recipe(tmp_path, "recent(16) >> evict(budget=64, sinks=2, score=proxy)")), 7)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)

@@ -31,6 +31,9 @@ class HeadTier:
         self.meta = {name: Buffer(UNBOUNDED_STEP) for name in META}
         self.count = 0  # tokens per head
         self.decided = False  # `once` routes (SnapKV) decide a single time
+        # Until the first eviction every head holds the same run [first, first + count):
+        # attention can then use SDPA's "causal" instead of a per-head mask array.
+        self.uniform, self.first = True, 0
 
     # --- contents -------------------------------------------------------
     drops = False
@@ -53,6 +56,8 @@ class HeadTier:
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         B, H, n, _ = keys.shape
+        if self.count == 0:
+            self.first = start
         for side, x in (("k", keys), ("v", values)):
             for name, arr in self.codecs[side].encode(x).items():
                 self.buffers[side][name].append(arr)
@@ -91,6 +96,7 @@ class HeadTier:
                 gather = idx.reshape(*idx.shape, *([1] * (arr.ndim - 3)))
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
         self.count = budget
+        self.uniform = False
 
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
@@ -132,6 +138,7 @@ class HeadTier:
     def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
         self.count = count
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
+        self.uniform = False  # what was evicted before saving is not known here
         for key in self.expected_names():
             side, _, name = key.rpartition(".")
             buf = self.buffers[side][name] if side else self.meta[name]

@@ -50,6 +50,19 @@ def _mask(cache, held, kpos, first_q: int, Lq: int) -> Optional[mx.array]:
     return mx.concatenate(masks, axis=-1)
 
 
+def _causal(cache, held: List, end: int) -> bool:
+    """Every head holds the same contiguous run of positions ending at the last query
+    (nothing evicted yet, no window): SDPA's "causal" is exact, no mask array needed."""
+    spans = []
+    for t in held:
+        if cache._window(t) is not None or (getattr(t, "per_head", False) and not t.uniform):
+            return False
+        spans.append((t.first, t.first + t.count) if getattr(t, "per_head", False) else (t.start, t.end))
+    # In the order _gather concatenates them: "causal" masks by index, not by position.
+    contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    return contiguous and spans[-1][1] == end
+
+
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
     Lq, Hq = queries.shape[2], queries.shape[1]
     scorers = [(t, i) for i, t in enumerate(held) if getattr(t, "per_head", False)]
@@ -57,10 +70,12 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
     k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
     mask = _mask(cache, held, kpos, first_q, Lq)
+    sdpa_mask = None  # what fused SDPA gets: the mask array, or "causal" while heads agree
+    if mask is not None:
+        sdpa_mask = "causal" if _causal(cache, held, first_q + Lq) else expand_heads(mask, Hq)
     if live:
         if blocked:
-            out = mx.fast.scaled_dot_product_attention(
-                queries, k, v, scale=scale, mask=None if mask is None else expand_heads(mask, Hq))
+            out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
             total, newest = received_blocked(queries, k, scale, mask, SCORE_BLOCK)
         else:
             out, w = attend_with_weights(queries, k, v, scale, mask)
@@ -69,8 +84,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
             if t.route.score in ("mass", "current"):
                 t.observe(total[..., slices[i]], newest[..., slices[i]])
         return out.astype(queries.dtype)
-    out = mx.fast.scaled_dot_product_attention(
-        queries, k, v, scale=scale, mask=None if mask is None else expand_heads(mask, Hq))
+    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
     if observe:
         for t, i in scorers:
             if t.route.score == "proxy" and cache.new_keys is not None:
