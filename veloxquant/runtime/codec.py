@@ -1,5 +1,6 @@
 """A codec: transform stages then a store stage, for one tensor of one tier."""
 import re
+from functools import lru_cache
 from typing import Dict
 
 import mlx.core as mx
@@ -7,6 +8,17 @@ import mlx.core as mx
 from ..compiler.plan import CodecPlan
 
 _RESIDUAL = re.compile(r"r\d+\.")  # names of residual stages' arrays
+
+
+# Decode appends one token (or one spilled group) per step, always the same shapes:
+# those encodes run as one compiled graph (elementwise chains fused), shared by all
+# layers with the same codec. Longer blocks (prefill) vary in length: plain ops.
+COMPILED_BLOCK = 64
+
+
+@lru_cache(maxsize=None)
+def _compiled_encode(plan: CodecPlan):
+    return mx.compile(Codec(plan).encode_ops)
 
 
 class Codec:
@@ -18,8 +30,15 @@ class Codec:
         self.store = plan.store
         self.transforms = plan.transforms
         self.residuals = [r.inner for r in plan.residuals]
+        # fp16 / identity with nothing around them: encode is at most a cast, nothing to fuse
+        self.trivial = not self.transforms and not self.residuals and self.store.stage_name in ("fp16", "identity")
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
+        if x.shape[2] <= COMPILED_BLOCK and not self.trivial:
+            return _compiled_encode(self.plan)(x)
+        return self.encode_ops(x)
+
+    def encode_ops(self, x: mx.array) -> Dict[str, mx.array]:
         for t in self.transforms:
             x = t.forward(x)
         enc = self.store.encode(x)
