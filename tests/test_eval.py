@@ -214,3 +214,14 @@ def test_eval_on_smollm2(tmp_path, capsys):
     assert q4["name"] == "mlx-q4" and q4["cost"]["ratio"] < 0.3
     assert 0.8 < kivi["fidelity"]["mean"] < 1
     assert "| kivi |" in capsys.readouterr().out
+
+
+def test_mlx_rows_fail_where_mlx_lm_cannot_quantize():
+    """Gemma-3's sliding layers use RotatingKVCache, which mlx-lm's kv_bits refuses:
+    the row is recorded with mlx-lm's own error, not emulated over every layer."""
+    from conftest import tiny_gemma3
+    from veloxquant.eval.run import _probe
+    model = tiny_gemma3()
+    why = _probe(model, parse_row("mlx-q4"), list(range(40)), 16)
+    assert why and why.startswith("NotImplementedError") and "RotatingKVCache" in why
+    assert _probe(model, parse_row("kivi"), list(range(40)), 16) is None

@@ -8,7 +8,8 @@ from typing import List, Optional, Sequence
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..errors import VeloxError
 
@@ -43,9 +44,17 @@ class Row:
     def make(self, model) -> list:
         """Fresh caches for `model` (recipe rows also install the attention hook)."""
         if self.kind == "mlx-lm":
-            return [Fp16QuantizedKVCache(group_size=self.group, bits=self.bits) for _ in model.layers]
+            return [self._quantized(c) for c in mlx_prompt_cache(model)]
         from ..runtime import make_prompt_cache
         return make_prompt_cache(model, self.ref, self.sets)
+
+    def _quantized(self, cache):
+        """What mlx-lm's `kv_bits` turns this layer's cache into (generate's
+        maybe_quantize_kv_cache). Sliding-window layers raise there, as in mlx-lm."""
+        quantized = cache.to_quantized(group_size=self.group, bits=self.bits)
+        if type(cache) is KVCache:
+            return Fp16QuantizedKVCache(group_size=self.group, bits=self.bits)
+        return quantized
 
     def describe(self, caches) -> dict:
         d = {"name": self.name, "kind": self.kind, "ref": self.ref, "sets": list(self.sets)}
