@@ -1,0 +1,27 @@
+"""The benchmark scripts run and print their tables (numbers are not asserted:
+speed and memory are measured, never tested)."""
+import pytest
+
+from veloxquant.bench import decode_ops, decode_split, prefill_peak
+
+
+def test_decode_split_prints_its_table(capsys):
+    assert decode_split.main(["--context", "64", "--layers", "2", "--vocab", "300", "--steps", "2",
+                              "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| mlx-lm KVCache |", "| fp16 |", "| kivi |", "| kivi kernels off |"):
+        assert row in out
+
+
+def test_decode_ops_prints_its_table(capsys):
+    assert decode_ops.main(["--layers", "2", "--context", "64", "--steps", "2", "--dtype", "float32",
+                            "--recipes", "fp16,kivi", "--as-cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "graph of the CUDA path" in out and "| kivi |" in out
+
+
+@pytest.mark.slow
+def test_prefill_peak_prints_its_table(capsys):
+    assert prefill_peak.main(["fp16", "h2o", "--tokens", "256", "--chunk", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp16 |" in out and "| h2o |" in out
