@@ -33,8 +33,9 @@ def _run(model, recipe, tokens, decode):
 def fused_on_cpu(monkeypatch):
     """Route affine tiers through the kernel entry point, answered by the reference."""
     monkeypatch.setattr(dispatch, "choice", lambda *a, **k: ("cuda", "reference standing in for the kernel"))
-    monkeypatch.setattr(cuda, "affine_partial_attention",
-                        lambda q, ke, ve, ks, vs, scale, **kw: reference.affine_partial_attention(q, ke, ve, ks, vs, scale))
+    def launcher(qshape, qdtype, cshape, ks, vs, scale, **kw):
+        return lambda q, ke, ve: reference.affine_partial_attention(q, ke, ve, ks, vs, scale)
+    monkeypatch.setattr(cuda, "launcher", launcher)
 
 
 @pytest.mark.parametrize("recipe", ["kivi", "kivi_sink"])

@@ -290,6 +290,27 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
     return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), r_kw)
 
 
+def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
+             impl: Optional[str] = None, chunk: int = 0):
+    """`run(q, k_enc, v_enc) -> (out, lse)` for calls of these shapes, with the kernel
+    choice and launch parameters resolved now: per call only the two launches remain
+    (a cache keeps one per tier between decode steps)."""
+    B, Hq, Lq, D = qshape
+    ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
+    mma = (impl or default_impl(D, cshape[2])) == "mma" and not chunk
+    if mma and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp):
+        la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
+    else:
+        la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
+
+    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array]) -> Tuple[mx.array, mx.array]:
+        pm, pl, pacc = la.attend(inputs=[q, k_enc["codes"], k_enc["scales"], k_enc["zeros"],
+                                         v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
+        out, lse = la.reduce(inputs=[pm, pl, pacc], **la.r_kw)
+        return out, lse
+    return run
+
+
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
                              k_spec: Spec, v_spec: Spec, scale: float,
                              chunk: Optional[int] = None, impl: Optional[str] = None) -> Tuple[mx.array, mx.array]:
@@ -297,20 +318,6 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
     other op: inputs go in as they are (4-D, row-contiguous), outputs come out
     in their final shapes. The launch parameters are prepared once per
-    (shapes, specs, scale) (`_launch`): per call only the two kernel calls
-    remain on the host."""
-    kc = k_enc["codes"]
-    if (impl or default_impl(q.shape[-1], kc.shape[2])) == "mma" and not chunk:
-        B, Hq, Lq, D = q.shape
-        ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
-        if not mma_supported(Hq, Lq, D, kc.shape[1], kc.shape[2], ksp, vsp):
-            la = _launch_mma(tuple(q.shape), q.dtype, tuple(kc.shape), ksp, vsp, float(scale))
-            pm, pl, pacc = la.attend(inputs=[q, kc, k_enc["scales"], k_enc["zeros"],
-                                             v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
-            return tuple(la.reduce(inputs=[pm, pl, pacc], **la.r_kw))
-    la = _launch(tuple(q.shape), q.dtype, tuple(kc.shape), _spec_key(k_spec), _spec_key(v_spec),
-                 float(scale), chunk or 0)
-    pm, pl, pacc = la.attend(inputs=[q, kc, k_enc["scales"], k_enc["zeros"],
-                                     v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
-    out, lse = la.reduce(inputs=[pm, pl, pacc], **la.r_kw)
-    return out, lse
+    (shapes, specs, scale) (`_launch`)."""
+    return launcher(tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
+                    impl, chunk or 0)(q, k_enc, v_enc)

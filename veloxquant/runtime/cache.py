@@ -263,11 +263,20 @@ class TieredCache(_BaseCache):
         if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
             return None
         k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+        # Decided once per (tier length, query shape): every layer asks again each step.
+        key = (tier.count, tuple(queries.shape), queries.dtype, scale)
+        if tier.launch_key != key:
+            tier.launch_key, tier.launch = key, self._launcher(tier, queries, k_enc, v_enc, scale)
+        run = tier.launch
+        return None if run is None else (lambda: run(queries, k_enc, v_enc))
+
+    @staticmethod
+    def _launcher(tier: Tier, queries, k_enc, v_enc, scale):
         k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
         if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
             return None
         from ..kernels import cuda
-        return lambda: cuda.affine_partial_attention(queries, k_enc, v_enc, k_spec, v_spec, scale)
+        return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
 
     def _partial(self, tiers: List[Tier], queries, scale, first_q):
         """One partial over the decoded tokens of `tiers` (any order: masks go by position)."""

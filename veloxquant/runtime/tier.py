@@ -27,6 +27,7 @@ class Tier:
         self.route = plan.route
         self.start = 0  # position of the oldest token held
         self.count = 0
+        self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
