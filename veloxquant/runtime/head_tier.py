@@ -26,9 +26,12 @@ class HeadTier:
         self.plan = plan
         self.route = plan.route
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        # Routes that evict every step re-gather every array each step: exact-size
+        # buffers then cost one concatenation per append, not a regrowth and copy.
+        step = UNBOUNDED_STEP if plan.route.once else None
         self.buffers: Dict[str, Dict[str, Buffer]] = {
-            side: {name: Buffer(UNBOUNDED_STEP) for name in codec.units()} for side, codec in self.codecs.items()}
-        self.meta = {name: Buffer(UNBOUNDED_STEP) for name in META}
+            side: {name: Buffer(step) for name in codec.units()} for side, codec in self.codecs.items()}
+        self.meta = {name: Buffer(step) for name in META}
         self.count = 0  # tokens per head
         self.decided = False  # `once` routes (SnapKV) decide a single time
         # Until the first eviction every head holds the same run [first, first + count):
