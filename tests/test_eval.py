@@ -217,11 +217,16 @@ def test_eval_on_smollm2(tmp_path, capsys):
 
 
 def test_mlx_rows_fail_where_mlx_lm_cannot_quantize():
-    """Gemma-3's sliding layers use RotatingKVCache, which mlx-lm's kv_bits refuses:
-    the row is recorded with mlx-lm's own error, not emulated over every layer."""
+    """Gemma-3's sliding layers use RotatingKVCache, which mlx-lm's kv_bits refuses: the
+    whole evaluation runs and records the row with mlx-lm's own error (no traceback, no
+    emulation over every layer)."""
     from conftest import tiny_gemma3
-    from veloxquant.eval.run import _probe
-    model = tiny_gemma3()
-    why = _probe(model, parse_row("mlx-q4"), list(range(40)), 16)
-    assert why and why.startswith("NotImplementedError") and "RotatingKVCache" in why
-    assert _probe(model, parse_row("kivi"), list(range(40)), 16) is None
+    tok = TokenizerWrapper(CharTokenizer())
+    cfg = EvalConfig(windows=1, prefix=48, score_tokens=16, prefill_chunk=16, score_chunk=8, fidelity_windows=1,
+                     passkey_lengths=(300,), passkey_depths=(0.5,), passkey_trials=1, passkey_max_tokens=2)
+    result = evaluate(tiny_gemma3(), tok, expand(["kivi[window=16,group=16]"], [4]), SENTENCES * 2, cfg,
+                      {"model": "tiny-gemma3"}, progress=False)
+    fp16, kivi, q4 = result["rows"]
+    assert q4["name"] == "mlx-q4" and q4["error"].startswith("NotImplementedError")
+    assert "RotatingKVCache" in q4["error"] and q4["ppl"] is None
+    assert "error" not in kivi and kivi["ppl"] > 0 and fp16["ppl"] > 0

@@ -65,8 +65,8 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         for row in rows:
             bar.set_description(f"eval {row.name}")
             done, asked = [], []
-            probe = row.make(model)  # only to describe the row (fingerprint); never fed
             error = failed.get(row.name)
+            probe = None if error else row.make(model)  # only to describe the row (fingerprint); never fed
             with cost.PeakMemory() as peak:
                 try:
                     for w in ([] if error else wins):
