@@ -21,6 +21,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from ..eval.feed import prefill
 from ..kernels import cuda, dispatch
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_llama
@@ -55,9 +56,7 @@ def stand_in_for_cuda():
 
 def step(model, cache, context: int, steps: int):
     """Prefill `context` tokens, then time building `steps` one-token graphs."""
-    prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(0))
-    for s in range(0, context, 512):
-        mx.eval(model(prompt[:, s:s + 512], cache=cache))
+    prefill(model, mx.random.randint(0, 1000, (1, context), key=mx.random.key(0)), cache, 512)
     build = 0.0
     for i in range(steps):
         t = time.perf_counter()

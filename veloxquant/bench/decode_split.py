@@ -18,15 +18,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from ..eval.feed import prefill
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_llama
-
-
-def prefill(model, prompt: mx.array, cache) -> None:
-    for s in range(0, prompt.shape[1], 2048):
-        mx.eval(model(prompt[:, s:s + 2048], cache=cache))
-    for c in cache:
-        getattr(c, "finish_prompt", lambda: None)()
 
 
 def decode(model, cache, n: int, profile=None):
@@ -73,7 +67,7 @@ def main(argv=None) -> int:
     for label, make, kernels in rows:
         os.environ["VELOXQUANT_KERNELS"] = kernels
         cache = make()
-        prefill(model, prompt, cache)
+        prefill(model, prompt, cache, 2048)
         decode(model, cache, 8)  # warm: first-use compiles
         ms, build, evaluate = decode(model, cache, args.steps)
         print(f"| {label} | {ms:.2f} | {build:.2f} | {evaluate:.2f} | {1e3 / ms:.1f} |", flush=True)
@@ -81,7 +75,7 @@ def main(argv=None) -> int:
         del cache
     os.environ["VELOXQUANT_KERNELS"] = ""
     cache = make_prompt_cache(model, "kivi")
-    prefill(model, prompt, cache)
+    prefill(model, prompt, cache, 2048)
     decode(model, cache, 8)
     profile = cProfile.Profile()
     decode(model, cache, 32, profile)
