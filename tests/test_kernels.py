@@ -234,3 +234,50 @@ def test_dispatch_on_cuda_uses_the_kernel_once_verified():
     q, ke, ve = make(1, 8, 2, 1, 128, 256, *KIVI2)
     impl, why = choice(q, ke, ve, *KIVI2, scale=0.1)
     assert impl == ("cuda" if "cuda" in dispatch.VERIFIED_BACKENDS else "reference"), why
+
+
+def _dense_tier(B, Hkv, W, D, dtype, seed, cap=0):
+    """(k, v) of a 16-bit tier; with `cap`, a view of the first W tokens of a longer buffer (strided)."""
+    kk, kv = mx.random.split(mx.random.key(100 + seed))
+    n = cap or W
+    k = (2.0 * mx.random.normal((B, Hkv, n, D), key=kk) + 0.5).astype(dtype)
+    v = mx.random.normal((B, Hkv, n, D), key=kv).astype(dtype)
+    return (k[:, :, :W], v[:, :, :W]) if cap else (k, v)
+
+
+TAIL_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, q dtype, [(W, cap), ...])
+    (1, 8, 2, 1, 128, 256, *KIVI2, mx.float16, [(17, 0)]),
+    (2, 9, 3, 1, 64, 64, S(4, 32, "channel"), S(4, 32, "token"), mx.float16, [(4, 0), (40, 64)]),
+    (1, 4, 1, 1, 256, 128, S(8, 64, "channel"), S(8, 64, "token"), mx.bfloat16, [(300, 320)]),
+    (1, 8, 2, 2, 128, 96, S(4, 32, "token"), S(4, 32, "token"), mx.float32, [(33, 0), (1, 0)]),
+    (1, 32, 8, 1, 128, 4096, S(4, 32, "channel"), S(4, 32, "token"), mx.float16, [(4, 0), (63, 256)]),
+]
+
+
+@pytest.mark.parametrize("impl", ["v1", "mma"])
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-tail{c[9]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_reduce_folds_dense_tiers(case, impl):
+    """reduce_tail: the coded tier's partials plus exact attention over 16-bit
+    tiers (contiguous or strided views), written in q's dtype."""
+    from veloxquant.kernels import cuda
+    from veloxquant.kernels.reference import spec_fields
+    from veloxquant.runtime.attention import merge_partials
+    B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
+    if impl == "mma" and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
+        pytest.skip("not a call the mma kernel takes")
+    q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
+    tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
+    scale = D ** -0.5
+    assert cuda.tail_unsupported(tuple(q.shape), tail) == ""
+    got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, impl=impl)(q, ke, ve, tail)
+    assert got.dtype == qdt and got.shape == q.shape
+    k = mx.concatenate([k for k, _ in tail], axis=2)
+    v = mx.concatenate([v for _, v in tail], axis=2)
+    want = on_cpu(lambda: merge_partials([reference(q, ke, ve, ks, vs, scale), partial_attention(q, k, v, scale)]))
+    got = got.astype(mx.float32)
+    rounding = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8, mx.float32: 0.0}[qdt]  # half an ulp, relative
+    err = float(mx.abs(got - want).max())
+    _record(f"[{impl}+tail] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} tail {dense} q{qdt}", err)
+    assert bool(mx.all(mx.abs(got - want) <= TOL + rounding * mx.abs(want)))

@@ -63,6 +63,16 @@ def test_run_command_prints_one_json_object(tmp_path):
     assert caches[0].offset == report["tokens"] and meta == {"recipe": "kivi_sink"}
 
 
+def test_run_command_puts_recipes_side_by_side():
+    out = subprocess.run([sys.executable, "-m", "veloxquant.cli", "run", "fp16", "kivi", "--corpus", "austen",
+                          "--prompt-tokens", "600", "--max-tokens", "6"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.stdout.splitlines()
+            if line.startswith("| fp16 ") or line.startswith("| kivi ")}
+    assert set(rows) == {"fp16", "kivi"}, out.stdout
+    assert float(rows["kivi"][0]) < 0.4 * float(rows["fp16"][0])  # cache MiB: 600 tokens, most of them 2-bit
+
+
 def test_gemma3_identity_recipe_is_exact_across_sliding_windows():
     """Gemma-3-270M: 15 sliding-window layers (512) + 3 global, prompt > window."""
     from veloxquant.data import load_text

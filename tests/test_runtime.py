@@ -181,8 +181,13 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
         if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
             return None
         k, v = tier.encoded("k"), tier.encoded("v")
-        return lambda: reference.affine_partial_attention(
-            queries, k, v, tier.plan.keys.store, tier.plan.values.store, scale)
+        specs = tier.plan.keys.store, tier.plan.values.store
+
+        def call(tail=None):  # the launch's contract: a partial, or the whole answer with dense tiers
+            if tail is None:
+                return reference.affine_partial_attention(queries, k, v, *specs, scale)
+            return reference.attention_with_tail(queries, k, v, *specs, scale, tail)
+        return call
 
     monkeypatch.setattr(TieredCache, "_kernel", reference_kernel)
     merged = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)

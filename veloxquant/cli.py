@@ -17,8 +17,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="veloxquant", description="KV-cache compression recipes for MLX models")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="generate with a model under a recipe and report what the cache cost")
-    p.add_argument("recipe")
+    p = sub.add_parser("run", help="generate with a model under one or more recipes and report what the cache cost")
+    p.add_argument("recipes", nargs="+", metavar="recipe",
+                   help="several: each generates from the same prompt, then one table side by side")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="Write a short poem about the sea.")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")
     p.add_argument("--save-cache", metavar="PATH", help="save the compressed cache after generation (.safetensors)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--json", action="store_true", help="print one JSON object (one line per recipe) instead of text")
     _add_recipe_opts(p)
 
     p = sub.add_parser("check", help="load and compile recipes; report errors")

@@ -40,9 +40,13 @@ def prompt_tokens(tokenizer, text: str, raw: bool, limit=None) -> List[int]:
 
 def cmd_run(args) -> int:
     from .models import load_model
-    recipe = load_recipe(args.recipe)
     from .compiler import apply_sets
-    apply_sets(recipe, args.sets)  # a bad --set fails before the model loads
+    if args.save_cache and len(args.recipes) > 1:
+        print("veloxquant run: --save-cache takes one recipe (got several)", file=sys.stderr)
+        return 2
+    recipes = [load_recipe(r) for r in args.recipes]
+    for recipe in recipes:
+        apply_sets(recipe, args.sets)  # a bad recipe or --set fails before the model loads
     if args.prompt_file:
         text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
     elif args.corpus:
@@ -51,8 +55,27 @@ def cmd_run(args) -> int:
     else:
         text = args.prompt
     model, tokenizer = load_model(args.model)
-    caches = make_prompt_cache(model, recipe, args.sets, use_hook=not args.no_hook)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
+    reports = []
+    for recipe in recipes:
+        if len(recipes) > 1 and not args.json:
+            print(f"== {recipe.name} ==")
+        report = generate(model, tokenizer, tokens, recipe, args)
+        reports.append(report)
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            print("\n")
+            print(format_report(report) + "\n", flush=True)
+    if len(reports) > 1 and not args.json:
+        print(side_by_side(reports))
+    return 0
+
+
+def generate(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, object]:
+    """One generation under `recipe` from `tokens`: the text and what it cost."""
+    caches = make_prompt_cache(model, recipe, args.sets, use_hook=not args.no_hook)
+    mx.synchronize()
     mx.reset_peak_memory()
     pieces, last = [], None
     try:
@@ -77,12 +100,21 @@ def cmd_run(args) -> int:
     }
     if args.save_cache:
         report["saved_cache_bytes"] = save_prompt_cache(args.save_cache, caches, {"recipe": recipe.name})
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print("\n")
-        print(format_report(report))
-    return 0
+    del caches
+    return report
+
+
+def side_by_side(reports: List[Dict[str, object]]) -> str:
+    """The recipes of one run as a markdown table (same model, prompt and device)."""
+    r0 = reports[0]
+    lines = [f"{r0['prompt_tokens']} prompt tokens, {r0['generated_tokens']} generated, on {r0['device']}; "
+             "peak memory includes the model's weights",
+             "| recipe | cache MiB | vs fp16 | prefill tok/s | decode tok/s | peak MiB |", "|---|---|---|---|---|---|"]
+    for r in reports:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        lines.append(f"| {r['recipe']} | {r['cache_bytes'] / 2**20:.1f} | {ratio} | {r['prefill_tok_s']:.1f} | "
+                     f"{r['decode_tok_s']:.1f} | {r['peak_memory_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines)
 
 
 def format_report(r: Dict[str, object]) -> str:

@@ -466,6 +466,68 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     if (dc == 0 && lane == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
   }
 
+//@@ reduce_tail
+  // reduce, plus the exact softmax over up to 2 dense 16-bit tiers (a decode
+  // window, sinks) read in place, writing the final output in q's dtype: the
+  // window's partial attention and the merge take no launch of their own.
+  // inputs: pm, pl [NROWS, NS], pacc [NROWS, NS, D]; q [B, Hq, LQ, D]; xk0, xv0,
+  // xk1, xv1 [B, Hkv, W, D] (any strides; tier 1 read only when NX == 2).
+  // outputs: out [B, Hq, LQ, D] (T), lse [NROWS] (f32). Every tail token is
+  // visible to every query (the caller checks: no mask).
+  // template: T, TX, D, NX, REP, LQ, QSCALE, XMAX
+  const int NS = pm_shape[1];
+  const int row = blockIdx.y, dc = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hkv_n = xk0_shape[1];
+  const int per_b = REP * hkv_n * LQ;
+  const int b = row / per_b, h = (row % per_b) / LQ, lq = row % LQ, kvh = h / REP;
+  const int W0 = xk0_shape[2], W = W0 + (NX > 1 ? xk1_shape[2] : 0);
+  __shared__ float qs[D];
+  __shared__ float sc[XMAX];
+  __shared__ float part[4][32];
+  const float qscale = __int_as_float(QSCALE);
+  for (int i = threadIdx.x; i < D; i += 128)
+    qs[i] = vq_f(q[b * q_strides[0] + h * q_strides[1] + lq * q_strides[2] + i * q_strides[3]]) * qscale;
+  __syncthreads();
+  // Tail scores (log2 units), one token per warp at a time, lanes over channels.
+  for (int t = warp; t < W; t += 4) {
+    const bool first = t < W0;
+    const TX* k = first ? xk0 + b * xk0_strides[0] + kvh * xk0_strides[1] + t * xk0_strides[2]
+                        : xk1 + b * xk1_strides[0] + kvh * xk1_strides[1] + (t - W0) * xk1_strides[2];
+    const long long ks = first ? xk0_strides[3] : xk1_strides[3];
+    float dot = 0.0f;
+    for (int d = lane; d < D; d += 32) dot += qs[d] * vq_f(k[d * ks]);
+    dot = vq_warp_sum(dot);
+    if (lane == 0) sc[t] = dot;
+  }
+  __syncthreads();
+  const float* m = pm + (size_t)row * NS;
+  const float* l = pl + (size_t)row * NS;
+  float M = vq_ninf();
+  for (int s = lane; s < NS; s += 32) M = fmaxf(M, m[s]);
+  for (int t = lane; t < W; t += 32) M = fmaxf(M, sc[t]);
+  M = vq_warp_max(M);
+  float Ls = 0.0f;
+  for (int s = lane; s < NS; s += 32) Ls += l[s] * exp2f(m[s] - M);
+  for (int t = lane; t < W; t += 32) Ls += exp2f(sc[t] - M);
+  Ls = vq_warp_sum(Ls);
+  const int d = dc * 32 + lane;
+  float a = 0.0f;
+  for (int s = warp; s < NS; s += 4) a += pacc[((size_t)row * NS + s) * D + d] * exp2f(m[s] - M);
+  for (int t = warp; t < W; t += 4) {
+    const bool first = t < W0;
+    const TX* v = first ? xv0 + b * xv0_strides[0] + kvh * xv0_strides[1] + t * xv0_strides[2]
+                        : xv1 + b * xv1_strides[0] + kvh * xv1_strides[1] + (t - W0) * xv1_strides[2];
+    a += exp2f(sc[t] - M) * vq_f(v[d * (first ? xv0_strides[3] : xv1_strides[3])]);
+  }
+  part[warp][lane] = a;
+  __syncthreads();
+  if (warp == 0) {
+    const float o = (part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane]) / Ls;
+    out[(size_t)row * D + d] = static_cast<T>(o);
+    if (dc == 0 && lane == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
+  }
+
 //@@ mma_header
 // Helpers of the tensor-core kernel (attend_mma). fp16 pairs travel as
 // unsigned ints; a pair's low half is its first element.

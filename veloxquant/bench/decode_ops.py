@@ -7,8 +7,10 @@ contexts decode speed follows this count, not the bytes read. The graph of
 `model(token)` is exported (mx.export_to_dot) and its primitives counted, for
 mlx-lm's KVCache and each recipe, on a random-init Llama (no weights needed).
 `--as-cuda` counts the graph the CUDA backend would build, on any machine: the
-fused kernel's entry point is answered by a three-op stand-in (one op more than
-the kernel's two launches; the binding's own host time is not included).
+fused kernel's entry point is answered by a stand-in: two ops (Sin, Depends) where
+the kernel's reduce folds in the dense tiers, four (AsType, Sin, Depends, Sum)
+where it returns a partial, for the kernel's two launches; the binding's own host
+time is not included.
 """
 import argparse
 import collections
@@ -40,18 +42,26 @@ def count_ops(out: mx.array) -> collections.Counter:
 @contextlib.contextmanager
 def stand_in_for_cuda():
     """Route affine tiers through the kernel entry point, answered by a stand-in of
-    three primitives (AsType, Sin, Sum) for the kernel's two launches. The numbers
-    it returns are meaningless; only the graph around it is counted."""
-    def stand_in(q, ke, ve):
-        out = mx.sin(q.astype(mx.float32))
+    two or four primitives for the kernel's two launches (module docstring), and
+    count fused SDPA as the one op it is on CUDA. The numbers it returns are
+    meaningless; only the graph around it is counted."""
+    def stand_in(q, ke, ve, tail=None):
+        # Depends keeps the inputs' producers (e.g. the window's append) in the graph.
+        deps = [*ke.values(), *ve.values(), *(x for kv in tail or () for x in kv)]
+        if tail:
+            return mx.depends(mx.sin(q), deps)  # attend + reduce_tail: two launches, two ops
+        out = mx.depends(mx.sin(q.astype(mx.float32)), deps)
         return out, mx.sum(out, axis=-1)
-    saved = dispatch.choice, cuda.launcher
+    def fused_sdpa(q, k, v, scale=None, mask=None, sinks=None):
+        return mx.depends(q, [k, v])  # one op, as on CUDA; the CPU splits SDPA into matmuls + softmax
+    saved = dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention
     dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
     cuda.launcher = lambda *a, **k: stand_in
+    mx.fast.scaled_dot_product_attention = fused_sdpa
     try:
         yield
     finally:
-        dispatch.choice, cuda.launcher = saved
+        dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention = saved
 
 
 def step(model, cache, context: int, steps: int):

@@ -23,6 +23,7 @@ SM_COUNT = 132  # H200; only steers the split count
 SMEM_CAP = 100_000  # preferred bound on a block's dynamic shared memory
 SMEM_MAX = 227 * 1024  # what an sm_90 block may opt into
 LONG_TIER = 8192  # tokens from which 256-token chunks pay
+TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
 # Tuning knobs for benchmarks (read once): tokens per chunk, resident threads per SM.
 _FORCED_CHUNK = int(os.environ.get("VELOXQUANT_CUDA_CHUNK", "0") or 0)
 _THREADS_PER_SM = int(os.environ.get("VELOXQUANT_CUDA_THREADS_PER_SM", "384") or 384)
@@ -220,6 +221,31 @@ def _reduce_kernel():
         source=_strip(s["reduce"]), header=_strip(s["header"]))
 
 
+@lru_cache(maxsize=None)
+def _reduce_tail_kernel():
+    """The reduce that also attends over dense 16-bit tiers (views read in place, any strides)."""
+    s = sections()
+    return mx.fast.cuda_kernel(
+        name="vq_affine_reduce_tail", input_names=["pm", "pl", "pacc", "q", "xk0", "xv0", "xk1", "xv1"],
+        output_names=["out", "lse"], source=_strip(s["reduce_tail"]), header=_strip(s["header"]),
+        ensure_row_contiguous=False)
+
+
+def tail_unsupported(qshape: tuple, tail) -> str:
+    """Why reduce_tail cannot fold these dense tiers into the reduce ('' when it can)."""
+    if not 1 <= len(tail) <= 2:
+        return "reduce_tail: one or two dense tiers"
+    B, Hq, Lq, D = qshape
+    if sum(k.shape[2] for k, _ in tail) > TAIL_MAX:
+        return f"reduce_tail: more than {TAIL_MAX} dense tokens"
+    for k, v in tail:
+        if k.dtype not in _QTYPES or v.dtype != k.dtype or k.dtype != tail[0][0].dtype:
+            return "reduce_tail: dense tiers of one float dtype"
+        if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
+            return "reduce_tail: dense tier shapes"
+    return ""
+
+
 def _float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
@@ -230,6 +256,16 @@ class _Launch(NamedTuple):
     a_kw: dict
     reduce: object
     r_kw: dict
+    scale: float
+
+
+@lru_cache(maxsize=256)
+def _tail_kw(qshape: tuple, qdtype, tdtype, nx: int, hkv: int, scale: float) -> dict:
+    B, Hq, Lq, D = qshape
+    template = [("T", qdtype), ("TX", tdtype), ("D", D), ("NX", nx), ("REP", Hq // hkv), ("LQ", Lq),
+                ("QSCALE", _float_bits(scale * math.log2(math.e))), ("XMAX", TAIL_MAX)]
+    return dict(template=template, grid=(128 * (D // 32), B * Hq * Lq, 1), threadgroup=(128, 1, 1),
+                output_shapes=[qshape, (B * Hq * Lq,)], output_dtypes=[qdtype, mx.float32])
 
 
 def _spec_key(spec: Spec) -> tuple:
@@ -248,7 +284,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
                 output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
     r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
                 output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
-    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), r_kw)
+    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), r_kw, scale)
 
 
 @lru_cache(maxsize=None)
@@ -287,7 +323,7 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
                 output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
     r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
                 output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
-    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), r_kw)
+    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), r_kw, scale)
 
 
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
@@ -303,11 +339,16 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     else:
         la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
-    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array]) -> Tuple[mx.array, mx.array]:
+    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None):
+        """(out f32, lse) of this tier; with `tail` (dense (k, v) tiers, every token
+        visible, `tail_unsupported` empty) the final attention over all of them, in q's dtype."""
         pm, pl, pacc = la.attend(inputs=[q, k_enc["codes"], k_enc["scales"], k_enc["zeros"],
                                          v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
-        out, lse = la.reduce(inputs=[pm, pl, pacc], **la.r_kw)
-        return out, lse
+        if not tail:
+            return tuple(la.reduce(inputs=[pm, pl, pacc], **la.r_kw))
+        (k0, v0), (k1, v1) = tail[0], tail[-1]
+        kw = _tail_kw(qshape, qdtype, k0.dtype, len(tail), k0.shape[1], la.scale)
+        return _reduce_tail_kernel()(inputs=[pm, pl, pacc, q, k0, v0, k1, v1], **kw)[0]
     return run
 
 

@@ -106,3 +106,14 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     out = _weighted_values(weights, v_enc, vb, vg, vax) / total
     lse = (mx.log(total) + peak).squeeze(-1)
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+
+
+def attention_with_tail(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec,
+                        v_spec: Spec, scale: float, tail) -> mx.array:
+    """What the CUDA launch answers with a tail: attention over the coded tier and
+    the dense (k, v) tiers of `tail` together, every token visible, in q's dtype."""
+    from ..runtime.attention import merge_partials, partial_attention  # runtime imports this module
+    k = mx.concatenate([k for k, _ in tail], axis=2)
+    v = mx.concatenate([v for _, v in tail], axis=2)
+    parts = [affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale), partial_attention(q, k, v, scale)]
+    return merge_partials(parts).astype(q.dtype)

@@ -78,8 +78,12 @@ class TieredCache(_BaseCache):
             return self._dense(held, queries, scale, first_q)
         # Kernel-backed tiers attend from their codes; the others decode and attend
         # together as one partial (fewer ops per layer); the partials merge exactly.
-        parts = [call() for call in fused if call]
         rest = [t for t, call in zip(held, fused) if not call]
+        calls = [call for call in fused if call]
+        tail = self._tail(rest, queries, first_q) if len(calls) == 1 else None
+        if tail:
+            return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
+        parts = [call() for call in calls]
         if rest:
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
@@ -268,7 +272,16 @@ class TieredCache(_BaseCache):
         if tier.launch_key != key:
             tier.launch_key, tier.launch = key, self._launcher(tier, queries, k_enc, v_enc, scale)
         run = tier.launch
-        return None if run is None else (lambda: run(queries, k_enc, v_enc))
+        return None if run is None else (lambda tail=None: run(queries, k_enc, v_enc, tail))
+
+    def _tail(self, rest: List[Tier], queries, first_q):
+        """The 16-bit tiers as (k, v) views for the kernel's reduce to attend over, or
+        None where it cannot (a mask applies, other codecs, too many tokens)."""
+        if not rest or not all(t.sixteen_bit and not self._needs_mask(t, first_q, queries.shape[2]) for t in rest):
+            return None
+        from ..kernels import cuda
+        tail = [t.decoded(self.dtype) for t in rest]
+        return None if cuda.tail_unsupported(tuple(queries.shape), tail) else tail
 
     @staticmethod
     def _launcher(tier: Tier, queries, k_enc, v_enc, scale):
