@@ -281,3 +281,44 @@ def test_cuda_reduce_folds_dense_tiers(case, impl):
     err = float(mx.abs(got - want).max())
     _record(f"[{impl}+tail] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} tail {dense} q{qdt}", err)
     assert bool(mx.all(mx.abs(got - want) <= TOL + rounding * mx.abs(want)))
+
+
+DEQUANT_CASES = [  # (spec, D, L, output dtype, view): view = a token slice of a longer tier
+    (S(2, 32, "channel"), 128, 4096, mx.float16, False),
+    (S(2, 32, "token"), 128, 4096, mx.float16, False),
+    (S(4, 32, "channel"), 64, 96, mx.bfloat16, False),
+    (S(8, 64, "token"), 256, 100, mx.float32, False),
+    (S(4, 16, "token"), 64, 77, mx.float16, True),
+]
+
+
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: f"{c[0]['bits']}{c[0]['axis'][0]}{c[0]['group']}-D{c[1]}-L{c[2]}-{c[3]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_dequant_matches_affine_decode(case):
+    """The dequant kernel (prefill's decode of a coded tier) against Affine.decode on the CPU."""
+    from veloxquant.kernels import cuda
+    sp, D, L, dtype, view = case
+    x = 2.0 * mx.random.normal((2, 3, L + (5 if view else 0), D), key=mx.random.key(7)) + 0.5
+    enc = Affine(**sp).encode(x)
+    if view:
+        enc = {n: a[:, :, 5:] for n, a in enc.items()}
+    assert cuda.dequant_unsupported(enc, sp, dtype) == ""
+    got = cuda.dequantize(enc, sp, dtype)
+    want = on_cpu(Affine(**sp).decode, enc, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+    ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7, mx.float32: 2.0 ** -23}[dtype]
+    _record(f"[dequant] {sp} D{D} L{L} {dtype}{' view' if view else ''}", float(diff.max()))
+    assert bool(mx.all(diff <= ulp * mx.abs(want.astype(mx.float32)) + 1e-7))  # at most one rounding step
+
+
+def test_dequant_kernel_only_on_cuda():
+    from veloxquant.kernels import dispatch
+    if backend() != "cuda":
+        assert dispatch.dequantizer() is None
+    os.environ["VELOXQUANT_KERNELS"] = "off"
+    try:
+        assert dispatch.dequantizer() is None
+    finally:
+        del os.environ["VELOXQUANT_KERNELS"]

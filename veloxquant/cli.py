@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")
     p.add_argument("--save-cache", metavar="PATH", help="save the compressed cache after generation (.safetensors)")
+    p.add_argument("--warmup", action="store_true",
+                   help="generate once untimed with each recipe first (GPU: first use compiles kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON object (one line per recipe) instead of text")
     _add_recipe_opts(p)
 

@@ -1,4 +1,5 @@
-"""`veloxquant run`: generate under a recipe and report what the cache cost."""
+"""`veloxquant run`: generate under one or more recipes and report what the cache cost."""
+import argparse
 import json
 import sys
 from typing import Dict, List
@@ -56,6 +57,10 @@ def cmd_run(args) -> int:
         text = args.prompt
     model, tokenizer = load_model(args.model)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
+    if args.warmup:  # the same generation untimed: kernel variants follow tier lengths reached while decoding
+        quiet = argparse.Namespace(**{**vars(args), "json": True, "save_cache": None})
+        for recipe in recipes:
+            generate(model, tokenizer, tokens, recipe, quiet)
     reports = []
     for recipe in recipes:
         if len(recipes) > 1 and not args.json:

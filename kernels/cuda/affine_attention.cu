@@ -528,6 +528,30 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     if (dc == 0 && lane == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
   }
 
+//@@ dequant
+  // Affine codes -> values in T (prefill attends over whole tiers through SDPA):
+  // one thread per packed word, no float32 copy of the tier in memory.
+  // inputs: codes [B, H, L, W], scales, zeros (token axis: [B, H, L, D/G];
+  // channel axis: [B, H, L/G, D]); output: out [B, H, L, D] (T).
+  // (code * scale) + zero in float32, rounded like the MLX ops decode (no FMA).
+  // template: T, BITS, G, AX (1 = channel), D
+  constexpr int W = D * BITS / 32, PER = 32 / BITS;
+  const int L = codes_shape[2];
+  const long long n = (long long)codes_shape[0] * codes_shape[1] * L;
+  const long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= n * W) return;
+  const long long r = w / W;
+  const int j = (int)(w % W);
+  const unsigned int word = codes[w];
+  T* o = out + r * D + j * PER;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int d = j * PER + i;
+    const long long m = AX ? ((r / L) * (L / G) + (r % L) / G) * D + d : r * (D / G) + d / G;
+    const float c = (float)((word >> (i * BITS)) & ((1u << BITS) - 1u));
+    o[i] = static_cast<T>(__fadd_rn(__fmul_rn(c, vq_f(scales[m])), vq_f(zeros[m])));
+  }
+
 //@@ mma_header
 // Helpers of the tensor-core kernel (attend_mma). fp16 pairs travel as
 // unsigned ints; a pair's low half is its first element.

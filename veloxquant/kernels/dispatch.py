@@ -93,3 +93,19 @@ def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[st
         from . import cuda
         return cuda.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
     return reference.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
+
+
+# The dequant kernel (affine codes -> values, for attention through SDPA) passed
+# tests/test_kernels.py on an NVIDIA H200 (mlx 0.32.4): see docs/kernels.md.
+DEQUANT_VERIFIED = True
+
+
+def dequantizer():
+    """`decode(enc, spec, dtype)` through the CUDA dequant kernel (None off CUDA, or
+    when not verified / VELOXQUANT_KERNELS=off); `cuda.dequant_unsupported` first."""
+    if os.environ.get(_ENV, "").lower() in ("off", "0", "reference") or not DEQUANT_VERIFIED:
+        return None
+    if backend() != "cuda" or "cuda" not in VERIFIED_BACKENDS:
+        return None
+    from . import cuda
+    return cuda

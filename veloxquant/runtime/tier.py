@@ -4,6 +4,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..compiler.plan import TierPlan
+from ..kernels import dispatch
 from .buffer import Buffer
 from .codec import Codec
 
@@ -64,7 +65,15 @@ class Tier:
         return {name: buf.view() for name, buf in self.buffers[side].items()}
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
-        return tuple(self.codecs[s].decode(self.encoded(s), dtype) for s in ("k", "v"))
+        kernels = dispatch.dequantizer() if self._fusable else None
+        pairs = []
+        for side in ("k", "v"):
+            enc, store = self.encoded(side), self.codecs[side].store
+            if kernels is not None and not kernels.dequant_unsupported(enc, store, dtype):
+                pairs.append(kernels.dequantize(enc, store, dtype))  # one launch, no float32 copies
+            else:
+                pairs.append(self.codecs[side].decode(enc, dtype))
+        return tuple(pairs)
 
     def take_front(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
         """Remove the n oldest tokens and return them decoded, with their start."""
