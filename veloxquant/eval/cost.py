@@ -1,8 +1,8 @@
 """What a cache costs: bytes it really holds, and what fp16 would hold.
 
 Bytes are measured from the arrays each cache holds (`nbytes`, metadata and
-allocation slack included: veloxquant tiers grow in 64-token steps, mlx-lm's
-caches in 256-token steps), never estimated from a bit count.
+allocation slack included: veloxquant's unbounded tiers and mlx-lm's caches
+grow in 256-token steps), never estimated from a bit count.
 """
 from typing import Dict, Optional
 

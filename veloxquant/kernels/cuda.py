@@ -22,7 +22,7 @@ MAX_ROWS = 4  # rows (rep heads x queries) held in registers per block
 SM_COUNT = 132  # H200; only steers the split count
 SMEM_CAP = 100_000  # preferred bound on a block's dynamic shared memory
 SMEM_MAX = 227 * 1024  # what an sm_90 block may opt into
-LONG_TIER = 8192  # tokens from which 256-token chunks pay
+LONG_TIER = 8192  # tokens from which 256-token chunks pay (D = 128 only, see choose_chunk)
 TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
 # Tuning knobs for benchmarks (read once): tokens per chunk, resident threads per SM.
 _FORCED_CHUNK = int(os.environ.get("VELOXQUANT_CUDA_CHUNK", "0") or 0)
@@ -136,15 +136,16 @@ def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg:
 
 
 def choose_chunk(D: int, R: int, kspec, vspec, L: int = 0) -> int:
-    """Tokens per chunk: 256 for long tiers (measured faster on the H200 at
-    32k/128k, docs/kernels.md), else 128 (8 tokens per team); failing that the
-    smallest size that holds whole channel groups and fits shared memory; 0 if none."""
+    """Tokens per chunk: 256 for long tiers at D = 128 (measured faster on the H200
+    at 32k/128k, docs/kernels.md), else 128 (8 tokens per team; at 9/3/64 it beat
+    256 by 30% at 16k-32k); failing that the smallest size that holds whole
+    channel groups and fits shared memory; 0 if none."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
     low = max(kg if kax == "channel" else 16, vg if vax == "channel" else 16)
     fits = lambda c, cap: c >= low and smem_bytes(c, D, R, kb, kg, kax, vb, vg, vax) <= cap
     if _FORCED_CHUNK and fits(_FORCED_CHUNK, SMEM_MAX):
         return _FORCED_CHUNK
-    if L >= LONG_TIER and fits(256, SMEM_CAP):
+    if D == 128 and L >= LONG_TIER and fits(256, SMEM_CAP):
         return 256
     for ch in (128, 64, 256):
         if fits(ch, SMEM_CAP):

@@ -8,7 +8,9 @@ from ..kernels import dispatch
 from .buffer import Buffer
 from .codec import Codec
 
-UNBOUNDED_STEP = 64  # tokens; growth step of tiers that keep everything they get (slack is real memory)
+# Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
+# KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
+UNBOUNDED_STEP = 256
 EXACT_MIN_CHUNK = 16  # tokens; tiers fed chunks at least this long may grow exactly (one copy per chunk)
 
 
