@@ -297,14 +297,14 @@ DEQUANT_CASES = [  # (spec, D, L, output dtype, view): view = a token slice of a
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_cuda_dequant_matches_affine_decode(case):
     """The dequant kernel (prefill's decode of a coded tier) against Affine.decode on the CPU."""
-    from veloxquant.kernels import cuda
+    from veloxquant.kernels import dequant
     sp, D, L, dtype, view = case
     x = 2.0 * mx.random.normal((2, 3, L + (5 if view else 0), D), key=mx.random.key(7)) + 0.5
     enc = Affine(**sp).encode(x)
     if view:
         enc = {n: a[:, :, 5:] for n, a in enc.items()}
-    assert cuda.dequant_unsupported(enc, sp, dtype) == ""
-    got = cuda.dequantize(enc, sp, dtype)
+    assert dequant.dequant_unsupported(enc, sp, dtype) == ""
+    got = dequant.dequantize(enc, sp, dtype)
     want = on_cpu(Affine(**sp).decode, enc, dtype)
     assert got.dtype == dtype and got.shape == want.shape
     diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))

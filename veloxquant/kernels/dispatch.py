@@ -101,11 +101,11 @@ DEQUANT_VERIFIED = True
 
 
 def dequantizer():
-    """`decode(enc, spec, dtype)` through the CUDA dequant kernel (None off CUDA, or
-    when not verified / VELOXQUANT_KERNELS=off); `cuda.dequant_unsupported` first."""
+    """The CUDA dequant binding (module `dequant`: `dequant_unsupported`, then
+    `dequantize`), or None off CUDA, when not verified, or with VELOXQUANT_KERNELS=off."""
     if os.environ.get(_ENV, "").lower() in ("off", "0", "reference") or not DEQUANT_VERIFIED:
         return None
     if backend() != "cuda" or "cuda" not in VERIFIED_BACKENDS:
         return None
-    from . import cuda
-    return cuda
+    from . import dequant
+    return dequant

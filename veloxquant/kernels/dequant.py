@@ -1,0 +1,42 @@
+"""Binding of the `dequant` section of kernels/cuda/affine_attention.cu: affine codes
+to 16-bit (or float32) values in one launch, for attention through SDPA (prefill)
+and for tiers no attend kernel reads. Contract: kernels/CONTRACT.md."""
+from functools import lru_cache
+from typing import Dict
+
+import mlx.core as mx
+
+from .cuda import _QTYPES, _strip, sections
+from .reference import Spec, spec_fields
+
+
+@lru_cache(maxsize=None)
+def _dequant_kernel():
+    s = sections()
+    return mx.fast.cuda_kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros"],
+                               output_names=["out"], source=_strip(s["dequant"]), header=_strip(s["header"]))
+
+
+def dequant_unsupported(enc: Dict[str, mx.array], spec: Spec, dtype) -> str:
+    """Why the dequant kernel cannot decode this tier ('' when it can)."""
+    bits, group, axis = spec_fields(spec)
+    codes = enc["codes"]
+    if bits not in (2, 4, 8) or dtype not in _QTYPES or codes.ndim != 4 or codes.dtype != mx.uint32:
+        return "dequant: bits 2/4/8, 4-D uint32 codes, float output"
+    if enc["scales"].dtype != mx.float16 or enc["zeros"].dtype != mx.float16:
+        return "dequant: float16 scales and zeros"
+    D, L = codes.shape[3] * 32 // bits, codes.shape[2]
+    if (D % group if axis == "token" else L % group) or codes.size == 0:
+        return "dequant: groups must tile the tier"
+    return ""
+
+
+def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype) -> mx.array:
+    """Affine.decode(enc, dtype) in one launch (no float32 copies of the tier)."""
+    bits, group, axis = spec_fields(spec)
+    B, H, L, W = enc["codes"].shape
+    D = W * 32 // bits
+    template = [("T", dtype), ("BITS", bits), ("G", group), ("AX", int(axis == "channel")), ("D", D)]
+    return _dequant_kernel()(inputs=[enc["codes"], enc["scales"], enc["zeros"]], template=template,
+                             grid=(B * H * L * W, 1, 1), threadgroup=(256, 1, 1),
+                             output_shapes=[(B, H, L, D)], output_dtypes=[dtype])[0]
