@@ -143,6 +143,7 @@ def test_mma_kernel_scope_and_default():
     os.environ.pop("VELOXQUANT_CUDA_IMPL", None)
     assert cuda.default_impl(64, 32768) == "v1" and cuda.default_impl(128, 4096) == "v1"
     assert cuda.default_impl(128, 32768) == ("mma" if cuda.MMA_VERIFIED else "v1")
+    assert cuda.default_impl(128, cuda.MMA_MIN_TOKENS - 1) == "v1"
 
 
 # ---------------------------------------------------------------- CUDA only

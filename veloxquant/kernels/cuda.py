@@ -42,12 +42,13 @@ _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 #   "v1"  -- the CUDA-core kernel (section attend): every supported call.
 # MMA_VERIFIED: tests/test_kernels.py passed with the mma kernel on an NVIDIA
 # H200 (mlx 0.32.4; 41 passed, mma worst 4.8e-5, docs/kernels.md). It is the
-# default only where it measured faster than v1 there: D = 128 at >= 32k
-# tokens (32/8/128 at 32k, 4 bits: 39-41 vs 57 us per call); at 4k and for 9/3/64 it
-# measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL (mma / v1)
+# default only at D = 128 from 16k tokens: at 32/8/128 2-bit it measured 41.3 vs 40.3 us
+# per call at 16k and 42.1 vs 45.1 at 32k, and a 32k-context kivi decode (tier from
+# ~32.7k tokens) ran at 562.6 instead of 381.5 tok/s (docs/kernels.md); at 4k and for
+# 9/3/64 it measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL (mma / v1)
 # overrides the default, e.g. for A/B timing.
 MMA_VERIFIED = True
-MMA_MIN_TOKENS = 32768  # default_impl: the shortest tier measured faster with mma
+MMA_MIN_TOKENS = 16384  # default_impl: from here mma measured at least even with v1
 MMA_WARPS = 4  # warps per attend_mma block
 MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
 _IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
