@@ -65,8 +65,10 @@ def test_run_command_prints_one_json_object(tmp_path):
 
 def test_run_command_puts_recipes_side_by_side():
     out = subprocess.run([sys.executable, "-m", "veloxquant.cli", "run", "fp16", "kivi", "--corpus", "austen",
-                          "--prompt-tokens", "600", "--max-tokens", "6"], capture_output=True, text=True, timeout=600)
+                          "--prompt-tokens", "600", "--max-tokens", "6", "--warmup"],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.count("== kivi ==") == 1  # the warm-up generations print nothing
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.stdout.splitlines()
             if line.startswith("| fp16 ") or line.startswith("| kivi ")}
     assert set(rows) == {"fp16", "kivi"}, out.stdout
