@@ -105,7 +105,6 @@ def generate(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, obj
     }
     if args.save_cache:
         report["saved_cache_bytes"] = save_prompt_cache(args.save_cache, caches, {"recipe": recipe.name})
-    del caches
     return report
 
 

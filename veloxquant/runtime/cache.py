@@ -76,8 +76,9 @@ class TieredCache(_BaseCache):
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
         if not any(fused):
             return self._dense(held, queries, scale, first_q)
-        # Kernel-backed tiers attend from their codes; the others decode and attend
-        # together as one partial (fewer ops per layer); the partials merge exactly.
+        # Kernel-backed tiers attend from their codes. The others are either folded into
+        # the kernel's reduce (16-bit, unmasked) or decoded and attended as one partial,
+        # and the partials merge exactly.
         rest = [t for t, call in zip(held, fused) if not call]
         calls = [call for call in fused if call]
         tail = self._tail(rest, queries, first_q) if len(calls) == 1 else None
