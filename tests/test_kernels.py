@@ -312,6 +312,10 @@ def test_cuda_dequant_matches_affine_decode(case):
     ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7, mx.float32: 2.0 ** -23}[dtype]
     _record(f"[dequant] {sp} D{D} L{L} {dtype}{' view' if view else ''}", float(diff.max()))
     assert bool(mx.all(diff <= ulp * mx.abs(want.astype(mx.float32)) + 1e-7))  # at most one rounding step
+    # Placed at an offset of a longer buffer (prefill writes the other tiers around it): same values.
+    placed = dequant.dequantize(enc, sp, dtype, L + 7, 3)
+    assert placed.shape == (2, 3, L + 7, D)
+    assert bool(mx.array_equal(placed[:, :, 3:3 + L], got))
 
 
 def test_dequant_kernel_only_on_cuda():
@@ -323,3 +327,11 @@ def test_dequant_kernel_only_on_cuda():
         assert dispatch.dequantizer() is None
     finally:
         del os.environ["VELOXQUANT_KERNELS"]
+
+
+def test_dequant_refuses_a_place_outside_the_buffer():
+    from veloxquant.kernels import dequant
+    sp = S(4, 32, "token")
+    enc = Affine(**sp).encode(mx.zeros((1, 2, 8, 64)))
+    with pytest.raises(ValueError, match="do not fit at 5 of 10"):
+        dequant.dequantize(enc, sp, mx.float16, 10, 5)

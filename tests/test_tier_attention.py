@@ -138,3 +138,41 @@ def test_cuda_decode_matches_reference_path(recipe, heads, dim, monkeypatch):
     scale = float(mx.abs(ref).max())
     err = float(mx.abs(fused.astype(mx.float32) - ref.astype(mx.float32)).max())
     assert err <= 1e-2 * scale, (err, scale)
+
+
+@pytest.fixture
+def placed_dequant_on_cpu(monkeypatch):
+    """The dequant kernel's contract answered by the ops decode: the tier's values at
+    [offset, offset + L) of a `length`-token buffer, every other row NaN (never read)."""
+    from veloxquant.stages.store import Affine
+    placed = []
+
+    class Stand:
+        @staticmethod
+        def dequant_unsupported(enc, spec, dtype):
+            return ""
+
+        @staticmethod
+        def dequantize(enc, spec, dtype, length=None, offset=0):
+            x = Affine(**dict(zip(("bits", "group", "axis"), reference.spec_fields(spec)))).decode(enc, dtype)
+            length = x.shape[2] if length is None else length
+            placed.append((offset, x.shape[2], length))
+            pad = lambda n: mx.full((*x.shape[:2], n, x.shape[3]), mx.nan, dtype=dtype)
+            return mx.concatenate([pad(offset), x, pad(length - offset - x.shape[2])], axis=2)
+    monkeypatch.setattr(dispatch, "dequantizer", lambda: Stand)
+    return placed
+
+
+@pytest.mark.parametrize("recipe", ["kivi", "kivi_sink"])
+def test_prefill_decodes_tiers_into_one_buffer(model, recipe, placed_dequant_on_cpu):
+    """Prefill attends over every tier through SDPA: the coded tier is decoded into
+    its place in one buffer and the 16-bit tiers written around it (no concatenated copy)."""
+    tokens = mx.random.randint(0, 500, (1, 300), key=mx.random.key(8))
+    placed, _ = _run(model, recipe, tokens, decode=3)
+    offsets = {o for o, L, n in placed_dequant_on_cpu if n > L}
+    assert offsets == ({0} if recipe == "kivi" else {5}), placed_dequant_on_cpu  # kivi_sink: after its 5 sinks
+    placed_dequant_on_cpu.clear()
+    dispatch.dequantizer = lambda: None  # monkeypatch restores it
+    concatenated, _ = _run(model, recipe, tokens, decode=3)
+    assert not bool(mx.any(mx.isnan(placed)))
+    assert float(mx.abs(placed - concatenated).max()) == 0.0

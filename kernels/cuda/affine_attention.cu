@@ -532,7 +532,9 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   // Affine codes -> values in T (prefill attends over whole tiers through SDPA):
   // one thread per packed word, no float32 copy of the tier in memory.
   // inputs: codes [B, H, L, W], scales, zeros (token axis: [B, H, L, D/G];
-  // channel axis: [B, H, L/G, D]); output: out [B, H, L, D] (T).
+  // channel axis: [B, H, L/G, D]), at = int32 [LO, OFF]; output: out
+  // [B, H, LO, D] (T), the tier's tokens at [OFF, OFF + L): the caller writes
+  // the layer's other tiers around them (no concatenated copy).
   // (code * scale) + zero in float32, rounded like the MLX ops decode (no FMA).
   // template: T, BITS, G, AX (1 = channel), D
   constexpr int W = D * BITS / 32, PER = 32 / BITS;
@@ -543,7 +545,7 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   const long long r = w / W;
   const int j = (int)(w % W);
   const unsigned int word = codes[w];
-  T* o = out + r * D + j * PER;
+  T* o = out + ((r / L) * at[0] + at[1] + r % L) * D + j * PER;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int d = j * PER + i;

@@ -2,7 +2,7 @@
 to 16-bit (or float32) values in one launch, for attention through SDPA (prefill)
 and for tiers no attend kernel reads. Contract: kernels/CONTRACT.md."""
 from functools import lru_cache
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -13,7 +13,7 @@ from .reference import Spec, spec_fields
 @lru_cache(maxsize=None)
 def _dequant_kernel():
     s = sections()
-    return mx.fast.cuda_kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros"],
+    return mx.fast.cuda_kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros", "at"],
                                output_names=["out"], source=_strip(s["dequant"]), header=_strip(s["header"]))
 
 
@@ -31,12 +31,21 @@ def dequant_unsupported(enc: Dict[str, mx.array], spec: Spec, dtype) -> str:
     return ""
 
 
-def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype) -> mx.array:
-    """Affine.decode(enc, dtype) in one launch (no float32 copies of the tier)."""
+def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype, length: Optional[int] = None,
+               offset: int = 0) -> mx.array:
+    """Affine.decode(enc, dtype) in one launch (no float32 copies of the tier).
+
+    With `length`, the output holds `length` tokens and the tier's lie at
+    [offset, offset + L); the rest is left for the caller to fill (mx.slice_update,
+    in place), so a layer's tiers meet in one buffer without a concatenated copy."""
     bits, group, axis = spec_fields(spec)
     B, H, L, W = enc["codes"].shape
     D = W * 32 // bits
+    length = L if length is None else length
+    if not 0 <= offset <= length - L:
+        raise ValueError(f"dequantize: {L} tokens do not fit at {offset} of {length}")
     template = [("T", dtype), ("BITS", bits), ("G", group), ("AX", int(axis == "channel")), ("D", D)]
-    return _dequant_kernel()(inputs=[enc["codes"], enc["scales"], enc["zeros"]], template=template,
+    at = mx.array([length, offset], dtype=mx.int32)
+    return _dequant_kernel()(inputs=[enc["codes"], enc["scales"], enc["zeros"], at], template=template,
                              grid=(B * H * L * W, 1, 1), threadgroup=(256, 1, 1),
-                             output_shapes=[(B, H, L, D)], output_dtypes=[dtype])[0]
+                             output_shapes=[(B, H, length, D)], output_dtypes=[dtype])[0]

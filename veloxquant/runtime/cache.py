@@ -13,12 +13,12 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from ..kernels import dispatch
+from ..kernels import cuda, dispatch
 from . import hook, per_head
 from .attention import merge_partials, partial_attention
 from .head_tier import HeadTier
 from .scoring import position_mask
-from .tier import EXACT_MIN_CHUNK, Tier, fusable
+from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
 
 
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -202,10 +202,7 @@ class TieredCache(_BaseCache):
 
     def _fetch(self) -> Tuple[mx.array, mx.array]:
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
-        pairs = [t.decoded(self.dtype) for t in held]
-        if len(pairs) == 1:
-            return pairs[0]
-        return tuple(mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
+        return decoded_run(held, self.dtype)
 
     def _fed_in_chunks(self, i: int) -> bool:
         """Tier i receives only whole spills of >= EXACT_MIN_CHUNK tokens and a kernel reads it."""
@@ -247,8 +244,7 @@ class TieredCache(_BaseCache):
     def _dense(self, held: List[Tier], queries, scale, first_q):
         """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory)."""
         Lq = queries.shape[2]
-        pairs = [t.decoded(queries.dtype) for t in held]
-        k, v = pairs[0] if len(pairs) == 1 else (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
+        k, v = decoded_run(held, queries.dtype)
         needs = [self._needs_mask(t, first_q, Lq) for t in held]
         if not any(needs):
             mask = None
@@ -278,9 +274,9 @@ class TieredCache(_BaseCache):
     def _tail(self, rest: List[Tier], queries, first_q):
         """The 16-bit tiers as (k, v) views for the kernel's reduce to attend over, or
         None where it cannot (a mask applies, other codecs, too many tokens)."""
-        if not rest or not all(t.sixteen_bit and not self._needs_mask(t, first_q, queries.shape[2]) for t in rest):
+        Lq = queries.shape[2]
+        if not rest or not all(t.sixteen_bit and not self._needs_mask(t, first_q, Lq) for t in rest):
             return None
-        from ..kernels import cuda
         tail = [t.decoded(self.dtype) for t in rest]
         return None if cuda.tail_unsupported(tuple(queries.shape), tail) else tail
 
@@ -289,7 +285,6 @@ class TieredCache(_BaseCache):
         k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
         if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
             return None
-        from ..kernels import cuda
         return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
 
     def _partial(self, tiers: List[Tier], queries, scale, first_q):

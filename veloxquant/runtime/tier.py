@@ -28,6 +28,10 @@ class Tier:
         self.plan = plan
         self._fusable = fusable(plan)
         self.route = plan.route
+        self.drops = plan.drops  # the plan is frozen: these facts are read every decode step
+        self.sixteen_bit = not plan.drops and all(
+            c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
+            for c in (plan.keys, plan.values))
         self.start = 0  # position of the oldest token held
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
@@ -49,10 +53,6 @@ class Tier:
     def end(self) -> int:
         return self.start + self.count
 
-    @property
-    def drops(self) -> bool:
-        return self.plan.drops
-
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.drops:
             return
@@ -67,15 +67,28 @@ class Tier:
         return {name: buf.view() for name, buf in self.buffers[side].items()}
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
+        return self.decoded_side("k", dtype), self.decoded_side("v", dtype)
+
+    def decoded_side(self, side: str, dtype, length: Optional[int] = None, offset: int = 0) -> mx.array:
+        """One side's values; with `length`, placed at `offset` of a `length`-token buffer
+        (only where `placeable`: the dequant kernel writes it there, in one launch)."""
+        enc = self.encoded(side)
+        kernels = self._dequantizer(dtype)
+        if kernels is not None:
+            return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
+        assert length is None, "decoded_side(length=...) needs placeable(dtype)"
+        return self.codecs[side].decode(enc, dtype)
+
+    def placeable(self, dtype) -> bool:
+        """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
+        return self._dequantizer(dtype) is not None
+
+    def _dequantizer(self, dtype):
         kernels = dispatch.dequantizer() if self._fusable else None
-        pairs = []
-        for side in ("k", "v"):
-            enc, store = self.encoded(side), self.codecs[side].store
-            if kernels is not None and not kernels.dequant_unsupported(enc, store, dtype):
-                pairs.append(kernels.dequantize(enc, store, dtype))  # one launch, no float32 copies
-            else:
-                pairs.append(self.codecs[side].decode(enc, dtype))
-        return tuple(pairs)
+        if kernels is None or any(kernels.dequant_unsupported(self.encoded(s), self.codecs[s].store, dtype)
+                                  for s in ("k", "v")):
+            return None
+        return kernels
 
     def take_front(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
         """Remove the n oldest tokens and return them decoded, with their start."""
@@ -109,12 +122,6 @@ class Tier:
         return self._fusable
 
     @property
-    def sixteen_bit(self) -> bool:
-        """K and V are stored as they came (fp16 / identity): decoding is a no-op."""
-        return not self.drops and all(c.store.stage_name in ("fp16", "identity") and not c.transforms
-                                      and not c.residuals for c in self.codecs.values())
-
-    @property
     def granularity(self) -> int:
         """Tokens that must leave or be trimmed together."""
         return max([p for c in self.codecs.values() for p in c.units().values()] or [1])
@@ -146,3 +153,25 @@ class Tier:
                     return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
                 self.buffers[side][name].set(arr)
         return None
+
+
+def decoded_run(tiers: List["Tier"], dtype) -> Tuple[mx.array, mx.array]:
+    """K and V of `tiers` (in position order) as one buffer each, for SDPA.
+
+    A tier the dequant kernel takes is decoded straight into its place in the
+    buffer and the others are written around it in place: one 16-bit copy of the
+    layer's tokens instead of a decoded copy plus a concatenated one (prefill's peak)."""
+    if len(tiers) == 1:
+        return tiers[0].decoded(dtype)
+    lead = next((i for i, t in enumerate(tiers) if isinstance(t, Tier) and t.placeable(dtype)), None)
+    pairs = {i: t.decoded(dtype) for i, t in enumerate(tiers) if i != lead}
+    if lead is None:
+        return tuple(mx.concatenate([p[s] for p in pairs.values()], axis=2) for s in (0, 1))
+    starts = [sum(t.count for t in tiers[:i]) for i in range(len(tiers) + 1)]
+    out = []
+    for s, side in enumerate(("k", "v")):
+        buf = tiers[lead].decoded_side(side, dtype, starts[-1], starts[lead])
+        for i, pair in pairs.items():  # in place: nothing else holds the buffer (MLX donates it)
+            buf[:, :, starts[i]:starts[i + 1], :] = pair[s]
+        out.append(buf)
+    return tuple(out)
