@@ -25,3 +25,12 @@ def test_prefill_peak_prints_its_table(capsys):
     assert prefill_peak.main(["fp16", "h2o", "--tokens", "256", "--chunk", "128"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 |" in out and "| h2o |" in out
+
+
+def test_e2e_repeats_rows_and_prints_medians(capsys):
+    from veloxquant.bench import e2e
+    assert e2e.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
+                     "--vocab", "300", "--dtype", "float32", "--recipes", "fp16", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| fp16 |") or line.startswith("| mlx-lm KVCache |")]
+    assert len(rows) == 2 and all("–" in r for r in rows), out  # one line per row, with the range of 2 runs

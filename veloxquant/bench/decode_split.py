@@ -3,8 +3,10 @@
     python -m veloxquant.bench.decode_split --context 8192 --layers 30 --heads 9/3 --head-dim 64
 
 Prefills a random-init Llama, then decodes with a sync after every token and
-times the two halves: `model(token)` (Python + MLX graph building) and
-`mx.eval` (the backend's host-side encoding plus the device's work). mlx-lm's
+times three parts: `model(token)` (Python + MLX graph building), `mx.async_eval`
+(the backend encoding the graph's launches on the calling thread) and the wait
+for the device to finish. Decode is host-bound when build + encode exceeds
+the device's share (generate_step overlaps a token's host work with the last one's device work). mlx-lm's
 KVCache, the fp16 recipe, kivi and kivi with the fused kernel switched off
 (VELOXQUANT_KERNELS=off), in one run; then a cProfile of kivi's host half.
 """
@@ -24,9 +26,9 @@ from .e2e import random_llama
 
 
 def decode(model, cache, n: int, profile=None):
-    """ms per token, of which host build and eval, over n synced steps."""
+    """ms per token, of which host build, host encode and device wait, over n synced steps."""
     y = mx.array([[1]])
-    build = evaluate = 0.0
+    build = encode = wait = 0.0
     mx.synchronize()
     start = time.perf_counter()
     for _ in range(n):
@@ -38,9 +40,12 @@ def decode(model, cache, n: int, profile=None):
         if profile:
             profile.disable()
         t1 = time.perf_counter()
+        mx.async_eval(y)
+        t2 = time.perf_counter()
         mx.eval(y)
-        build, evaluate = build + t1 - t0, evaluate + time.perf_counter() - t1
-    return (time.perf_counter() - start) / n * 1e3, build / n * 1e3, evaluate / n * 1e3
+        t3 = time.perf_counter()
+        build, encode, wait = build + t1 - t0, encode + t2 - t1, wait + t3 - t2
+    return tuple(x / n * 1e3 for x in (time.perf_counter() - start, build, encode, wait))
 
 
 def main(argv=None) -> int:
@@ -59,8 +64,8 @@ def main(argv=None) -> int:
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     print(f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
           f"{args.steps} decode steps, sync every step; device {mx.default_device()}")
-    print("| cache | ms/token | host build ms | eval ms | tok/s |")
-    print("|---|---|---|---|---|")
+    print("| cache | ms/token | host build ms | host encode ms | device wait ms | tok/s |")
+    print("|---|---|---|---|---|---|")
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""), ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
             ("kivi", lambda: make_prompt_cache(model, "kivi"), ""),
             ("kivi kernels off", lambda: make_prompt_cache(model, "kivi"), "off")]
@@ -69,8 +74,8 @@ def main(argv=None) -> int:
         cache = make()
         prefill(model, prompt, cache, 2048)
         decode(model, cache, 8)  # warm: first-use compiles
-        ms, build, evaluate = decode(model, cache, args.steps)
-        print(f"| {label} | {ms:.2f} | {build:.2f} | {evaluate:.2f} | {1e3 / ms:.1f} |", flush=True)
+        ms, build, encode, wait = decode(model, cache, args.steps)
+        print(f"| {label} | {ms:.2f} | {build:.2f} | {encode:.2f} | {wait:.2f} | {1e3 / ms:.1f} |", flush=True)
         uninstall(model)
         del cache
     os.environ["VELOXQUANT_KERNELS"] = ""

@@ -5,8 +5,11 @@
 Prefills `--context` random tokens through mlx-lm's generate_step (2048-token
 chunks), then decodes `--decode` tokens; prints prefill and decode tok/s, peak
 memory and cache bytes for mlx-lm's KVCache and each recipe, in one run.
+With `--repeat N` every row runs N times, interleaved (a busy machine drifts
+between rows), and the table gives each row's median with its range (peak: the highest).
 """
 import argparse
+import statistics
 import time
 
 import mlx.core as mx
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--recipes", default="fp16,kivi")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
@@ -66,12 +70,19 @@ def main(argv=None) -> int:
     for _, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
         measure(model, prompt, make(), args.decode)
         uninstall(model)
-    for label, make in rows:
-        cache = make()
-        pre, dec, peak, nbytes = measure(model, prompt, cache, args.decode)
-        print(f"| {label} | {pre:,.0f} | {dec:,.1f} | {peak / 2**30:.2f} | {nbytes / 2**20:,.1f} |", flush=True)
-        del cache
-        uninstall(model)
+    runs = {label: [] for label, _ in rows}
+    for _ in range(args.repeat):
+        for label, make in rows:
+            cache = make()
+            runs[label].append(measure(model, prompt, cache, args.decode))
+            del cache
+            uninstall(model)
+    for label, got in runs.items():
+        pre, dec = (statistics.median(r[i] for r in got) for i in range(2))
+        peak = max(r[2] for r in got)
+        spread = f" ({min(r[1] for r in got):,.1f}–{max(r[1] for r in got):,.1f})" if len(got) > 1 else ""
+        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {peak / 2**30:.2f} | {got[0][3] / 2**20:,.1f} |",
+              flush=True)
     return 0
 
 
