@@ -37,6 +37,7 @@ class TieredCache(_BaseCache):
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
         self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
+        self._tail_layouts = {}  # (query shape, dtype, dense tier count) -> reduce_tail's verdict on their layout
         self.offset = 0  # positions seen: RoPE offsets, never the count held
         self.dtype = mx.float16
         self.attended = False  # True once attention ran through attend() (the hook)
@@ -167,8 +168,12 @@ class TieredCache(_BaseCache):
     # --- routing ----------------------------------------------------------
     def _place(self, first: int, keys: mx.array, values: mx.array, start: int) -> None:
         """Offer a block to tiers[first:] in order; each takes what its route accepts."""
-        for i, s, e in self._routing(start, keys.shape[2], first):
-            self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s)
+        n = keys.shape[2]
+        for i, s, e in self._routing(start, n, first):
+            if e - s == n:  # the whole block (every decode step): no slice ops
+                self.tiers[i].append(keys, values, s)
+            else:
+                self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s)
 
     def _settle(self) -> None:
         if not self._unsettled:
@@ -277,8 +282,15 @@ class TieredCache(_BaseCache):
         Lq = queries.shape[2]
         if not rest or not all(t.sixteen_bit and not self._needs_mask(t, first_q, Lq) for t in rest):
             return None
+        if sum(t.count for t in rest) > cuda.TAIL_MAX:
+            return None
         tail = [t.decoded(self.dtype) for t in rest]
-        return None if cuda.tail_unsupported(tuple(queries.shape), tail) else tail
+        # The dense tiers' heads, head_dim and dtype are the model's: their layout, once checked for
+        # a query shape, holds for the cache's life (only the token count above changes).
+        key = (tuple(queries.shape), self.dtype, len(rest))
+        if key not in self._tail_layouts:
+            self._tail_layouts[key] = cuda.tail_unsupported(key[0], tail)
+        return None if self._tail_layouts[key] else tail
 
     @staticmethod
     def _launcher(tier: Tier, queries, k_enc, v_enc, scale):

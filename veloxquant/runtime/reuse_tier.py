@@ -60,6 +60,7 @@ class ReuseTier(Tier):
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.count == 0:
             self.start = start
+        self._views = {}
         for side, x in (("k", keys), ("v", values)):
             codec = self.codecs[side]
             enc = codec.encode(x, start) if isinstance(codec, ReuseCodec) else codec.encode(x)

@@ -35,6 +35,7 @@ class Tier:
         self.start = 0  # position of the oldest token held
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
+        self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
@@ -58,15 +59,21 @@ class Tier:
             return
         if self.count == 0:
             self.start = start
+        self._views = {}
         for side, x in (("k", keys), ("v", values)):
             for name, arr in self.codecs[side].encode(x).items():
                 self.buffers[side][name].append(arr)
         self.count += keys.shape[2]
 
     def encoded(self, side: str) -> Dict[str, mx.array]:
-        return {name: buf.view() for name, buf in self.buffers[side].items()}
+        # A coded tier changes only when a chunk arrives or leaves; decode steps read it every layer.
+        if side not in self._views:
+            self._views[side] = {name: buf.view() for name, buf in self.buffers[side].items()}
+        return self._views[side]
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
+        if self.sixteen_bit:  # the stored arrays themselves (a cast only if dtypes differ)
+            return tuple(self.buffers[side]["x"].view().astype(dtype) for side in ("k", "v"))
         return self.decoded_side("k", dtype), self.decoded_side("v", dtype)
 
     def decoded_side(self, side: str, dtype, length: Optional[int] = None, offset: int = 0) -> mx.array:
@@ -104,6 +111,7 @@ class Tier:
                                          for name, buf in self.buffers[side].items()}, dtype)
 
     def drop_front(self, n: int) -> None:
+        self._views = {}
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
                 self.buffers[side][name].drop_front(n // per_unit)
@@ -111,6 +119,7 @@ class Tier:
         self.count -= n
 
     def drop_back(self, n: int) -> None:
+        self._views = {}
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
                 self.buffers[side][name].drop_back(n // per_unit)
@@ -140,6 +149,7 @@ class Tier:
 
     def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
         """Load saved arrays; returns a problem description instead of raising."""
+        self._views = {}
         self.start, self.count = start, count
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
