@@ -25,6 +25,26 @@ def test_prefill_peak_prints_its_table(capsys):
     assert prefill_peak.main(["fp16", "h2o", "--tokens", "256", "--chunk", "128"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 |" in out and "| h2o |" in out
+    assert prefill_peak.main(["kivi", "--tokens", "256", "--chunk", "128", "--sync-layers"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluated before the next" in out and "| kivi |" in out
+
+
+def test_layers_synced_keeps_the_logits_and_restores_attend():
+    import mlx.core as mx
+    from veloxquant.bench.e2e import random_llama
+    from veloxquant.runtime import make_prompt_cache, uninstall
+    from veloxquant.runtime.cache import TieredCache
+    model = random_llama(2, 4, 2, 64, 300, mx.float32)
+    tokens = mx.random.randint(0, 300, (1, 40), key=mx.random.key(3))
+    plain = model(tokens, cache=make_prompt_cache(model, "kivi"))
+    attend = TieredCache.attend
+    with prefill_peak.layers_synced(True):
+        assert TieredCache.attend is not attend
+        synced = model(tokens, cache=make_prompt_cache(model, "kivi"))
+    uninstall(model)
+    assert TieredCache.attend is attend
+    assert bool(mx.array_equal(plain, synced))
 
 
 def test_e2e_repeats_rows_and_prints_medians(capsys):
@@ -34,3 +54,10 @@ def test_e2e_repeats_rows_and_prints_medians(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| fp16 |") or line.startswith("| mlx-lm KVCache |")]
     assert len(rows) == 2 and all("–" in r for r in rows), out  # one line per row, with the range of 2 runs
+
+
+def test_host_calls_prints_its_table(capsys):
+    from veloxquant.bench import host_calls
+    assert host_calls.main(["--seq", "256", "--window", "16", "--calls", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp16 SDPA |" in out and "| x + 1 |" in out
