@@ -80,7 +80,7 @@ class Tier:
         """One side's values; with `length`, placed at `offset` of a `length`-token buffer
         (only where `placeable`: the dequant kernel writes it there, in one launch)."""
         enc = self.encoded(side)
-        kernels = self._dequantizer(dtype)
+        kernels = self._dequantizer(dtype, (side,))
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
@@ -90,10 +90,11 @@ class Tier:
         """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
         return self._dequantizer(dtype) is not None
 
-    def _dequantizer(self, dtype):
+    def _dequantizer(self, dtype, sides=("k", "v")):
+        """The dequant kernel's binding where it decodes these sides, else None."""
         kernels = dispatch.dequantizer() if self._fusable else None
         if kernels is None or any(kernels.dequant_unsupported(self.encoded(s), self.codecs[s].store, dtype)
-                                  for s in ("k", "v")):
+                                  for s in sides):
             return None
         return kernels
 
