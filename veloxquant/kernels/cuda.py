@@ -187,6 +187,13 @@ def _tail_kw(qshape: tuple, qdtype, tdtype, nx: int, hkv: int, scale: float) -> 
                 output_shapes=[qshape, (B * Hq * Lq,)], output_dtypes=[qdtype, mx.float32])
 
 
+def _reduce_kw(qshape: tuple) -> dict:
+    """The reduce launch after either attend kernel: (out, lse) in float32 for every row."""
+    B, Hq, Lq, D = qshape
+    return dict(template=[("D", D)], grid=(128 * (D // 32), B * Hq * Lq, 1), threadgroup=(128, 1, 1),
+                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[mx.float32, mx.float32])
+
+
 def _spec_key(spec: Spec) -> tuple:
     return spec_fields(spec)
 
@@ -201,9 +208,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
     f32 = mx.float32
     a_kw = dict(template=list(p.template), grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
                 output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
-    r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
-                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
-    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), r_kw, scale)
+    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale)
 
 
 @lru_cache(maxsize=None)
@@ -240,9 +245,7 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
                 ("PF", mma_prefetch(D, kb, vb))]
     a_kw = dict(template=template, grid=(ns * nt, B * Hkv, 1), threadgroup=(nt, 1, 1),
                 output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
-    r_kw = dict(template=[("D", D)], grid=(128 * (D // 32), nrows, 1), threadgroup=(128, 1, 1),
-                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[f32, f32])
-    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), r_kw, scale)
+    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale)
 
 
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
