@@ -67,5 +67,12 @@ def lookup(name: str) -> StageInfo:
 
 
 def load_builtin_stages() -> None:
-    # Importing the modules runs their @stage decorators.
-    from . import codebook, entropy, evict, route, store, transform, xquant  # noqa: F401
+    """Import every module of this package (and its subpackages): their @stage decorators register them.
+
+    Discovered rather than listed, so a new stage is one new module and no edit here."""
+    import importlib
+    import pkgutil
+
+    from .. import stages
+    for info in pkgutil.walk_packages(stages.__path__, prefix=stages.__name__ + "."):
+        importlib.import_module(info.name)
