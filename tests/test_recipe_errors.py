@@ -28,7 +28,7 @@ _EXPECT = re.compile(r"#\s*expect:\s*(?:(?P<path>\S+?\.yaml):)?(?P<line>\d+):(?P
 
 
 def expectation(path: Path):
-    first = path.read_text().splitlines()[0]
+    first = path.read_bytes().split(b"\n")[0].decode("utf-8")  # the rest may be bytes that are not UTF-8
     m = _EXPECT.fullmatch(first)
     assert m, f"{path.name}: first line must be '# expect: LINE:COL substring', got {first!r}"
     where = (BAD / m["path"]).resolve() if m["path"] else path.resolve()

@@ -47,3 +47,11 @@ def nearest(word: str, choices: Iterable[str]) -> str:
     if close:
         return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
     return "valid names: " + ", ".join(choices) if choices else ""
+
+
+def brief(value) -> str:
+    """repr() cut to a readable length: a message quotes what the user wrote, not 1 MB of it."""
+    import reprlib
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlong, short.maxlevel = 60, 60, 40, 3
+    return short.repr(value)

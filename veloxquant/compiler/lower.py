@@ -4,7 +4,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import attrs
 
-from ..errors import Location, RecipeError, nearest
+from ..errors import Location, RecipeError, brief, nearest
 from ..recipe import Recipe
 from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 from ..recipe.params import Schedule, coerce, parse_set
@@ -243,13 +243,13 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
 def _typed(value, field, call: Call, arg: Arg, scheduled: bool = False):
     want = field.type if isinstance(field.type, type) else {"int": int, "float": float, "str": str,
                                                             "bool": bool}.get(str(field.type), object)
-    if want is int and isinstance(value, float) and scheduled:
+    if want is int and isinstance(value, float) and scheduled and math.isfinite(value):
         value = int(round(value))  # schedules yield floats
     ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {value!r}",
+        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {brief(value)}",
                           arg.value.pos, _signature(REGISTRY[call.name]))
     return value
 
@@ -261,7 +261,7 @@ def _validate(value, field, call: Call, arg: Arg, info) -> None:
     try:
         field.validator(None, field, value)
     except ValueError as e:
-        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' {e}, got {value!r}",
+        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' {e}, got {brief(value)}",
                           arg.value.pos, _signature(info)) from None
     except Exception:  # a validator that needs the instance: left to the constructor below
         return

@@ -14,7 +14,7 @@ from ..errors import Location, RecipeError
 from .ast import Call, Num, Pipeline, Ref, Str, Word
 from .load import TOP_KEYS, load_recipe
 from .parse import parse_pipeline
-from .source import Source
+from .source import Source, read_text
 
 PARAM_KEYS = ("default", "type", "doc")
 
@@ -152,6 +152,6 @@ def _comments(src: Source) -> Dict[int, List[str]]:
 def format_file(path: str) -> Tuple[str, bool]:
     """(canonical text, changed?) for a recipe file; the recipe must be valid."""
     load_recipe(path)  # refuse to format a recipe that does not load
-    src = Source(path, open(path).read())
+    src = Source(path, read_text(path))
     text = format_text(src)
     return text, text != src.text

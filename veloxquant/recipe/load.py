@@ -5,12 +5,13 @@ from typing import Dict, Optional, Tuple
 
 import attrs
 
-from ..errors import Location, RecipeError, nearest
+from ..errors import Location, RecipeError, brief, nearest
 from ..paths import recipes_dir
 from .ast import Pipeline
 from .params import Param, coerce, declare
 from .parse import parse_pipeline
-from .source import Source
+from .limits import MAX_EXTENDS
+from .source import Source, read_text
 
 SCHEMA_VERSION = 1
 TOP_KEYS = ("veloxquant", "name", "summary", "paper", "extends", "params", "pipeline", "layers")
@@ -73,11 +74,10 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
     if path in _chain:
         cycle = " -> ".join(p.name for p in _chain + (path,))
         raise RecipeError(f"cyclic extends: {cycle}", _where)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"cannot read recipe: {e}", Location(str(path))) from None
-    src = Source(str(path), text)
+    if len(_chain) >= MAX_EXTENDS:
+        raise RecipeError(f"the extends chain is more than {MAX_EXTENDS} recipes long", _where,
+                          "extend a recipe that extends fewer")
+    src = Source(str(path), read_text(path))
     if not isinstance(src.data, dict):
         raise RecipeError("a recipe is a YAML map", src.loc(), "start with 'veloxquant: 1'")
     for key in src.data:
@@ -87,7 +87,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
     if version is None:
         raise RecipeError("missing schema version", src.loc(), f"add 'veloxquant: {SCHEMA_VERSION}' as the first line")
     if type(version) is not int or version != SCHEMA_VERSION:
-        raise RecipeError(f"unsupported schema version {version!r}", src.loc("veloxquant"),
+        raise RecipeError(f"unsupported schema version {brief(version)}", src.loc("veloxquant"),
                           f"this veloxquant reads 'veloxquant: {SCHEMA_VERSION}'")
     for key in ("name", "summary", "paper", "extends", "pipeline"):
         value = src.get(key)

@@ -1,12 +1,14 @@
 """Recipe parameters: typed values, per-layer schedules, `--set` overrides."""
+import math
 from typing import Any, Optional, Tuple, Union
 
 import attrs
 import yaml
 
-from ..errors import Location, RecipeError
+from ..errors import Location, RecipeError, brief
 from .ast import Call, Num
 from .parse import parse_value
+from .safe_yaml import load_value
 
 TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 SCHEDULES = ("linear", "pyramid")
@@ -71,7 +73,12 @@ def _schedule_from_text(text: str, where: Location) -> Optional[Schedule]:
         if key not in ("from", "to") or not isinstance(arg.value, Num):
             raise RecipeError(f"{node.name}() takes numbers from= and to=", where,
                               f"e.g. {node.name}(from=1024, to=128)")
-        args[key] = float(arg.value.value)
+        try:
+            args[key] = float(arg.value.value)
+        except OverflowError:
+            args[key] = math.inf
+        if not math.isfinite(args[key]):
+            raise RecipeError(f"{node.name}() takes finite numbers, got {key}={brief(arg.value.value)}", where)
     if set(args) != {"from", "to"}:
         raise RecipeError(f"{node.name}() needs both from= and to=", where)
     return Schedule(node.name, args["from"], args["to"])
@@ -93,10 +100,10 @@ def coerce(param: Param, value: Any, where: Location) -> Any:
     if got == want or (want == "float" and got == "int"):
         return float(value) if want == "float" else value
     if got:
-        shown = f"{value!r} ({got})"
+        shown = f"{brief(value)} ({got})"
     elif isinstance(value, list):
         odd = [v for v in value if type_of(v) not in ("int", "float")]
-        shown = f"a list holding {odd[0]!r}" if odd and want in ("int", "float") else "a list"
+        shown = f"a list holding {brief(odd[0])}" if odd and want in ("int", "float") else "a list"
     else:
         shown = "a map" if isinstance(value, dict) else type(value).__name__
     extra = (", a per-layer list of numbers or a schedule such as linear(from=1024, to=128)"
@@ -126,7 +133,7 @@ def declare(name: str, spec: Any, where: Location) -> Param:
         if isinstance(default, list) and not (default and all(type_of(v) in ("int", "float") for v in default)):
             odd = [v for v in default if type_of(v) not in ("int", "float")]
             raise RecipeError(f"parameter '{name}' is a per-layer list, which holds numbers"
-                              + (f"; got {odd[0]!r}" if odd else " (this one is empty)"), where,
+                              + (f"; got {brief(odd[0])}" if odd else " (this one is empty)"), where,
                               "give one number per layer, e.g. [256, 128, ...], or a schedule such as "
                               "linear(from=256, to=64)")
         if isinstance(default, list) or (isinstance(default, str) and _schedule_from_text(default, where)):
@@ -148,7 +155,7 @@ def parse_set(text: str) -> Tuple[str, Any]:
         raise RecipeError(f"--set expects name=value, got '{text}'", Location("--set", field=text))
     name, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_value(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return name.strip(), value

@@ -6,6 +6,7 @@ import lark
 
 from ..errors import Location, RecipeError
 from ..paths import grammar_file
+from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 from .ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 
 # Maps a (line, column) inside the pipeline text to a place in the recipe file.
@@ -42,7 +43,10 @@ class _ToAst(lark.Transformer):
     def number(self, items):
         tok = items[0]
         text = str(tok)
-        value = float(text) if any(c in text for c in ".eE") else int(text)
+        try:
+            value = float(text) if any(c in text for c in ".eE") else int(text)
+        except ValueError as e:  # an int of more digits than Python converts
+            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})", self._pos(tok)) from None
         return Num(value, self._pos(tok))
 
     def string(self, items):
@@ -115,9 +119,12 @@ def _parse(text: str, start: str, locate: Locate, what: str):
     except lark.UnexpectedEOF as e:
         raise RecipeError(f"{what} ends too early", locate(*_end(text)),
                           f"expected {_expected(e.expected)}") from None
+    _check_size(tree, locate, what)
     try:
         return _ToAst(locate).transform(tree)
     except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, RecipeError):
+            raise e.orig_exc from None
         if str(e.orig_exc) == "split":
             meta = getattr(e.obj, "meta", None)
             raise RecipeError("a split needs one 'keys:' chain and one 'values:' chain",
@@ -125,6 +132,30 @@ def _parse(text: str, start: str, locate: Locate, what: str):
                               "write 'keys: affine(...) values: affine(...)', or drop the split to give "
                               "keys and values the same chain") from None
         raise
+
+
+def _check_size(tree: lark.Tree, locate: Locate, what: str) -> None:
+    """Refuse calls nested or repeated past the limits before the (recursive) transformer
+    sees them: residual(residual(... 500 deep ...)) would overflow Python's stack."""
+    calls, stack = 0, [(tree, 0)]
+    while stack:  # iterative: the tree may be arbitrarily deep
+        node, depth = stack.pop()
+        if not isinstance(node, lark.Tree):
+            continue
+        if node.data in ("stage", "call"):
+            calls, depth = calls + 1, depth + 1
+            if depth > MAX_CALL_NESTING:
+                raise RecipeError(f"stage calls nest more than {MAX_CALL_NESTING} deep in {what}",
+                                  locate(*_linecol(node.meta)),
+                                  "a stage argument holds a value or one stage, e.g. residual(lloydmax(bits=2))")
+            if calls > MAX_PIPELINE_STAGES:
+                raise RecipeError(f"{what} has more than {MAX_PIPELINE_STAGES} stage calls",
+                                  locate(*_linecol(node.meta)), "a pipeline is a few tiers of a few stages each")
+        stack.extend((child, depth) for child in node.children)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _end(text: str) -> Tuple[int, int]:

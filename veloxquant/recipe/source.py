@@ -1,9 +1,14 @@
 """YAML with positions: every value keeps the file line/column it came from."""
+import bisect
+from collections.abc import Hashable
 from typing import Any, Dict, Tuple
 
+import attrs
 import yaml
 
 from ..errors import Location, RecipeError
+from .limits import MAX_FILE_BYTES
+from .safe_yaml import BoundedLoader, YamlLimitError
 
 
 class Source:
@@ -12,34 +17,57 @@ class Source:
     def __init__(self, file: str, text: str):
         self.file, self.text = file, text
         self.marks: Dict[Tuple, yaml.Node] = {}
+        self._line_starts = None
+        loader = None
         try:
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            loader = BoundedLoader(text)  # checks the characters first: may raise ReaderError
+            node = loader.get_single_node()
+            if node is None:
+                raise RecipeError("the recipe file is empty", Location(file, 1, 1),
+                                  "a recipe starts with 'veloxquant: 1' and a 'name:'")
+            self._walk(node, (), loader)
+            self.data = loader.construct_document(node)
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
-            raise RecipeError(f"invalid YAML: {e.problem or e.context}",
+            problem = str(e.problem or e.context)
+            raise RecipeError(problem if isinstance(e, YamlLimitError) else f"invalid YAML: {problem}",
                               Location(file, mark.line + 1, mark.column + 1) if mark else Location(file),
-                              _yaml_hint(str(e.problem or e.context))) from None
-        if node is None:
-            raise RecipeError("the recipe file is empty", Location(file, 1, 1),
-                              "a recipe starts with 'veloxquant: 1' and a 'name:'")
-        self._walk(node, ())
-        self.data = yaml.SafeLoader("").construct_document(node)
+                              _yaml_hint(problem)) from None
+        except yaml.reader.ReaderError as e:  # a character YAML does not allow (NUL, most control codes)
+            raise RecipeError(f"invalid YAML: character U+{e.character:04X} is not allowed in a YAML file",
+                              self._index_location(e.position),
+                              "remove it, or write it as an escape inside a double-quoted string") from None
+        finally:
+            if loader is not None:
+                loader.dispose()
 
-    def _walk(self, node: yaml.Node, path: Tuple) -> None:
+    def _index_location(self, index: int) -> Location:
+        """file:line:col of a character index (a bisect: a pipeline places each of its nodes)."""
+        if self._line_starts is None:
+            self._line_starts = [0] + [i + 1 for i, c in enumerate(self.text) if c == "\n"]
+        line = bisect.bisect_right(self._line_starts, index)
+        return Location(self.file, line, index - self._line_starts[line - 1] + 1)
+
+    def _walk(self, node: yaml.Node, path: Tuple, loader: yaml.SafeLoader) -> None:
         self.marks[path] = node
         if isinstance(node, yaml.MappingNode):
             seen = {}
             for key_node, value_node in node.value:
-                key = yaml.SafeLoader("").construct_object(key_node)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise RecipeError("a key must be a name or a number, not a map or a list",
+                                      self._at(key_node, path))
+                key = loader.construct_object(key_node)
+                if not isinstance(key, Hashable):  # e.g. `? !!set a`
+                    raise RecipeError("a key must be a name or a number", self._at(key_node, path))
                 if key in seen:
                     raise RecipeError(f"duplicate key '{key}'", self._at(key_node, path + (key,)),
                                       f"first given at line {seen[key]}")
                 seen[key] = key_node.start_mark.line + 1
                 self.marks[path + (key, "<key>")] = key_node
-                self._walk(value_node, path + (key,))
+                self._walk(value_node, path + (key,), loader)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                self._walk(item, path + (i,))
+                self._walk(item, path + (i,), loader)
 
     def _at(self, node: yaml.Node, path: Tuple) -> Location:
         mark = node.start_mark
@@ -68,21 +96,21 @@ class Source:
             return lambda line, col: Location(
                 self.file, base.line + line - 1, (base.column + shift + col - 1) if line == 1 else col, field)
         value, raw = node.value, where
+        placed = sorted(raw)  # offsets in the value that have a place in the file
         starts = [0] + [i + 1 for i, c in enumerate(value) if c == "\n"]
 
         def locate(line: int, col: int) -> Location:
             offset = starts[min(line, len(starts)) - 1] + col - 1
-            before = [i for i in raw if i <= offset]
-            if not before:
-                index = raw[min(raw)] if raw else node.start_mark.index
+            n_before = bisect.bisect_right(placed, offset)
+            if not n_before:
+                index = raw[placed[0]] if placed else node.start_mark.index
             else:  # a blank or the end of the text: just after the nearest character before it
-                k = max(before)
+                k = placed[n_before - 1]
                 index = raw[k] + (offset - k)
                 newline = self.text.find("\n", raw[k])
                 if newline != -1:
                     index = min(index, newline)
-            return Location(self.file, self.text.count("\n", 0, index) + 1,
-                            index - (self.text.rfind("\n", 0, index) + 1) + 1, field)
+            return attrs.evolve(self._index_location(index), field=field)
         return locate
 
     def _align(self, node: yaml.ScalarNode):
@@ -128,4 +156,36 @@ def _yaml_hint(problem: str) -> str:
     if "mapping values are not allowed" in problem:
         return ("check this line's indentation; a value that contains ': ' (such as a 'keys:' split) "
                 "must be quoted or written as a block ('pipeline: |')")
+    if "constructor for the tag" in problem or "base64" in problem or "as a timestamp" in problem:
+        return "a recipe holds plain YAML values (maps, lists, strings, numbers): remove the '!' tag"
+    if "digits" in problem:
+        return "numbers in a recipe have a few digits"
     return ""
+
+
+_BOMS = (("utf-32", b"\xff\xfe\x00\x00"), ("utf-32", b"\x00\x00\xfe\xff"),
+         ("utf-16", b"\xff\xfe"), ("utf-16", b"\xfe\xff"), ("utf-8-sig", b"\xef\xbb\xbf"))
+
+
+def read_text(path) -> str:
+    """A recipe file's text: UTF-8, or UTF-16/32 with a byte-order mark (as YAML allows).
+
+    The mark is dropped so that columns are the ones an editor shows."""
+    where = Location(str(path))
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"cannot read recipe: {e.strerror or e}", where) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise RecipeError(f"the recipe file is larger than {MAX_FILE_BYTES >> 20} MiB", Location(str(path), 1, 1),
+                          "a recipe is a few lines of YAML")
+    encoding = next((enc for enc, bom in _BOMS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        before = data[:e.start].decode(encoding, "replace").removeprefix("\ufeff")
+        line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+        raise RecipeError(f"the recipe is not {encoding.upper().replace('-SIG', '')} text: byte "
+                          f"0x{data[e.start]:02x} cannot be decoded ({e.reason})", Location(str(path), line, column),
+                          "save the recipe as UTF-8") from None
