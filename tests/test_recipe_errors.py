@@ -135,3 +135,50 @@ def test_run_checks_every_recipe_before_loading_the_model(capsys, monkeypatch):
     assert "no_such_recipe" in capsys.readouterr().err
     assert cli.main(["run", "fp16", "kivi", "--save-cache", "c.safetensors"]) == 2
     assert "--save-cache takes one recipe" in capsys.readouterr().err
+
+
+# Hostile files that cannot live in the corpus (encodings, chains of files).
+
+def test_utf16_and_bom_recipes_load(tmp_path):
+    text = "veloxquant: 1\nname: enc\npipeline: recent(8) >> affine(bits=2)\n"
+    for enc in ("utf-16", "utf-32", "utf-8-sig"):
+        path = tmp_path / f"{enc}.yaml"
+        path.write_bytes(text.encode(enc))
+        assert load_recipe(str(path)).name == "enc"
+
+
+def test_utf16_error_is_placed_like_utf8(tmp_path):
+    path = tmp_path / "u16.yaml"
+    path.write_bytes("veloxquant: 1\nname: enc\npipeline: recent(8) >> nope\n".encode("utf-16"))
+    with pytest.raises(RecipeError) as info:
+        compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
+    assert (info.value.location.line, info.value.location.column) == (3, 24)  # the "n" of nope
+
+
+def test_extends_chain_is_bounded(tmp_path):
+    from veloxquant.recipe.limits import MAX_EXTENDS
+    for i in range(MAX_EXTENDS + 2):
+        (tmp_path / f"r{i}.yaml").write_text(f"veloxquant: 1\nname: r{i}\nextends: r{i + 1}.yaml\n")
+    (tmp_path / f"r{MAX_EXTENDS + 2}.yaml").write_text("veloxquant: 1\nname: end\npipeline: fp16\n")
+    with pytest.raises(RecipeError, match=f"more than {MAX_EXTENDS} recipes long") as info:
+        load_recipe(str(tmp_path / "r0.yaml"))
+    assert info.value.location.line == 3 and info.value.location.column == 10
+    assert load_recipe(str(tmp_path / "r3.yaml")).name == "r3"  # a chain within the limit loads
+
+
+def test_set_value_with_recursive_alias_or_bomb_is_a_type_error():
+    recipe = load_recipe("kivi")
+    bomb = "[" + ", ".join(["&a [1,1,1,1,1,1,1,1,1]"] + [f"&{c} [{', '.join([f'*{p}'] * 9)}]"
+                                                        for p, c in zip("abcdefgh", "bcdefghi")]) + "]"
+    for value in ("&a [*a]", bomb, "!!python/object/apply:os.system [x]", "!!binary x"):
+        with pytest.raises(RecipeError, match="parameter 'bits' is int"):
+            apply_sets(recipe, [f"bits={value}"])
+
+
+def test_alias_within_limits_still_works(tmp_path):
+    path = tmp_path / "alias.yaml"
+    path.write_text("veloxquant: 1\nname: alias\nparams: {bits: 2, group: 32, window: 64}\n"
+                    "pipeline: recent($window) >> affine(bits=$bits)\n"
+                    "layers:\n  0: &low {params: {bits: 4}}\n  1: *low\n")
+    plan = compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
+    assert plan.layers[1].tiers[1].keys.store.bits == 4 and plan.layers[2].tiers[1].keys.store.bits == 2

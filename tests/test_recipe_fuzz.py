@@ -1,0 +1,173 @@
+"""Recipe fuzzer: whatever bytes a recipe file holds and whatever `--set` says,
+`veloxquant check` either passes (exit 0, "ok") or prints `error: FILE[:LINE:COL]: ...`
+(exit non-zero) -- never a traceback, never a hang, never unbounded memory.
+
+CI runs a bounded, derandomized number of examples (seconds). The long run:
+    VELOXQUANT_FUZZ_EXAMPLES=2500 VELOXQUANT_FUZZ_MEMORY=1 \\
+        python -m pytest -q -s tests/test_recipe_fuzz.py -p no:cacheprovider --hypothesis-seed=1
+runs that many examples per fuzz test (4 tests), traces memory and prints a summary.
+"""
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from recipe_strategies import pipeline_text, recipe_bytes, recipe_doc, render, set_value
+
+from veloxquant import cli
+from veloxquant.recipe.limits import MAX_FILE_BYTES
+
+LONG = int(os.environ.get("VELOXQUANT_FUZZ_EXAMPLES", "0"))
+TRACE = os.environ.get("VELOXQUANT_FUZZ_MEMORY") == "1"
+HANG_S = 20.0  # a hang detector, not a benchmark: the slowest example seen is < 1 s (docs/recipe-language.md)
+PEAK_BYTES = 256 << 20  # checked when memory is traced
+
+
+def fuzz(ci_examples: int):
+    return settings(max_examples=LONG or ci_examples, derandomize=not LONG, database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+DIR = Path(tempfile.mkdtemp(prefix="vq-fuzz-"))
+STATS = {"examples": 0, "ok": 0, "error": 0, "max_s": 0.0, "max_peak": 0, "slowest": ""}
+
+
+def _helpers():
+    """Files the fuzzer's `extends` may name: a valid parent, itself, a cycle, a long chain, UTF-16."""
+    ok = "veloxquant: 1\nname: parent\nparams: {bits: 2, window: 16}\npipeline: recent($window) >> affine(bits=$bits)\n"
+    (DIR / "parent.yaml").write_text(ok)
+    (DIR / "utf16_parent.yaml").write_bytes(ok.encode("utf-16"))
+    (DIR / "self.yaml").write_text("veloxquant: 1\nname: s\nextends: self.yaml\n")
+    (DIR / "cycle_a.yaml").write_text("veloxquant: 1\nname: a\nextends: cycle_b.yaml\n")
+    (DIR / "cycle_b.yaml").write_text("veloxquant: 1\nname: b\nextends: cycle_a.yaml\n")
+    for i in range(20):
+        (DIR / f"chain_{i:02}.yaml").write_text(f"veloxquant: 1\nname: c{i}\nextends: chain_{i + 1:02}.yaml\n")
+    (DIR / "chain_20.yaml").write_text(ok)
+    (DIR / "sub").mkdir(exist_ok=True)
+
+
+_helpers()
+_LOCATED = re.compile(r"error: (?P<file>[^\n]+?)(?::(?P<line>\d+)(?::(?P<col>\d+))?)?(?: \([^\n]*\))?: \S")
+
+
+def check(data: bytes, sets=()) -> int:
+    """`veloxquant check` in-process on a file holding `data`; asserts the property."""
+    path = DIR / "fuzzed.yaml"
+    path.write_bytes(data)
+    out, err = io.StringIO(), io.StringIO()
+    if TRACE:
+        tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli.main(["check", str(path), *(f"--set={s}" for s in sets)])
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1] if TRACE else 0
+        if TRACE:
+            tracemalloc.stop()
+    STATS["examples"] += 1
+    STATS["max_peak"] = max(STATS["max_peak"], peak)
+    if elapsed > STATS["max_s"]:
+        STATS["max_s"], STATS["slowest"] = elapsed, (err.getvalue() or out.getvalue())[:160]
+    assert elapsed < HANG_S, f"check took {elapsed:.1f} s"
+    assert peak < PEAK_BYTES, f"check peaked at {peak >> 20} MiB"
+    o, e = out.getvalue(), err.getvalue()
+    assert "Traceback" not in o + e
+    if code == 0:
+        STATS["ok"] += 1
+        assert o.startswith("ok ") and e == "", (o, e)
+        return code
+    STATS["error"] += 1
+    assert o == "" and e.startswith("error: "), (o, e)
+    m = _LOCATED.match(e)
+    assert m, f"error without a place: {e!r}"
+    if m["file"] != "--set":
+        where = Path(m["file"])
+        assert where.is_file() or m["file"].startswith(str(DIR)), e  # the file checked or one it extends
+        if m["line"] and where.is_file() and where.stat().st_size <= MAX_FILE_BYTES:
+            n_lines = where.read_bytes().count(b"\n") + 1
+            assert 1 <= int(m["line"]) <= n_lines, e
+    return code
+
+
+@fuzz(ci_examples=300)
+@given(recipe_bytes(), st.lists(set_value, max_size=2))
+def test_fuzz_recipe_files(data, sets):
+    check(data, sets)
+
+
+@fuzz(ci_examples=200)
+@given(pipeline_text(), st.sampled_from(["", "params: {bits: 2, window: 64, budget: 'linear(from=1e309, to=1)'}\n"]))
+def test_fuzz_pipelines(pipeline, params):
+    doc = render({"veloxquant": 1, "name": "p", "pipeline": pipeline})
+    check((doc + params).encode())
+
+
+@fuzz(ci_examples=200)
+@given(recipe_doc(), st.lists(set_value, max_size=3))
+def test_fuzz_recipe_fields(doc, sets):
+    check(render(doc).encode(), sets)
+
+
+@fuzz(ci_examples=100)
+@given(st.binary(max_size=400))
+def test_fuzz_raw_bytes(data):
+    check(data)
+
+
+def test_valid_recipes_still_pass():
+    from veloxquant.paths import recipes_dir
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        assert check(path.read_bytes()) == 0, path.name
+    assert check(b"veloxquant: 1\nname: x\npipeline: fp16\n", ["bits=2"]) != 0  # fp16 takes no parameters
+
+
+def test_zz_report():
+    """Prints what the fuzz tests above ran (visible with -s); in CI it only checks they ran."""
+    assert STATS["examples"] > 0
+    print(f"\nfuzz examples: {STATS['examples']} (ok {STATS['ok']}, located errors {STATS['error']}); "
+          f"slowest {STATS['max_s']:.2f} s; peak traced memory "
+          f"{STATS['max_peak'] / 2 ** 20:.1f} MiB{'' if TRACE else ' (not traced)'}\n  slowest: {STATS['slowest']!r}")
+
+
+def test_real_subprocess_on_hostile_files():
+    """A few of the worst inputs through a real `python -m veloxquant.cli check` process."""
+    bomb = "lol: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(
+        f"l{i}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for i, (p, c) in enumerate(zip("abcdefgh", "bcdefghi")))
+    cases = {
+        "utf16.yaml": "veloxquant: 1\nname: u\npipeline: fp16\n".encode("utf-16"),  # valid
+        "bom.yaml": b"\xef\xbb\xbfveloxquant: 1\nname: b\npipeline: fp16\n",  # valid
+        "big.yaml": b"veloxquant: 1\n#" + b"x" * MAX_FILE_BYTES + b"\n",
+        "bomb.yaml": ("veloxquant: 1\nname: b\npipeline: fp16\n" + bomb).encode(),
+        "deep.yaml": ("veloxquant: 1\nname: d\npipeline: " + "residual(" * 5000 + "fp16" + ")" * 5000 + "\n").encode(),
+        "nul.yaml": b"veloxquant: 1\x00\n",
+        "self.yaml": b"veloxquant: 1\nname: s\nparams: &p {bits: *p}\npipeline: fp16\n",
+    }
+    for name, data in cases.items():
+        (DIR / name).write_bytes(data)
+    files = [str(DIR / n) for n in cases]
+    proc = subprocess.run([sys.executable, "-m", "veloxquant.cli", "check", *files, "--set=x=&a [*a]"],
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stdout + proc.stderr and proc.returncode == 1
+    blocks = [b for b in re.split(r"^(?=error: )", proc.stderr, flags=re.M) if b.strip()]
+    assert len(blocks) == len(cases), proc.stderr  # every file fails: the recipes take no parameter 'x'
+    for block, name in zip(blocks, cases):
+        assert _LOCATED.match(block) and name in block or "--set" in block, block
+
+
+@pytest.mark.parametrize("size", [MAX_FILE_BYTES - 100, MAX_FILE_BYTES + 1])
+def test_file_size_limit(size):
+    head = b"veloxquant: 1\nname: big\npipeline: fp16\n#"
+    data = head + b"x" * (size - len(head) - 1) + b"\n"
+    code = check(data)
+    assert code == (0 if size <= MAX_FILE_BYTES else 1)
