@@ -28,7 +28,7 @@ YAML_ODD = ["~", "null", "true", "no", "0x1F", "0o17", ".inf", "-.inf", ".nan", 
             "|", ">-", "? a", "- - -", "9" * 5000, "linear(from=1, to=2)", "pyramid(from=1e309, to=1)",
             "linear(1)", "linear(from=a, to=b)"]
 SELECTORS = ["0", "1", "-1", "0-3", "0..29", "3-1", "29", "30", "-31", "sliding", "full", "all", "0,2,4", "0,0",
-             "0-999999999", "99999999999999999999", "a", "", "0-", "1e3", " 0 "]
+             "0-999999999", "99999999999999999999", "a", "", "0-", "1e3", " 0 ", "9" * 5000, "0-" + "9" * 30]
 SCHEDULES = ["linear(from=1024, to=128)", "pyramid(from=448, to=64)", "linear(from=1e309, to=1)",
              "pyramid(from=-5, to=9999999999)", "linear(to=3)", "linear(from=1, to=2, x=3)", "linear(", "pyramid()"]
 EXTENDS = ["parent.yaml", "self.yaml", "cycle_a.yaml", "chain_00.yaml", "utf16_parent.yaml", "missing.yaml",

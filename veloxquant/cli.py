@@ -124,7 +124,8 @@ def cmd_list(args) -> int:
 
 def cmd_show(args) -> int:
     from .recipe.load import resolve
-    print(resolve(args.recipe).read_text(), end="")
+    from .recipe.source import read_text  # the same checks as loading: size, encoding
+    print(read_text(resolve(args.recipe)), end="")
     return 0
 
 

@@ -16,7 +16,8 @@ from .source import Source, read_text
 SCHEMA_VERSION = 1
 TOP_KEYS = ("veloxquant", "name", "summary", "paper", "extends", "params", "pipeline", "layers")
 LAYER_KEYS = ("pipeline", "params")
-_SELECTOR = re.compile(r"^\s*(all|sliding|full|-?\d+(\s*(-|\.\.)\s*-?\d+)?)\s*$")
+# at most 18 digits: a layer index fits in an int64, and int() refuses numbers of > 4,300 digits
+_SELECTOR = re.compile(r"^\s*(all|sliding|full|-?\d{1,18}(\s*(-|\.\.)\s*-?\d{1,18})?)\s*$")
 
 
 @attrs.frozen
@@ -65,7 +66,7 @@ def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Locati
 def check_selector(selector: str, where: Location) -> None:
     for part in str(selector).split(","):
         if not _SELECTOR.match(part):
-            raise RecipeError(f"bad layer selector '{part.strip()}'", where,
+            raise RecipeError(f"bad layer selector {brief(part.strip())}", where,
                               "use a layer index (0, -1), a range (0-3), a list (0,2,4), 'sliding', 'full' or 'all'")
 
 

@@ -71,7 +71,7 @@ class Source:
 
     def _at(self, node: yaml.Node, path: Tuple) -> Location:
         mark = node.start_mark
-        return Location(self.file, mark.line + 1, mark.column + 1, ".".join(map(str, path)) or None)
+        return Location(self.file, mark.line + 1, mark.column + 1, _field(path) or None)
 
     def loc(self, *path, key: bool = False) -> Location:
         """Where a key path is written; the nearest enclosing node if it is absent."""
@@ -89,7 +89,7 @@ class Source:
         base = self.loc(*path)
         if node is None or not isinstance(node, yaml.ScalarNode):
             return lambda line, col: base
-        field = ".".join(map(str, path))
+        field = _field(path)
         where = self._align(node)
         if where is None:  # escapes in a quoted string: place line 1 exactly, the rest roughly
             shift = 1 if node.style in ("'", '"') else 0
@@ -189,3 +189,8 @@ def read_text(path) -> str:
         raise RecipeError(f"the recipe is not {encoding.upper().replace('-SIG', '')} text: byte "
                           f"0x{data[e.start]:02x} cannot be decoded ({e.reason})", Location(str(path), line, column),
                           "save the recipe as UTF-8") from None
+
+
+def _field(path: Tuple) -> str:
+    """The dotted YAML path of a value, e.g. "params.bits"; a huge key is cut (a message stays readable)."""
+    return ".".join(str(p) if len(str(p)) <= 40 else str(p)[:37] + "..." for p in path)
