@@ -32,7 +32,7 @@ SELECTORS = ["0", "1", "-1", "0-3", "0..29", "3-1", "29", "30", "-31", "sliding"
 SCHEDULES = ["linear(from=1024, to=128)", "pyramid(from=448, to=64)", "linear(from=1e309, to=1)",
              "pyramid(from=-5, to=9999999999)", "linear(to=3)", "linear(from=1, to=2, x=3)", "linear(", "pyramid()"]
 EXTENDS = ["parent.yaml", "self.yaml", "cycle_a.yaml", "chain_00.yaml", "utf16_parent.yaml", "missing.yaml",
-           "kivi", "h2o", "no_such_builtin", "/dev/null", "sub/", ""]
+           "kivi", "h2o", "no_such_builtin", "/dev/null", "sub/", "", "a" * 5000, "a\0b", "a/" * 3000, "~"]
 TAGS = ["!!binary ", "!!python/object/apply:os.system ['x'] #", "!!timestamp ", "!!set ", "!!map ", "!!seq ",
         "!!int ", "!!float ", "!!str ", "!!null ", "!local ", "!!omap ", "!<tag:evil> "]
 ENCODINGS = ["utf-8"] * 6 + ["utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "latin-1"]

@@ -182,3 +182,10 @@ def test_alias_within_limits_still_works(tmp_path):
                     "layers:\n  0: &low {params: {bits: 4}}\n  1: *low\n")
     plan = compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
     assert plan.layers[1].tiers[1].keys.store.bits == 4 and plan.layers[2].tiers[1].keys.store.bits == 2
+
+
+def test_recipe_names_the_os_cannot_open(capsys):
+    for ref in ("b" * 5000, "a\0b", "a/" * 3000):
+        assert cli.main(["check", ref]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "no recipe file or built-in recipe named" in err and len(err) < 400

@@ -55,3 +55,9 @@ def brief(value) -> str:
     short = reprlib.Repr()
     short.maxstring, short.maxother, short.maxlong, short.maxlevel = 60, 60, 40, 3
     return short.repr(value)
+
+
+def quoted(name) -> str:
+    """'name' for a message, cut to 60 characters (a key or path in a hostile file can be 1 MB)."""
+    text = str(name)
+    return f"'{text if len(text) <= 60 else text[:57] + '...'}'"

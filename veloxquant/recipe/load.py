@@ -5,7 +5,7 @@ from typing import Dict, Optional, Tuple
 
 import attrs
 
-from ..errors import Location, RecipeError, brief, nearest
+from ..errors import Location, RecipeError, brief, nearest, quoted
 from ..paths import recipes_dir
 from .ast import Pipeline
 from .params import Param, coerce, declare
@@ -53,14 +53,21 @@ def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Locati
     if relative_to is not None and not Path(ref).is_absolute():
         candidates.append(relative_to / ref)
     candidates.append(Path(ref))
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
     builtin = recipes_dir() / f"{Path(ref).stem if ref.endswith('.yaml') else ref}.yaml"
-    if "/" not in ref and builtin.is_file():
-        return builtin.resolve()
-    raise RecipeError(f"no recipe file or built-in recipe named '{ref}'", where or Location(ref),
+    if "/" not in ref:
+        candidates.append(builtin)
+    for c in candidates:
+        if _is_file(c):
+            return c.resolve()
+    raise RecipeError(f"no recipe file or built-in recipe named {quoted(ref)}", where or Location(quoted(ref)[1:-1]),
                       nearest(ref, builtin_names()))
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for the OS, a NUL in it: no such recipe
+        return False
 
 
 def check_selector(selector: str, where: Location) -> None:
@@ -83,7 +90,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         raise RecipeError("a recipe is a YAML map", src.loc(), "start with 'veloxquant: 1'")
     for key in src.data:
         if key not in TOP_KEYS:
-            raise RecipeError(f"unknown field '{key}'", src.loc(key, key=True), nearest(str(key), TOP_KEYS))
+            raise RecipeError(f"unknown field {quoted(key)}", src.loc(key, key=True), nearest(str(key), TOP_KEYS))
     version = src.get("veloxquant")
     if version is None:
         raise RecipeError("missing schema version", src.loc(), f"add 'veloxquant: {SCHEMA_VERSION}' as the first line")
@@ -109,7 +116,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
     for pname, spec in raw_params.items():
         where = src.loc("params", pname)
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(pname)):
-            raise RecipeError(f"bad parameter name '{pname}'", src.loc("params", pname, key=True))
+            raise RecipeError(f"bad parameter name {quoted(pname)}", src.loc("params", pname, key=True))
         if pname in params and not isinstance(spec, dict):  # an override keeps the parent's type
             params[pname] = attrs.evolve(params[pname], default=coerce(params[pname], spec, where), where=where)
         else:
@@ -138,7 +145,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
             raise RecipeError("a layer override is a map with 'pipeline' and/or 'params'", src.loc("layers", selector))
         for key in body:
             if key not in LAYER_KEYS:
-                raise RecipeError(f"unknown field '{key}' in a layer override", src.loc("layers", selector, key, key=True),
+                raise RecipeError(f"unknown field {quoted(key)} in a layer override", src.loc("layers", selector, key, key=True),
                                   nearest(str(key), LAYER_KEYS))
         text = body.get("pipeline")
         if text is not None and not isinstance(text, str):
@@ -150,7 +157,7 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         checked = {}
         for pname, value in overrides.items():
             if pname not in params:
-                raise RecipeError(f"unknown parameter '{pname}'", src.loc("layers", selector, "params", pname, key=True),
+                raise RecipeError(f"unknown parameter {quoted(pname)}", src.loc("layers", selector, "params", pname, key=True),
                                   nearest(str(pname), params))
             checked[pname] = coerce(params[pname], value, src.loc("layers", selector, "params", pname))
         layers[str(selector)] = LayerOverride(str(selector), sub, text, checked, where)

@@ -6,7 +6,7 @@ from typing import Any, Dict, Tuple
 import attrs
 import yaml
 
-from ..errors import Location, RecipeError
+from ..errors import Location, RecipeError, quoted
 from .limits import MAX_FILE_BYTES
 from .safe_yaml import BoundedLoader, YamlLimitError
 
@@ -60,7 +60,7 @@ class Source:
                 if not isinstance(key, Hashable):  # e.g. `? !!set a`
                     raise RecipeError("a key must be a name or a number", self._at(key_node, path))
                 if key in seen:
-                    raise RecipeError(f"duplicate key '{key}'", self._at(key_node, path + (key,)),
+                    raise RecipeError(f"duplicate key {quoted(key)}", self._at(key_node, path + (key,)),
                                       f"first given at line {seen[key]}")
                 seen[key] = key_node.start_mark.line + 1
                 self.marks[path + (key, "<key>")] = key_node
