@@ -101,7 +101,7 @@ param_spec = st.one_of(
     st.sampled_from(NUMBERS[:12]).map(yaml.safe_load), st.sampled_from(SCHEDULES), st.sampled_from(WORDS),
     st.lists(st.sampled_from([1, 2, 128, 1.5, 10 ** 20, float("nan"), "x"]), min_size=0, max_size=31),
     st.fixed_dictionaries({}, optional={"default": odd_scalar | st.sampled_from(SCHEDULES), "type": st.sampled_from(
-        ["int", "float", "bool", "str", "list", 3]), "doc": st.text(max_size=10), "extra": st.just(1)}),
+        ["int", "float", "bool", "str", "list", 3]) | odd_value, "doc": st.text(max_size=10), "extra": st.just(1)}),
     odd_value)
 
 layer_body = st.one_of(st.fixed_dictionaries({}, optional={

@@ -123,8 +123,8 @@ def declare(name: str, spec: Any, where: Location) -> Param:
                               "write 'name: value' or 'name: {default: value, type: int, doc: ...}'; "
                               "quote a doc that contains a comma")
         default, declared = spec["default"], spec.get("type")
-        if declared is not None and declared not in TYPES:
-            raise RecipeError(f"parameter '{name}' has unknown type '{declared}'", where,
+        if declared is not None and (not isinstance(declared, str) or declared not in TYPES):  # [int] is unhashable
+            raise RecipeError(f"parameter '{name}' has unknown type {brief(declared)}", where,
                               "types: " + ", ".join(TYPES))
         doc = str(spec.get("doc", ""))
     else:
