@@ -21,7 +21,8 @@ PARAM_NAMES = ["bits", "group", "window", "budget", "sinks", "n", "x", "score", 
 WORDS = ["channel", "token", "gaussian", "laplace", "mass", "current", "proxy", "tensor", "true", "false",
          "keys", "values", "linear", "pyramid"]
 NUMBERS = ["0", "1", "2", "3", "4", "8", "9", "16", "32", "64", "128", "256", "-1", "-0", "-0.0", "0.5", "1.5",
-           "1e309", "-1e309", "1e-400", "2e0", "16777216", "16777217", "4294967296", "9" * 40, "9" * 5000]
+           "1e309", "-1e309", "1e-400", "2e0", "16777216", "16777217", "4294967296", "9" * 40, "9" * 5000,
+           "9" * 400, "9" * 400 + ".5"]
 YAML_ODD = ["~", "null", "true", "no", "0x1F", "0o17", ".inf", "-.inf", ".nan", "1e309", "-0", "1_000",
             "2001-12-14", "12:30:00", "'x'", '"\\x00"', "[]", "{}", "[1, 2]", "{a: 1}", "&a [*a]", "*undefined",
             "!!binary AAA", "!!python/object/apply:os.system [x]", "!!timestamp x", "!!set {a}", "!foo bar",
@@ -99,6 +100,7 @@ def pipeline_text(draw):
 
 param_spec = st.one_of(
     st.sampled_from(NUMBERS[:12]).map(yaml.safe_load), st.sampled_from(SCHEDULES), st.sampled_from(WORDS),
+    st.sampled_from([{"default": 1.5, "type": "float"}, {"default": 10 ** 400, "type": "float"}, {"default": 10 ** 400}]),
     st.lists(st.sampled_from([1, 2, 128, 1.5, 10 ** 20, float("nan"), "x"]), min_size=0, max_size=31),
     st.fixed_dictionaries({}, optional={"default": odd_scalar | st.sampled_from(SCHEDULES), "type": st.sampled_from(
         ["int", "float", "bool", "str", "list", 3]) | odd_value, "doc": st.text(max_size=10), "extra": st.just(1)}),

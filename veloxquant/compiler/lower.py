@@ -246,7 +246,7 @@ def _typed(value, field, call: Call, arg: Arg, scheduled: bool = False):
     if want is int and isinstance(value, float) and scheduled and math.isfinite(value):
         value = int(round(value))  # schedules yield floats
     ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
+    if want is float and isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 1e308:
         value, ok = float(value), True
     if not ok:
         raise RecipeError(f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {brief(value)}",

@@ -98,6 +98,8 @@ def coerce(param: Param, value: Any, where: Location) -> Any:
                 return sched
     got = type_of(value)
     if got == want or (want == "float" and got == "int"):
+        if want == "float" and abs(value) > 1e308:  # float() of a 400-digit int overflows
+            raise RecipeError(f"parameter '{param.name}' is float, got {brief(value)}, too large for a float", where)
         return float(value) if want == "float" else value
     if got:
         shown = f"{brief(value)} ({got})"
