@@ -142,6 +142,7 @@ def render(doc) -> str:
 def mutated_text(draw, text):
     lines = text.splitlines() or [""]
     for _ in range(draw(st.integers(0, 3))):
+        lines = lines or [""]  # a deleted last line
         kind, i = draw(st.integers(0, 12)), draw(st.integers(0, len(lines) - 1))
         line = lines[i]
         if kind == 0 and ": " in line:  # a tag on a value
