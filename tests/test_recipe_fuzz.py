@@ -19,7 +19,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from recipe_strategies import pipeline_text, recipe_bytes, recipe_doc, render, set_value
 
@@ -59,12 +59,12 @@ _helpers()
 _LOCATED = re.compile(r"error: (?P<file>[^\n]+?)(?::(?P<line>\d+)(?::(?P<col>\d+))?)?(?: \([^\n]*\))?: \S")
 
 
-def check(data: bytes, sets=()) -> int:
+def check(data: bytes, sets=(), trace: bool = TRACE) -> int:
     """`veloxquant check` in-process on a file holding `data`; asserts the property."""
     path = DIR / "fuzzed.yaml"
     path.write_bytes(data)
     out, err = io.StringIO(), io.StringIO()
-    if TRACE:
+    if trace:
         tracemalloc.start()
     start, cpu = time.perf_counter(), time.process_time()
     try:
@@ -72,11 +72,12 @@ def check(data: bytes, sets=()) -> int:
             code = cli.main(["check", str(path), *(f"--set={s}" for s in sets)])
     finally:
         wall, elapsed = time.perf_counter() - start, time.process_time() - cpu
-        peak = tracemalloc.get_traced_memory()[1] if TRACE else 0
-        if TRACE:
+        peak = tracemalloc.get_traced_memory()[1] if trace else 0
+        if trace:
             tracemalloc.stop()
     STATS["examples"] += 1
     STATS["max_peak"], STATS["max_wall"] = max(STATS["max_peak"], peak), max(STATS["max_wall"], wall)
+    STATS["last_peak"] = peak
     if elapsed > STATS["max_s"]:
         STATS["max_s"], STATS["slowest"] = elapsed, (err.getvalue() or out.getvalue())[:160]
     assert elapsed < HANG_S, f"check took {elapsed:.1f} s of CPU"
@@ -102,19 +103,22 @@ def check(data: bytes, sets=()) -> int:
 
 @fuzz(ci_examples=300)
 @given(recipe_bytes(), st.lists(set_value, max_size=2))
+@example(b"weloxquant: 1\nname: fp16\nsummary: U\npipeline: f\xc2\x85p16\n", [])  # found: U+0085 is a YAML line break
 def test_fuzz_recipe_files(data, sets):
     check(data, sets)
 
 
 @fuzz(ci_examples=200)
 @given(pipeline_text(), st.sampled_from(["", "params: {bits: 2, window: 64, budget: 'linear(from=1e309, to=1)'}\n"]))
-def test_fuzz_pipelines(pipeline, params):
+@example('affine("\x1f") | affine\n>> affine() | keys: affine values: affine()\n>> affine(0, , 0)', "")  # found:
+def test_fuzz_pipelines(pipeline, params):  # an escaped multi-line pipeline was placed past its last line
     doc = render({"veloxquant": 1, "name": "p", "pipeline": pipeline})
     check((doc + params).encode())
 
 
 @fuzz(ci_examples=200)
 @given(recipe_doc(), st.lists(set_value, max_size=3))
+@example({"extends": None, "layers": [{"\x85": None}, {"\x85": None}], "unknown": None}, [])  # found (U+0085)
 def test_fuzz_recipe_fields(doc, sets):
     check(render(doc).encode(), sets)
 
@@ -171,3 +175,23 @@ def test_file_size_limit(size):
     data = head + b"x" * (size - len(head) - 1) + b"\n"
     code = check(data)
     assert code == (0 if size <= MAX_FILE_BYTES else 1)
+
+
+def test_worst_inputs_stay_in_bounded_memory():
+    """The inputs that would grow without the limits, traced: each peaks far below PEAK_BYTES."""
+    bomb = "lol:\n  a: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(
+        f"  {c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    worst = [
+        b"veloxquant: 1\nname: b\npipeline: fp16\n" + bomb.encode(),
+        b"veloxquant: 1\nname: d\npipeline: " + b"residual(" * 100_000 + b"fp16" + b")" * 100_000 + b"\n",
+        b"veloxquant: 1\nname: big\nsummary: " + b"a" * (MAX_FILE_BYTES - 100) + b"\npipeline: fp16\n",
+        b"veloxquant: 1\nname: l\nparams: {w: [" + b"1," * 9_000 + b"1]}\npipeline: recent($w) >> drop\n",
+        b"veloxquant: 1\nname: n\npipeline: " + b" >> ".join([b"recent(1)"] * 80_000) + b"\n",
+        b"veloxquant: 1\nname: a\npipeline: affine(" + b"1," * 8_000 + b"1)\n",  # the densest pipeline allowed
+    ]
+    peaks = []
+    for data in worst:
+        check(data, trace=True)
+        peaks.append(STATS["last_peak"])
+    print(f"\nworst inputs, traced peak MiB: {[round(p / 2 ** 20, 1) for p in peaks]}")
+    assert max(peaks) < 64 << 20, [p >> 20 for p in peaks]

@@ -8,4 +8,6 @@ MAX_YAML_NODES = 10_000  # YAML values in one file, counting each alias at its e
 MAX_YAML_DEPTH = 64  # maps/lists nested in one another, through aliases too
 MAX_CALL_NESTING = 16  # stage calls nested as arguments: residual(lloydmax(...)) is 2
 MAX_PIPELINE_STAGES = 256  # stage calls in one pipeline text (each is lowered once per layer)
+MAX_PIPELINE_CHARS = 1 << 14  # pipeline text in one file, all layer overrides together (parsing ~0.2 s, ~16 MiB)
+MAX_SCHEDULE_CHARS = 1024  # linear(from=a, to=b) written as a parameter value
 MAX_EXTENDS = 16  # recipes in one `extends` chain

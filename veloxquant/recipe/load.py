@@ -10,7 +10,7 @@ from ..paths import recipes_dir
 from .ast import Pipeline
 from .params import Param, coerce, declare
 from .parse import parse_pipeline
-from .limits import MAX_EXTENDS
+from .limits import MAX_EXTENDS, MAX_PIPELINE_CHARS
 from .source import Source, read_text
 
 SCHEMA_VERSION = 1
@@ -61,6 +61,20 @@ def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Locati
             return c.resolve()
     raise RecipeError(f"no recipe file or built-in recipe named {quoted(ref)}", where or Location(quoted(ref)[1:-1]),
                       nearest(ref, builtin_names()))
+
+
+class _PipelineBudget:
+    """Pipeline characters left to parse in one file (the parser is the slow part of a hostile file)."""
+
+    def __init__(self):
+        self.left = MAX_PIPELINE_CHARS
+
+    def spend(self, text: str, where: Location) -> str:
+        self.left -= len(text)
+        if self.left < 0:
+            raise RecipeError(f"the recipe's pipelines hold more than {MAX_PIPELINE_CHARS} characters", where,
+                              "a pipeline is a few tiers of a few stages each")
+        return text
 
 
 def _is_file(path: Path) -> bool:
@@ -123,8 +137,9 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
             params[pname] = declare(pname, spec, where)
 
     pipeline_text = src.get("pipeline")
+    budget = _PipelineBudget()
     if pipeline_text is not None:
-        pipeline = parse_pipeline(pipeline_text, src.text_locator("pipeline"))
+        pipeline = parse_pipeline(budget.spend(pipeline_text, src.loc("pipeline")), src.text_locator("pipeline"))
     elif parent:
         pipeline, pipeline_text = parent.pipeline, parent.pipeline_text
     else:
@@ -150,7 +165,8 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         text = body.get("pipeline")
         if text is not None and not isinstance(text, str):
             raise RecipeError("'pipeline' must be a string", src.loc("layers", selector, "pipeline"))
-        sub = parse_pipeline(text, src.text_locator("layers", selector, "pipeline")) if text is not None else None
+        sub = parse_pipeline(budget.spend(text, src.loc("layers", selector, "pipeline")),
+                             src.text_locator("layers", selector, "pipeline")) if text is not None else None
         overrides = body.get("params") or {}
         if not isinstance(overrides, dict):
             raise RecipeError("'params' must be a map", src.loc("layers", selector, "params"))

@@ -8,6 +8,7 @@ import yaml
 from ..errors import Location, RecipeError, brief
 from .ast import Call, Num
 from .parse import parse_value
+from .limits import MAX_SCHEDULE_CHARS
 from .safe_yaml import load_value
 
 TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -64,6 +65,9 @@ def type_of(value: Any) -> Optional[str]:
 def _schedule_from_text(text: str, where: Location) -> Optional[Schedule]:
     if not text.strip().split("(")[0].strip() in SCHEDULES:
         return None
+    if len(text) > MAX_SCHEDULE_CHARS:
+        raise RecipeError(f"a schedule is at most {MAX_SCHEDULE_CHARS} characters, got {len(text)}", where,
+                          "e.g. linear(from=1024, to=128)")
     node = parse_value(text, lambda line, col: where)
     if not isinstance(node, Call):
         return None

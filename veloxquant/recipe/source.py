@@ -31,7 +31,7 @@ class Source:
             mark = e.problem_mark or e.context_mark
             problem = str(e.problem or e.context)
             raise RecipeError(problem if isinstance(e, YamlLimitError) else f"invalid YAML: {problem}",
-                              Location(file, mark.line + 1, mark.column + 1) if mark else Location(file),
+                              self._index_location(mark.index) if mark else Location(file),
                               _yaml_hint(problem)) from None
         except yaml.reader.ReaderError as e:  # a character YAML does not allow (NUL, most control codes)
             raise RecipeError(f"invalid YAML: character U+{e.character:04X} is not allowed in a YAML file",
@@ -42,7 +42,10 @@ class Source:
                 loader.dispose()
 
     def _index_location(self, index: int) -> Location:
-        """file:line:col of a character index (a bisect: a pipeline places each of its nodes)."""
+        """file:line:col of a character index (a bisect: a pipeline places each of its nodes).
+
+        Lines end at "\n" only, as editors count them; PyYAML's own marks also break lines at
+        U+0085 and U+2028, which would name lines the file does not have."""
         if self._line_starts is None:
             self._line_starts = [0] + [i + 1 for i, c in enumerate(self.text) if c == "\n"]
         line = bisect.bisect_right(self._line_starts, index)
@@ -62,7 +65,7 @@ class Source:
                 if key in seen:
                     raise RecipeError(f"duplicate key {quoted(key)}", self._at(key_node, path + (key,)),
                                       f"first given at line {seen[key]}")
-                seen[key] = key_node.start_mark.line + 1
+                seen[key] = self._index_location(key_node.start_mark.index).line
                 self.marks[path + (key, "<key>")] = key_node
                 self._walk(value_node, path + (key,), loader)
         elif isinstance(node, yaml.SequenceNode):
@@ -70,8 +73,7 @@ class Source:
                 self._walk(item, path + (i,), loader)
 
     def _at(self, node: yaml.Node, path: Tuple) -> Location:
-        mark = node.start_mark
-        return Location(self.file, mark.line + 1, mark.column + 1, _field(path) or None)
+        return attrs.evolve(self._index_location(node.start_mark.index), field=_field(path) or None)
 
     def loc(self, *path, key: bool = False) -> Location:
         """Where a key path is written; the nearest enclosing node if it is absent."""
@@ -93,8 +95,14 @@ class Source:
         where = self._align(node)
         if where is None:  # escapes in a quoted string: place line 1 exactly, the rest roughly
             shift = 1 if node.style in ("'", '"') else 0
-            return lambda line, col: Location(
-                self.file, base.line + line - 1, (base.column + shift + col - 1) if line == 1 else col, field)
+            last = self._index_location(node.end_mark.index).line  # "a\n>> b" may be one line in the file
+
+            def rough(line: int, col: int) -> Location:
+                if base.line + line - 1 > last:
+                    return base
+                return Location(self.file, base.line + line - 1,
+                                (base.column + shift + col - 1) if line == 1 else col, field)
+            return rough
         value, raw = node.value, where
         placed = sorted(raw)  # offsets in the value that have a place in the file
         starts = [0] + [i + 1 for i, c in enumerate(value) if c == "\n"]
