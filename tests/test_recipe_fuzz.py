@@ -3,9 +3,10 @@
 (exit non-zero) -- never a traceback, never a hang, never unbounded memory.
 
 CI runs a bounded, derandomized number of examples (seconds). The long run:
-    VELOXQUANT_FUZZ_EXAMPLES=2500 VELOXQUANT_FUZZ_MEMORY=1 \\
-        python -m pytest -q -s tests/test_recipe_fuzz.py -p no:cacheprovider --hypothesis-seed=1
-runs that many examples per fuzz test (4 tests), traces memory and prints a summary.
+    VELOXQUANT_FUZZ_EXAMPLES=2500 python -m pytest -q -s tests/test_recipe_fuzz.py \\
+        -p no:cacheprovider --hypothesis-seed=1
+runs that many examples per fuzz test (4 tests) and prints a summary; add
+VELOXQUANT_FUZZ_MEMORY=1 to trace each example's memory (several times slower).
 """
 import io
 import os
