@@ -11,10 +11,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from ..compiler.groups import shared_tiers
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
 from . import hook, per_head
+from .copying import copy_sharing
 from .attention import merge_partials, partial_attention
 from .head_tier import HeadTier
 from .scoring import position_mask
@@ -43,6 +45,11 @@ class TieredCache(_BaseCache):
         self.attended = False  # True once attention ran through attend() (the hook)
         self._attend_epoch = -1  # hook epoch of the last attend() call
         self._unsettled = False
+
+    def __deepcopy__(self, memo):
+        # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
+        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons",
+                                                "_tail_layouts"))
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -124,24 +131,43 @@ class TieredCache(_BaseCache):
         return (str(self.offset), *(f"{t.start},{t.count}" for t in self.tiers))
 
     def is_trimmable(self) -> bool:
-        return True
+        """trim(n) rewinds exactly min(n, offset) positions. True while the layer holds every
+        position it has seen (nothing dropped, evicted or expired: mlx-lm's RotatingKVCache
+        refuses likewise once it has wrapped) and no cross-layer group shares its codes yet
+        (a reuse layer's codes belong to its anchor). docs/architecture.md, "Trimming"."""
+        self._settle()
+        if self.size() != self.offset:
+            return False
+        coordinator = getattr(self, "coordinator", None)
+        return not (coordinator and self.plan.share and
+                    any(self.tiers[t].count for t in shared_tiers(self.plan)))
 
     def trim(self, n: int) -> int:
-        trimmed = 0
-        while trimmed < n:
-            held = [t for t in self.tiers if t.count and not t.drops]
-            newest = max(held, key=lambda t: t.end, default=None)
-            if newest is None or newest.end != self.offset - trimmed:
-                break  # the newest positions are not held (dropped): cannot rewind past a gap
-            g = newest.granularity
-            held_tail = newest.tail() if isinstance(newest, HeadTier) else newest.count
-            take = min(n - trimmed, held_tail) // g * g
-            if take == 0:
-                break
-            newest.drop_back(take)
-            trimmed += take
-        self.offset -= trimmed
-        return trimmed
+        """Rewind the newest min(n, offset) positions, or nothing (returns 0) where
+        is_trimmable() is False. A quantized group cut in two is decoded and its older
+        part goes back to the tier new tokens enter (the fp16 window)."""
+        if n <= 0 or not self.is_trimmable():
+            return 0
+        n = min(n, self.offset)
+        left, refill = n, None
+        while left:
+            newest = max(self.held(), key=lambda t: t.end)
+            take = min(left, newest.count)
+            whole = -(-take // newest.granularity) * newest.granularity
+            if whole == take:
+                newest.drop_back(take)
+            else:  # granular tiers hold whole groups: is_trimmable() checked nothing is missing before them
+                k, v, start = newest.take_back(whole, self.dtype)
+                refill = (k[:, :, :whole - take], v[:, :, :whole - take], start)
+            left -= take
+        self.offset -= n
+        if self.observed_queries is not None:  # SnapKV's pending window: its newest queries are gone too
+            keep = self.observed_queries.shape[2] - n
+            self.observed_queries = self.observed_queries[:, :, :keep] if keep > 0 else None
+        if refill is not None:
+            self._place(0, *refill)
+            self._unsettled = True
+        return n
 
     def size(self) -> int:
         """Tokens held (after settling), not positions seen."""
