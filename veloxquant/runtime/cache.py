@@ -23,6 +23,11 @@ from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
 
 
+NO_HOOK = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
+           "through it (the attention hook is not installed for this model): load a saved cache with "
+           "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first")
+
+
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
     return b if a is None else a if b is None else min(a, b)
 
@@ -45,6 +50,10 @@ class TieredCache(_BaseCache):
         self.attended = False  # True once attention ran through attend() (the hook)
         self._attend_epoch = -1  # hook epoch of the last attend() call
         self._unsettled = False
+        # Scorers fed by real attention (h2o, tova, snapkv) must see every step's queries:
+        # a step whose attention did not come through attend() is refused, not run with frozen scores.
+        self.scored = "attention" in plan.needs
+        self._awaiting_attend = False
 
     def __deepcopy__(self, memo):
         # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
@@ -53,6 +62,9 @@ class TieredCache(_BaseCache):
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        if self.scored and (self._awaiting_attend or not hook.any_installed()):
+            raise VeloxError(NO_HOOK.format(recipe=getattr(self, "plan_root", None) and self.plan_root.recipe))
+        self._awaiting_attend = self.scored
         if self.per_head and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
         self._settle()
@@ -74,6 +86,7 @@ class TieredCache(_BaseCache):
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
+        self._awaiting_attend = False
         self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
         first_q = self.offset - Lq

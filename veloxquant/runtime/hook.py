@@ -50,6 +50,11 @@ def install(model) -> int:
     return count
 
 
+def any_installed() -> bool:
+    """Some model's attention is routed (a cache cannot tell which model it serves)."""
+    return bool(_ORIGINALS)
+
+
 def installed(model) -> bool:
     return any(hasattr(getattr(m, _NAME, None), "veloxquant_original") for m in model_modules(model))
 

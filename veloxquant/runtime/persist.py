@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import coded
+from ..compiler import ModelShape
+from . import coded, hook
 from .cache import TieredCache
 from .make import caches_for
 
@@ -43,8 +44,13 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
     return Path(path).stat().st_size
 
 
-def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tuple[List[TieredCache], Dict[str, str]]:
-    """Rebuild the caches saved at `path`; returns (caches, user metadata)."""
+def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
+                      model=None) -> Tuple[List[TieredCache], Dict[str, str]]:
+    """Rebuild the caches saved at `path`; returns (caches, user metadata).
+
+    Given `model`, checks the file was made for a model of its shape and installs the
+    attention hook, as make_prompt_cache does. Without it, a recipe whose scorers need the
+    hook (h2o, tova, snapkv, pyramidkv) is refused unless the hook is already installed."""
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
@@ -62,6 +68,7 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tu
         raise CacheFileError(
             f"{path}: made by recipe '{plan.recipe}' (fingerprint {plan.fingerprint}); the recipe asked for "
             f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead.")
+    _check_model(path, plan, model)
     caches = caches_for(plan)
     if len(layers) != len(caches):
         raise CacheFileError(f"{path}: {len(layers)} layers saved but the plan has {len(caches)}")
@@ -81,4 +88,25 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tu
     for problem in coordinator.problems() if coordinator else ():
         raise CacheFileError(f"{path}: {problem}")  # re-linked, but the groups' tiers do not add up
     user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
+    if model is not None:
+        hook.install(model)
     return caches, user
+
+
+def _check_model(path: str, plan, model) -> None:
+    if model is not None:
+        shape = ModelShape.from_model(model)
+        mine = (shape.n_kv_heads, shape.head_dim, shape.windows)
+        if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows):
+            raise CacheFileError(
+                f"{path}: made for a model with {len(plan.shape.head_dim)} layers, kv heads "
+                f"{_runs(plan.shape.n_kv_heads)}, head_dim {_runs(plan.shape.head_dim)}; the model given has "
+                f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}")
+    elif any("attention" in layer.needs for layer in plan.layers) and not hook.any_installed():
+        raise VeloxError(f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
+                         "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
+                         "and the hook is installed for it")
+
+
+def _runs(values) -> str:
+    return str(values[0]) if len(set(values)) == 1 else str(list(values))
