@@ -9,6 +9,7 @@ from veloxquant.compiler.explain import render
 from veloxquant.compiler.rebuild import plan_from_json
 from veloxquant.errors import CacheFileError, RecipeError, VeloxError
 from veloxquant.recipe import load_recipe
+from veloxquant.runtime import checksums
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.reuse_tier import ReuseTier
@@ -266,8 +267,8 @@ def test_load_refuses_a_reuse_layer_its_anchor_does_not_cover(llama_model, tmp_p
     arrays, meta = mx.load(str(path), return_metadata=True)
     layers = json.loads(meta["layers"])
     layers[0]["tiers"][1] = [0, 0]  # the anchor "holds" no codes
-    mx.save_safetensors(str(path), {k: v for k, v in arrays.items() if not k.startswith("0.1.")},
-                        {**meta, "layers": json.dumps(layers)})
+    kept = {k: v for k, v in arrays.items() if not k.startswith("0.1.")}
+    mx.save_safetensors(str(path), kept, checksums.sign(kept, {**meta, "layers": json.dumps(layers)}))
     with pytest.raises(CacheFileError, match="layer 1 reads layer 0's xquant codes"):
         load_prompt_cache(str(path))
 

@@ -13,11 +13,11 @@ import mlx.core as mx
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
 from ..compiler import ModelShape
-from . import coded, hook
+from . import checksums, coded, hook
 from .cache import TieredCache
 from .make import caches_for
 
-FORMAT = "veloxquant-cache/1"
+FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)
 
 
 def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[Dict[str, str]] = None) -> int:
@@ -40,7 +40,7 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
     meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
             "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
     meta.update({f"user.{k}": str(v) for k, v in (metadata or {}).items()})
-    mx.save_safetensors(str(path), arrays, meta)
+    mx.save_safetensors(str(path), arrays, checksums.sign(arrays, meta))
     return Path(path).stat().st_size
 
 
@@ -56,7 +56,11 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
     except (OSError, RuntimeError, ValueError) as e:
         raise CacheFileError(f"{path}: not a readable safetensors cache file ({e})") from None
     if meta.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r}; "
+                             "files saved before checksums (/1) must be saved again)")
+    damaged = checksums.problem(arrays, meta)
+    if damaged:
+        raise CacheFileError(f"{path}: {damaged}")
     try:
         plan = plan_from_json(meta["plan"], meta.get("recipe", "saved"))
         layers = json.loads(meta["layers"])
