@@ -106,3 +106,13 @@ def test_streaming_llm_trims_when_mlx_rotating_cache_does(llama_model, prompt):
     feed(llama_model, TOKENS[:, :prompt], ours, 1)
     assert can_trim_prompt_cache(ours) == can_trim_prompt_cache(ref)
     assert trim_prompt_cache(ours, 3) == trim_prompt_cache(ref, 3)
+
+
+@pytest.mark.parametrize("prompt", [20, 31, 32, 33, 60])
+def test_sliding_window_layers_trim_when_mlx_rotating_cache_does(prompt):
+    from conftest import tiny_gemma3
+    model = tiny_gemma3(window=32)
+    ours, ref = vq.make_prompt_cache(model, "fp16"), model.make_cache()
+    feed(model, TOKENS[:, :prompt], ref, 1)
+    feed(model, TOKENS[:, :prompt], ours, 1)
+    assert [c.is_trimmable() for c in ours] == [c.is_trimmable() for c in ref]
