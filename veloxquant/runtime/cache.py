@@ -11,21 +11,15 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from ..compiler.groups import shared_tiers
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
-from . import hook, per_head
-from .copying import copy_sharing
+from . import hook, per_head, trimming
 from .attention import merge_partials, partial_attention
+from .copying import copy_sharing
 from .head_tier import HeadTier
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
-
-
-NO_HOOK = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
-           "through it (the attention hook is not installed for this model): load a saved cache with "
-           "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first")
 
 
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -63,7 +57,7 @@ class TieredCache(_BaseCache):
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
-            raise VeloxError(NO_HOOK.format(recipe=getattr(self, "plan_root", None) and self.plan_root.recipe))
+            raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
         self._awaiting_attend = self.scored
         if self.per_head and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
@@ -144,43 +138,10 @@ class TieredCache(_BaseCache):
         return (str(self.offset), *(f"{t.start},{t.count}" for t in self.tiers))
 
     def is_trimmable(self) -> bool:
-        """trim(n) rewinds exactly min(n, offset) positions. True while the layer holds every
-        position it has seen (nothing dropped, evicted or expired: mlx-lm's RotatingKVCache
-        refuses likewise once it has wrapped) and no cross-layer group shares its codes yet
-        (a reuse layer's codes belong to its anchor). docs/architecture.md, "Trimming"."""
-        self._settle()
-        if self.size() != self.offset:
-            return False
-        coordinator = getattr(self, "coordinator", None)
-        return not (coordinator and self.plan.share and
-                    any(self.tiers[t].count for t in shared_tiers(self.plan)))
+        return trimming.trimmable(self)
 
     def trim(self, n: int) -> int:
-        """Rewind the newest min(n, offset) positions, or nothing (returns 0) where
-        is_trimmable() is False. A quantized group cut in two is decoded and its older
-        part goes back to the tier new tokens enter (the fp16 window)."""
-        if n <= 0 or not self.is_trimmable():
-            return 0
-        n = min(n, self.offset)
-        left, refill = n, None
-        while left:
-            newest = max(self.held(), key=lambda t: t.end)
-            take = min(left, newest.count)
-            whole = -(-take // newest.granularity) * newest.granularity
-            if whole == take:
-                newest.drop_back(take)
-            else:  # granular tiers hold whole groups: is_trimmable() checked nothing is missing before them
-                k, v, start = newest.take_back(whole, self.dtype)
-                refill = (k[:, :, :whole - take], v[:, :, :whole - take], start)
-            left -= take
-        self.offset -= n
-        if self.observed_queries is not None:  # SnapKV's pending window: its newest queries are gone too
-            keep = self.observed_queries.shape[2] - n
-            self.observed_queries = self.observed_queries[:, :, :keep] if keep > 0 else None
-        if refill is not None:
-            self._place(0, *refill)
-            self._unsettled = True
-        return n
+        return trimming.trim(self, n)
 
     def size(self) -> int:
         """Tokens held (after settling), not positions seen."""

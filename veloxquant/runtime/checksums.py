@@ -45,16 +45,18 @@ def problem(arrays: Dict[str, mx.array], meta: Dict[str, str]) -> Optional[str]:
         return "the metadata fails its checksum (damaged header)"
     try:
         table = json.loads(meta[ARRAYS])
-        missing = sorted(set(table) - set(arrays))
-        extra = sorted(set(arrays) - set(table))
-    except (ValueError, TypeError) as e:
+        if not isinstance(table, dict) or not all(isinstance(v, list) and len(v) == 3 for v in table.values()):
+            return "unreadable array checksums (expected {name: [crc, dtype, shape]})"
+    except ValueError as e:
         return f"unreadable array checksums ({e})"
+    missing, extra = sorted(set(table) - set(arrays)), sorted(set(arrays) - set(table))
     if missing or extra:
         return f"arrays missing: {missing[:3]}, not recorded: {extra[:3]}"
     for name in sorted(arrays):
         a = arrays[name]
-        if table[name][1:] != [_dtype(a), list(a.shape)]:
-            return f"array {name} is {_dtype(a)} {list(a.shape)}, recorded as {table[name][1]} {table[name][2]}"
-        if table[name][0] != array_crc(a):
+        crc, dtype, shape = table[name]
+        if [dtype, shape] != [_dtype(a), list(a.shape)]:
+            return f"array {name} is {_dtype(a)} {list(a.shape)}, recorded as {dtype} {shape}"
+        if crc != array_crc(a):
             return f"array {name} fails its checksum (damaged data)"
     return None

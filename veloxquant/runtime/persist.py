@@ -10,9 +10,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from ..compiler import ModelShape
 from . import checksums, coded, hook
 from .cache import TieredCache
 from .make import caches_for
