@@ -61,3 +61,13 @@ def test_host_calls_prints_its_table(capsys):
     assert host_calls.main(["--seq", "256", "--window", "16", "--calls", "16"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 SDPA |" in out and "| x + 1 |" in out
+
+
+def test_long_generation_prints_first_and_last_windows(capsys):
+    from veloxquant.bench import long_generation
+    assert long_generation.main(["--tokens", "60", "--window", "20", "--recipes", "identity,h2o",
+                                 "--layers", "1"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"cache", "mlx-lm KVCache", "identity", "h2o"}
+    assert rows["identity"].endswith("| all |")  # float32 K/V as computed: mlx-lm's tokens exactly

@@ -211,17 +211,20 @@ def test_save_load_round_trip(llama_model, tmp_path):
     assert np.array_equal(np.array(a), np.array(b))
 
 
-def test_trim_rewinds_only_what_every_head_holds(llama_model, tmp_path):
+def test_trim_rewinds_exactly_until_the_first_eviction_then_refuses(llama_model, tmp_path):
     cache = layer_cache(llama_model, tmp_path, "evict(budget=8, sinks=2) | identity")
-    for q, k, v in blocks(7, [12, 1, 3]):
+    q, k, v = next(iter(blocks(7, [6])))
+    cache.update_and_fetch(mx.array(k), mx.array(v))
+    cache.attend(mx.array(q), SCALE)
+    assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 4 and cache.size() == 4
+    for q, k, v in blocks(7, [12, 1]):
         cache.update_and_fetch(mx.array(k), mx.array(v))
         cache.attend(mx.array(q), SCALE)
-    assert cache.trim(3) == 3 and cache.offset == 13  # the newest block: still held by every head
-    cache._settle()
-    tail = cache.tiers[0].tail()
+    # Heads evicted different positions: a rewind would leave each head a different past.
+    assert cache.size() == 8 and not cache.is_trimmable()
     pos = np.array(cache.tiers[0].positions)
-    assert all(set(range(13 - tail, 13)) <= set(pos[0, h]) for h in range(HKV))
-    assert cache.trim(5) == min(5, tail) and cache.offset == 13 - min(5, tail)
+    assert cache.trim(3) == 0 and cache.offset == 17
+    assert np.array_equal(np.array(cache.tiers[0].positions), pos)
 
 
 @pytest.mark.parametrize("pipeline, message", [

@@ -5,6 +5,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.errors import CacheFileError
+from veloxquant.runtime import checksums
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from conftest import feed
 
@@ -63,10 +64,27 @@ def test_refuses_tampered_plan_and_arrays(saved, tmp_path):
     plan["layers"][0]["tiers"][1]["keys"][0]["bits"] = 4
     bad = tmp_path / "tampered.safetensors"
     mx.save_safetensors(str(bad), arrays, {**meta, "plan": json.dumps(plan)})
+    with pytest.raises(CacheFileError, match="metadata fails its checksum"):
+        load_prompt_cache(str(bad))
+    # Re-signed (checksums recomputed), the plan's own fingerprint still refuses it.
+    mx.save_safetensors(str(bad), arrays, checksums.sign(arrays, {**meta, "plan": json.dumps(plan)}))
     with pytest.raises(CacheFileError, match="fingerprint"):
         load_prompt_cache(str(bad))
     key = next(k for k in arrays if k.startswith("0.1.k.codes"))
-    arrays[key] = arrays[key][:, :, :5]
-    mx.save_safetensors(str(bad), arrays, meta)
+    short = {**arrays, key: arrays[key][:, :, :5]}
+    mx.save_safetensors(str(bad), short, meta)
+    with pytest.raises(CacheFileError, match=f"array {key} is uint32"):
+        load_prompt_cache(str(bad))
+    mx.save_safetensors(str(bad), short, checksums.sign(short, meta))
     with pytest.raises(CacheFileError, match="layer 0 tier 1"):
+        load_prompt_cache(str(bad))
+
+
+def test_a_flipped_bit_in_raw_fp16_data_is_refused(saved, tmp_path):
+    _, path, _ = saved
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x04  # the last array's data: fp16 window values, any bit pattern is a number
+    bad = tmp_path / "flipped.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="fails its checksum"):
         load_prompt_cache(str(bad))

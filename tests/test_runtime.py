@@ -92,16 +92,18 @@ def test_trim_rewinds_the_newest_tokens(llama_model):
     fresh = vq.make_prompt_cache(llama_model, "kivi", sets)
     llama_model(TOKENS[:, :190], cache=fresh)
     expected = llama_model(TOKENS[:, 190:200], cache=fresh)
-    assert [t.count for t in caches[0].tiers] == [t.count for t in fresh[0].tiers]
-    assert maxdiff(again, expected) < 1e-3
+    # trim settles first (160 quantized, 30 in the window); the fresh cache quantized 128: 8-bit noise apart
+    assert sum(t.count for t in caches[0].tiers) == sum(t.count for t in fresh[0].tiers) == 200
+    assert maxdiff(again, expected) < 1e-2
 
 
-def test_trim_stops_at_quantized_groups(llama_model):
+def test_trim_cuts_into_a_quantized_group(llama_model):
     caches = vq.make_prompt_cache(llama_model, "kivi", ["window=32"])
     feed(llama_model, TOKENS[:, :100], caches, 100)
     caches[0].nbytes  # settle: 64 tokens quantized in groups of 32, 36 in the window
-    assert caches[0].trim(50) == 36  # window emptied; half a key group cannot be trimmed
-    assert caches[0].offset == 64
+    assert caches[0].trim(50) == 50  # the window, then half a key group: its older half back in fp16
+    assert caches[0].offset == 50
+    assert [(t.start, t.count) for t in caches[0].tiers] == [(32, 18), (0, 32)]
 
 
 _MEMORY_CHECK = """

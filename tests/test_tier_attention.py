@@ -2,6 +2,7 @@
 (same contract), the other tiers grouped into one partial, merged exactly; it
 must give the logits the dense path gives."""
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from veloxquant.bench.e2e import random_llama
@@ -45,20 +46,45 @@ def fused_on_cpu(monkeypatch):
     return calls  # the tail sizes the kernel's reduce was asked to fold in
 
 
+def _attention_f64(cache, q, scale):
+    """softmax(scale q K^T) V in float64 over the cache's decoded K/V (every token visible to a decode query)."""
+    k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in cache._fetch())
+    qn = np.array(q, dtype=np.float64)
+    rep = qn.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = scale * qn @ k.swapaxes(-1, -2)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (w / w.sum(axis=-1, keepdims=True)) @ v
+
+
 @pytest.mark.parametrize("recipe", ["kivi", "kivi_sink"])
 def test_kernel_path_matches_dense_path(model, recipe, fused_on_cpu):
     tokens = mx.random.randint(0, 500, (1, 300), key=mx.random.key(1))
-    fused, caches = _run(model, recipe, tokens, decode=40)  # crosses several 32-token spills
+    _, caches = _run(model, recipe, tokens, decode=40)  # crosses several 32-token spills
     assert any(t.fusable and t.count for t in caches[0].tiers)
     # Decode steps fold the 16-bit window (kivi_sink: sinks and window) into the kernel's reduce.
     assert set(fused_on_cpu) == {1 if recipe == "kivi" else 2}, fused_on_cpu
-    dispatch_choice = dispatch.choice
-    dispatch.choice = lambda *a, **k: ("reference", "off")
-    try:
-        dense, _ = _run(model, recipe, tokens, decode=40)
-    finally:
-        dispatch.choice = dispatch_choice
-    assert float(mx.abs(fused - dense).max()) < 2e-4
+    # Both paths on the same cache state and queries, each against float64. Comparing the models'
+    # logits instead compounds float32 noise across layers, and where it flips a 2-bit code or an fp16
+    # rounding the gap is set by the BLAS (9e-4 with MLX's bundled one, under 2e-4 with OpenBLAS).
+    scale = 64 ** -0.5
+    for seed, cache in enumerate(caches):
+        q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(10 + seed)) * 3
+        want = _attention_f64(cache, q, scale)
+        fused = np.array(cache.attend(q, scale, observe=False), dtype=np.float64)
+        for t in cache.tiers:
+            t.launch_key = None  # choose again: the dense path
+        dispatch_choice = dispatch.choice
+        dispatch.choice = lambda *a, **k: ("reference", "off")
+        try:
+            dense = np.array(cache.attend(q, scale, observe=False), dtype=np.float64)
+        finally:
+            dispatch.choice = dispatch_choice
+        # float32's rounding of this attention, measured: the dense path's error (floored at a few ulps).
+        floor = 8 * np.finfo(np.float32).eps * np.abs(want).max()
+        err_dense, err_fused = (np.abs(x - want).max() for x in (dense, fused))
+        # Measured: the merged partials err up to 2.7x the dense path (1.6e-6 vs 6e-7), either BLAS.
+        assert err_fused <= 8 * max(err_dense, floor), (err_fused, err_dense, floor)
 
 
 def test_kernel_tiers_hold_exact_buffers(model, fused_on_cpu):

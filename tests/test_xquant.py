@@ -9,6 +9,7 @@ from veloxquant.compiler.explain import render
 from veloxquant.compiler.rebuild import plan_from_json
 from veloxquant.errors import CacheFileError, RecipeError, VeloxError
 from veloxquant.recipe import load_recipe
+from veloxquant.runtime import checksums
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.reuse_tier import ReuseTier
@@ -266,25 +267,22 @@ def test_load_refuses_a_reuse_layer_its_anchor_does_not_cover(llama_model, tmp_p
     arrays, meta = mx.load(str(path), return_metadata=True)
     layers = json.loads(meta["layers"])
     layers[0]["tiers"][1] = [0, 0]  # the anchor "holds" no codes
-    mx.save_safetensors(str(path), {k: v for k, v in arrays.items() if not k.startswith("0.1.")},
-                        {**meta, "layers": json.dumps(layers)})
+    kept = {k: v for k, v in arrays.items() if not k.startswith("0.1.")}
+    mx.save_safetensors(str(path), kept, checksums.sign(kept, {**meta, "layers": json.dumps(layers)}))
     with pytest.raises(CacheFileError, match="layer 1 reads layer 0's xquant codes"):
         load_prompt_cache(str(path))
 
 
-def test_trim_whole_model_stays_consistent_and_partial_trims_are_refused(llama_model):
+def test_trim_is_refused_once_a_group_shares_codes(llama_model):
+    # A reuse layer's tokens are decoded from its anchor's codes: a trim cutting a group in two
+    # cannot re-hold them, so xquant refuses any trim (is_trimmable False) once codes are shared.
     caches = vq.make_prompt_cache(llama_model, "xquant", ["window=32"])
-    feed(llama_model, TOKENS[:, :150], caches, 50)
+    feed(llama_model, TOKENS[:, :20], caches, 20)
+    assert trim_prompt_cache(caches, 5) == 5  # all in the fp16 window: an exact rewind
+    feed(llama_model, TOKENS[:, 15:150], caches, 50)
     for c in caches:
         c.nbytes  # settle: 128 quantized, 22 in the window
-    assert trim_prompt_cache(caches, 60) == 54  # window, then one key group of 32
-    assert {c.offset for c in caches} == {96} and {c.tiers[1].count for c in caches} == {96}
-    feed(llama_model, TOKENS[:, 96:120], caches, 8)  # continues without complaint
-    with pytest.raises(VeloxError, match="refused: trimming layer 1"):
-        caches[1].trim(60)  # a reuse layer alone: its anchor still holds those codes
-    fresh = vq.make_prompt_cache(llama_model, "xquant", ["window=32"])
-    feed(llama_model, TOKENS[:, :150], fresh, 50)
-    fresh[0].nbytes
-    fresh[0].trim(60)  # the anchor alone
-    with pytest.raises(VeloxError, match="anchor was trimmed or skipped alone"):
-        feed(llama_model, TOKENS[:, 96:100], fresh, 4)
+    assert not any(c.is_trimmable() for c in caches)
+    assert trim_prompt_cache(caches, 60) == 0 and all(c.trim(60) == 0 for c in caches)
+    assert {c.offset for c in caches} == {150} and {c.tiers[1].count for c in caches} == {128}
+    feed(llama_model, TOKENS[:, 150:160], caches, 8)  # continues without complaint

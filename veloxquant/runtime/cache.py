@@ -14,8 +14,9 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
-from . import hook, per_head
+from . import hook, per_head, trimming
 from .attention import merge_partials, partial_attention
+from .copying import copy_sharing
 from .head_tier import HeadTier
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
@@ -43,9 +44,21 @@ class TieredCache(_BaseCache):
         self.attended = False  # True once attention ran through attend() (the hook)
         self._attend_epoch = -1  # hook epoch of the last attend() call
         self._unsettled = False
+        # Scorers fed by real attention (h2o, tova, snapkv) must see every step's queries:
+        # a step whose attention did not come through attend() is refused, not run with frozen scores.
+        self.scored = "attention" in plan.needs
+        self._awaiting_attend = False
+
+    def __deepcopy__(self, memo):
+        # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
+        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons",
+                                                "_tail_layouts"))
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        if self.scored and (self._awaiting_attend or not hook.any_installed()):
+            raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
+        self._awaiting_attend = self.scored
         if self.per_head and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
         self._settle()
@@ -67,6 +80,7 @@ class TieredCache(_BaseCache):
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
+        self._awaiting_attend = False
         self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
         first_q = self.offset - Lq
@@ -124,24 +138,10 @@ class TieredCache(_BaseCache):
         return (str(self.offset), *(f"{t.start},{t.count}" for t in self.tiers))
 
     def is_trimmable(self) -> bool:
-        return True
+        return trimming.trimmable(self)
 
     def trim(self, n: int) -> int:
-        trimmed = 0
-        while trimmed < n:
-            held = [t for t in self.tiers if t.count and not t.drops]
-            newest = max(held, key=lambda t: t.end, default=None)
-            if newest is None or newest.end != self.offset - trimmed:
-                break  # the newest positions are not held (dropped): cannot rewind past a gap
-            g = newest.granularity
-            held_tail = newest.tail() if isinstance(newest, HeadTier) else newest.count
-            take = min(n - trimmed, held_tail) // g * g
-            if take == 0:
-                break
-            newest.drop_back(take)
-            trimmed += take
-        self.offset -= trimmed
-        return trimmed
+        return trimming.trim(self, n)
 
     def size(self) -> int:
         """Tokens held (after settling), not positions seen."""

@@ -33,6 +33,9 @@ class Codec:
         # fp16 / identity with nothing around them: encode is at most a cast, nothing to fuse
         self.trivial = not self.transforms and not self.residuals and self.store.stage_name in ("fp16", "identity")
 
+    def __deepcopy__(self, memo):
+        return self  # stateless: the plan's stages only (caches deep-copy their tiers, not their codecs)
+
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         if x.shape[2] <= COMPILED_BLOCK and not self.trivial:
             return _compiled_encode(self.plan)(x)

@@ -12,6 +12,7 @@ import mlx.core as mx
 from ..compiler.plan import TierPlan
 from .buffer import Buffer
 from .codec import Codec
+from .copying import copy_sharing
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores
@@ -37,6 +38,9 @@ class HeadTier:
         # Until the first eviction every head holds the same run [first, first + count):
         # attention can then use SDPA's "causal" instead of a per-head mask array.
         self.uniform, self.first = True, 0
+
+    def __deepcopy__(self, memo):
+        return copy_sharing(self, memo, shared=("plan", "route"))
 
     # --- contents -------------------------------------------------------
     drops = False
@@ -106,16 +110,7 @@ class HeadTier:
         if not self.route.once and self.count > self.route.budget:
             self.keep(self.scores, offset)
 
-    # --- trimming -----------------------------------------------------------
-    def tail(self) -> int:
-        """How many of the newest positions every head still holds (what trim can rewind)."""
-        if not self.count:
-            return 0
-        pos = self.positions
-        expected = self.end - 1 - mx.arange(self.count - 1, -1, -1)
-        run = mx.cumprod((pos == expected)[..., ::-1].astype(mx.int32), axis=-1)
-        return int(mx.min(mx.sum(run, axis=-1)).item())
-
+    # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:
         for bufs in (*self.buffers.values(), self.meta):
             for buf in bufs.values():

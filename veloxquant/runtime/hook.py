@@ -10,6 +10,9 @@ from typing import Dict
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
+NOT_ROUTED = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
+              "through it (the attention hook is not installed for this model): load a saved cache with "
+              "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first")
 _EPOCH = [0]  # bumped by every install/uninstall: caches trust the hook only within one epoch
 
 
@@ -48,6 +51,11 @@ def install(model) -> int:
         count += 1
     _EPOCH[0] += 1
     return count
+
+
+def any_installed() -> bool:
+    """Some model's attention is routed (a cache cannot tell which model it serves)."""
+    return bool(_ORIGINALS)
 
 
 def installed(model) -> bool:

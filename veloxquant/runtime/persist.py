@@ -10,13 +10,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import coded
+from . import checksums, coded, hook
 from .cache import TieredCache
 from .make import caches_for
 
-FORMAT = "veloxquant-cache/1"
+FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)
 
 
 def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[Dict[str, str]] = None) -> int:
@@ -39,18 +40,27 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
     meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
             "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
     meta.update({f"user.{k}": str(v) for k, v in (metadata or {}).items()})
-    mx.save_safetensors(str(path), arrays, meta)
+    mx.save_safetensors(str(path), arrays, checksums.sign(arrays, meta))
     return Path(path).stat().st_size
 
 
-def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tuple[List[TieredCache], Dict[str, str]]:
-    """Rebuild the caches saved at `path`; returns (caches, user metadata)."""
+def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
+                      model=None) -> Tuple[List[TieredCache], Dict[str, str]]:
+    """Rebuild the caches saved at `path`; returns (caches, user metadata).
+
+    Given `model`, checks the file was made for a model of its shape and installs the
+    attention hook, as make_prompt_cache does. Without it, a recipe whose scorers need the
+    hook (h2o, tova, snapkv, pyramidkv) is refused unless the hook is already installed."""
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
         raise CacheFileError(f"{path}: not a readable safetensors cache file ({e})") from None
     if meta.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r}; "
+                             "files saved before checksums (/1) must be saved again)")
+    damaged = checksums.problem(arrays, meta)
+    if damaged:
+        raise CacheFileError(f"{path}: {damaged}")
     try:
         plan = plan_from_json(meta["plan"], meta.get("recipe", "saved"))
         layers = json.loads(meta["layers"])
@@ -62,6 +72,7 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tu
         raise CacheFileError(
             f"{path}: made by recipe '{plan.recipe}' (fingerprint {plan.fingerprint}); the recipe asked for "
             f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead.")
+    _check_model(path, plan, model)
     caches = caches_for(plan)
     if len(layers) != len(caches):
         raise CacheFileError(f"{path}: {len(layers)} layers saved but the plan has {len(caches)}")
@@ -81,4 +92,25 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None) -> Tu
     for problem in coordinator.problems() if coordinator else ():
         raise CacheFileError(f"{path}: {problem}")  # re-linked, but the groups' tiers do not add up
     user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
+    if model is not None:
+        hook.install(model)
     return caches, user
+
+
+def _check_model(path: str, plan, model) -> None:
+    if model is not None:
+        shape = ModelShape.from_model(model)
+        mine = (shape.n_kv_heads, shape.head_dim, shape.windows)
+        if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows):
+            raise CacheFileError(
+                f"{path}: made for a model with {len(plan.shape.head_dim)} layers, kv heads "
+                f"{_runs(plan.shape.n_kv_heads)}, head_dim {_runs(plan.shape.head_dim)}; the model given has "
+                f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}")
+    elif any("attention" in layer.needs for layer in plan.layers) and not hook.any_installed():
+        raise VeloxError(f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
+                         "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
+                         "and the hook is installed for it")
+
+
+def _runs(values) -> str:
+    return str(values[0]) if len(set(values)) == 1 else str(list(values))

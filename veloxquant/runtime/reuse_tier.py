@@ -4,7 +4,7 @@ It holds only its own arrays (per-group scale and zero, and the optional
 residual); the integer codes it is decoded from are read, packed and uncopied,
 from the anchor layer's tier through the coordinator, by range of positions.
 """
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 
@@ -12,9 +12,8 @@ from ..compiler.groups import shares
 from ..compiler.plan import CodecPlan, TierPlan
 from ..stages.bitpack import unpack
 from .buffer import Buffer
+from .copying import copy_sharing
 from .tier import UNBOUNDED_STEP, Tier
-
-CodesOf = Callable[[int, int], mx.array]  # (start, end) -> the anchor's packed codes for those positions
 
 
 class ReuseCodec:
@@ -22,9 +21,17 @@ class ReuseCodec:
 
     residuals = ()  # the store codes its own drift
 
-    def __init__(self, plan: CodecPlan, codes_of: CodesOf):
+    def __init__(self, plan: CodecPlan, link, side: str):
         self.plan, self.store, self.transforms = plan, plan.store, plan.transforms
-        self.codes_of = codes_of
+        # link.codes(side, start, end): the anchor's packed codes. An attribute, not a closure,
+        # so a deep copy of the caches re-points it at the copied anchor.
+        self.link, self.side = link, side
+
+    def __deepcopy__(self, memo):
+        return copy_sharing(self, memo, shared=("plan", "store", "transforms"))
+
+    def codes_of(self, start: int, end: int) -> mx.array:
+        return self.link.codes(self.side, start, end)
 
     def units(self) -> Dict[str, int]:
         return self.store.reuse_units()
@@ -52,7 +59,7 @@ class ReuseTier(Tier):
         self.link, self.head_dim = link, head_dim  # link: coordinator.Link, the way to the anchor's codes
         for side, codec in (("k", plan.keys), ("v", plan.values)):
             if shares(codec):
-                self.codecs[side] = ReuseCodec(codec, lambda s, e, side=side: link.codes(side, s, e))
+                self.codecs[side] = ReuseCodec(codec, link, side)
                 # The last tier is unbounded (checked by the compiler): grow in steps, like Tier.
                 self.buffers[side] = {name: Buffer(max(1, UNBOUNDED_STEP // per_unit))
                                       for name, per_unit in self.codecs[side].units().items()}

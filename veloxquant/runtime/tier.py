@@ -7,6 +7,7 @@ from ..compiler.plan import TierPlan
 from ..kernels import dispatch
 from .buffer import Buffer
 from .codec import Codec
+from .copying import copy_sharing
 
 # Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
 # KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
@@ -48,6 +49,11 @@ class Tier:
                 name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit))
                 for name, per_unit in codec.units().items()
             }
+
+    def __deepcopy__(self, memo):
+        # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
+        return copy_sharing(self, memo, shared=("plan", "route", "drops", "launch_key", "launch"),
+                            reset={"_views": {}})
 
     # --- contents -------------------------------------------------------
     @property
@@ -118,6 +124,15 @@ class Tier:
                 self.buffers[side][name].drop_front(n // per_unit)
         self.start += n
         self.count -= n
+
+    def take_back(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
+        """Remove the n newest tokens (whole units) and return them decoded, with their start."""
+        units = {side: self.codecs[side].units() for side in ("k", "v")}
+        k, v = (self.codecs[side].decode({name: buf.view()[:, :, buf.used - n // units[side][name]:]
+                                          for name, buf in self.buffers[side].items()}, dtype)
+                for side in ("k", "v"))
+        self.drop_back(n)
+        return k, v, self.end
 
     def drop_back(self, n: int) -> None:
         self._views = {}
