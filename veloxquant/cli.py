@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
                                  "cost of recipes against fp16 and mlx-lm's quantized cache"))
     add_compare_args(sub.add_parser("compare", help="render eval results as a markdown table and a Pareto plot"))
 
+    p = sub.add_parser("diff", help="compare two recipes by their compiled per-layer plans (exit 0 same plan, "
+                       "1 different, 2 error)")
+    p.add_argument("a", metavar="A", help="recipe file, built-in name, or git revision REV:PATH (e.g. HEAD~1:my.yaml)")
+    p.add_argument("b", metavar="B", help="the same kinds as A")
+    p.add_argument("--model", help="compile for this mlx-lm model folder (default: the SmolLM2-135M shape)")
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -142,6 +148,17 @@ def cmd_bench(args) -> int:
     return bench_attention(args.args) or 0
 
 
+def cmd_diff(args) -> int:
+    from .compiler import compile_recipe
+    from .compiler.diff import compare
+    from .recipe.revision import load_any
+    shape = _shape(args.model)
+    compiled = [load_any(ref, lambda r: (r, compile_recipe(r, shape))) for ref in (args.a, args.b)]
+    d, text = compare([args.a, args.b], compiled)
+    print(text)
+    return 0 if d.same else 1
+
+
 def cmd_eval(args) -> int:
     from .eval.cli import cmd_eval as run_eval
     return run_eval(args)
@@ -155,7 +172,7 @@ def cmd_compare(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
-                "show": cmd_show, "bench": cmd_bench,
+                "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff,
                 "eval": cmd_eval, "compare": cmd_compare}
     try:
         if args.command == "run":
