@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B", help="the same kinds as A")
     p.add_argument("--model", help="compile for this mlx-lm model folder (default: the SmolLM2-135M shape)")
 
+    p = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors' YAML language servers)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of printing it")
+    p.add_argument("--stage", metavar="NAME", help="print completion items for a stage's parameters, read from "
+                   "the schema")
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -159,6 +164,22 @@ def cmd_diff(args) -> int:
     return 0 if d.same else 1
 
 
+def cmd_schema(args) -> int:
+    import json
+    from .recipe.schema import completions, recipe_schema
+    schema = recipe_schema()
+    if args.stage:
+        print("\n".join(completions(schema, args.stage)))
+        return 0
+    text = json.dumps(schema, indent=1) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .eval.cli import cmd_eval as run_eval
     return run_eval(args)
@@ -172,7 +193,7 @@ def cmd_compare(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
-                "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff,
+                "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff, "schema": cmd_schema,
                 "eval": cmd_eval, "compare": cmd_compare}
     try:
         if args.command == "run":
