@@ -191,6 +191,9 @@ def cmd_compare(args) -> int:
 
 
 def main(argv=None) -> int:
+    if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
+        from .blas import maybe_reexec
+        maybe_reexec(sys.argv[1:])
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
                 "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff, "schema": cmd_schema,
