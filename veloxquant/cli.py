@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("recipes", nargs="+", metavar="recipe",
                    help="several: each generates from the same prompt, then one table side by side")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="Write a short poem about the sea.")
+    src.add_argument("--prompt", help="the prompt text (default: a built-in sample of about 1,200 tokens, the "
+                     "opening chapter of Pride and Prejudice and a question, long enough that compressed tiers "
+                     "hold most of it)")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
     src.add_argument("--corpus", help="prompt from a corpus: 'austen', 'austen:emma' or a text file")
     p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt)")
