@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", metavar="NAME", help="print completion items for a stage's parameters, read from "
                    "the schema")
 
+    from .tune.cli import add_tune_args
+    add_tune_args(sub.add_parser("tune", help="search recipe parameters and per-layer mixes for the lowest measured "
+                                 "perplexity within a byte budget; writes a recipe file"))
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -182,6 +186,11 @@ def cmd_schema(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from .tune.cli import cmd_tune as run_tune
+    return run_tune(args)
+
+
 def cmd_eval(args) -> int:
     from .eval.cli import cmd_eval as run_eval
     return run_eval(args)
@@ -199,6 +208,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
                 "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff, "schema": cmd_schema,
+                "tune": cmd_tune,
                 "eval": cmd_eval, "compare": cmd_compare}
     try:
         if args.command == "run":
