@@ -5,10 +5,11 @@ parameters, and may give some layers other values (more bits or a larger
 window on the first or last layers). Each is written as the YAML text it will
 be saved as, so what is measured is exactly what is written.
 
-Before measuring, candidates are ranked by an estimate of their bytes at the
-calibration context (tokens per tier x bits per element from the compiled
-plan): only to skip the ones far from the budget. Every figure `tune`
-reports is measured.
+Before perplexity is measured, each candidate's held bytes at the calibration
+context are found without the model (random K/V fed to its caches: bytes do
+not depend on values; eviction recipes, which need real attention, fall back
+to tokens per tier x bits per element), to skip the ones that cannot fit. The
+bytes `tune` reports are those held while perplexity was measured.
 """
 import itertools
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -19,6 +20,7 @@ from ..compiler import ModelShape, compile_recipe
 from ..compiler.groups import codec_bits
 from ..errors import VeloxError
 from ..recipe import load_recipe
+from ..runtime.tier import UNBOUNDED_STEP
 
 # Values tried for the parameters the built-ins share; others keep their default.
 GRID = {"bits": (2, 3, 4), "window": (16, 32, 64, 128), "group": (32, 64), "budget": (64, 96, 128, 192, 256)}
@@ -78,13 +80,40 @@ def mixes(best: Candidate) -> Iterator[Candidate]:
         yield Candidate(best.base, tuple(glob.items()), ((sel, tuple(up.items())),))
 
 
-def estimate_ratio(cand: Candidate, shape: ModelShape, context: int) -> Optional[float]:
-    """Bytes at `context` tokens / fp16's, from the plan (None if it does not compile here)."""
+def estimate_ratio(cand: Candidate, shape: ModelShape, context: int, chunk: int = 512) -> Optional[float]:
+    """Bytes at `context` tokens / fp16's (None if it does not compile for this shape).
+
+    Held bytes depend on the shape and the token count, not on the values, so the
+    caches are fed random K/V of the model's shape in prefill-sized chunks (no
+    model) and their arrays counted. Recipes that need the attention hook
+    (eviction) cannot be fed that way: for them, tokens per tier x bits/element."""
     from ..tune.measure import recipe_from_text
     try:
-        plan = compile_recipe(recipe_from_text(cand.yaml("estimate")), shape)
+        recipe = recipe_from_text(cand.yaml("estimate"))
+        plan = compile_recipe(recipe, shape)
     except VeloxError:
         return None
+    if not any(layer.needs for layer in plan.layers):
+        return _fed_ratio(compile_recipe(recipe, shape, hook=False), context, chunk)
+    return _plan_ratio(plan, context)
+
+
+def _fed_ratio(plan, context: int, chunk: int) -> float:
+    import mlx.core as mx
+
+    from ..eval.cost import fp16_bytes
+    from ..runtime.make import caches_for
+    caches = caches_for(plan)
+    for s in range(0, context, chunk):
+        n = min(chunk, context - s)
+        for cache, layer in zip(caches, plan.layers):
+            kv = mx.random.normal((1, layer.n_kv_heads, n, layer.head_dim)).astype(mx.float16)
+            cache.update_and_fetch(kv, kv)
+        mx.eval([c.state for c in caches])  # settle, as generation does between prefill chunks
+    return sum(c.nbytes for c in caches) / fp16_bytes(plan.shape, context)
+
+
+def _plan_ratio(plan, context: int) -> float:
     held = base = 0.0
     for layer in plan.layers:
         ctx = min(context, layer.window or context)
@@ -95,9 +124,12 @@ def estimate_ratio(cand: Candidate, shape: ModelShape, context: int) -> Optional
             if getattr(route, "per_head", False):
                 n = route.budget
             take = left if n is None or route.stage_name == "drop" else min(left, n)
+            held_tokens = take
+            if n is None and not t.drops:  # unbounded tiers allocate in steps: the slack is held too
+                held_tokens = -(-take // UNBOUNDED_STEP) * UNBOUNDED_STEP
             if not t.drops:
                 per = (codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)) / 2
-                bits += take * (per if per == per else 16.0)  # NaN: the model's dtype, counted as 16-bit
+                bits += held_tokens * (per if per == per else 16.0)  # NaN: the model's dtype, counted as 16-bit
                 if getattr(route, "per_head", False):
                     bits += take * 64 / (2 * layer.head_dim)  # 8 bytes per token and head, of positions and scores
             left -= take
@@ -110,11 +142,11 @@ def estimate_ratio(cand: Candidate, shape: ModelShape, context: int) -> Optional
 
 def shortlist(cands: List[Candidate], shape: ModelShape, context: int, max_ratio: float,
               floor: float = 0.6) -> List[Tuple[Candidate, float]]:
-    """Candidates whose estimate lies in [floor x budget, 1.1 x budget], most bytes first
+    """Candidates whose bytes lie in [floor x budget, 1.02 x budget], most bytes first
     (more bytes usually means lower perplexity); the measurement decides."""
     out: Dict[Candidate, float] = {}
     for c in cands:
         est = estimate_ratio(c, shape, context)
-        if est is not None and floor * max_ratio <= est <= 1.1 * max_ratio:
+        if est is not None and floor * max_ratio <= est <= 1.02 * max_ratio:
             out[c] = est
     return sorted(out.items(), key=lambda kv: -kv[1])
