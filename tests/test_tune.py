@@ -29,7 +29,7 @@ def test_candidates_are_recipes():
     mix = next(iter(mixes(Candidate("kivi", (("bits", 3), ("window", 64))))))
     text = mix.yaml("m", "a comment\nline two")
     assert text.startswith("# a comment\n# line two\nveloxquant: 1\nname: m\nextends: kivi\n")
-    assert load_recipe is not None and 'layers:\n  "0": {params: {bits: 4}}' in text
+    assert 'layers:\n  "0": {params: {bits: 4}}' in text
 
 
 def test_estimate_orders_by_bytes():

@@ -145,7 +145,9 @@ def _mean_bits(plan: Plan) -> float:
 def _cost_text(bits: float) -> str:
     if math.isnan(bits):
         return "the model's own dtype"
-    return "bounded memory (0 bits/elem at long context)" if bits == 0 else f"{bits:.2f} bits/elem ({bits / 16:.3f} of fp16)"
+    if bits == 0:
+        return "bounded memory (0 bits/elem at long context)"
+    return f"{bits:.2f} bits/elem ({bits / 16:.3f} of fp16)"
 
 
 def _groups(d: PlanDiff) -> List[Tuple[int, int]]:
@@ -161,7 +163,8 @@ def _groups(d: PlanDiff) -> List[Tuple[int, int]]:
     merged: List[Tuple[int, int]] = []
     for run in runs:
         prev = merged[-1] if merged else None
-        if (prev and prev[1] == run[0] - 1 and run[0] == run[1] and _fields_of(changes[prev[0]]) == _fields_of(changes[run[0]])
+        if (prev and prev[1] == run[0] - 1 and run[0] == run[1]
+                and _fields_of(changes[prev[0]]) == _fields_of(changes[run[0]])
                 and all(changes[k] != changes[k + 1] for k in range(prev[0], prev[1]))):
             merged[-1] = (prev[0], run[1])
         else:

@@ -36,7 +36,8 @@ def _git(args, cwd: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=False, check=False)
     except FileNotFoundError:
-        raise VeloxError("reading a recipe from a git revision needs the 'git' command, which is not installed") from None
+        raise VeloxError("reading a recipe from a git revision needs the 'git' command, "
+                         "which is not installed") from None
 
 
 def _repo_paths(rev: str, path: str, cwd: Path) -> Tuple[Path, str]:

@@ -112,9 +112,10 @@ def recipe_file(out, args, model_name, name) -> str:
     command = " ".join(["veloxquant", *map(shlex.quote, sys.argv[1:])]) if sys.argv[1:2] == ["tune"] else \
         f"veloxquant tune {args.model} --max-bytes {args.max_bytes} --from {args.bases}"
     header = (f"Written by `veloxquant tune` for {model_name} at <= {args.max_bytes} of fp16's held bytes.\n"
-              f"Measured (held bytes / fp16's at {e.calib['tokens'] // max(1, args.calib_windows) + args.prefix} tokens; "
+              f"Measured (held bytes / fp16's at {args.prefix + args.score_tokens} tokens; "
               f"ΔPPL vs fp16, corpus {args.corpus}):\n"
               f"  calibration: bytes {e.calib['ratio']:.3f}, PPL {e.calib['ppl']:.3f} ({_dppl(e.calib, fp16.calib)})\n"
-              f"  held-out:    bytes {e.heldout['ratio']:.3f}, PPL {e.heldout['ppl']:.3f} ({_dppl(e.heldout, fp16.heldout)})\n"
+              f"  held-out:    bytes {e.heldout['ratio']:.3f}, PPL {e.heldout['ppl']:.3f} "
+              f"({_dppl(e.heldout, fp16.heldout)})\n"
               f"Command: {command}")
     return out["candidate"].yaml(name, header)

@@ -72,7 +72,8 @@ class Search:
     def measure(self, items: List[Tuple[str, str]], sl: Slice, what: str, stop_at_deadline: bool) -> Dict[str, dict]:
         """{text: result} for (label, text) items on a slice; cached ones come from the state file."""
         model_key = str(self.model_ref)
-        out = {t: self.state.done[key_of(t, sl, model_key)] for _, t in items if key_of(t, sl, model_key) in self.state.done}
+        done = self.state.done
+        out = {t: done[key_of(t, sl, model_key)] for _, t in items if key_of(t, sl, model_key) in done}
         todo = [(label, t) for label, t in items if t not in out]
         if stop_at_deadline and self.deadline and time.time() > self.deadline:
             todo = []

@@ -128,7 +128,8 @@ def _plan_ratio(plan, context: int) -> float:
             if n is None and not t.drops:  # unbounded tiers allocate in steps: the slack is held too
                 held_tokens = -(-take // UNBOUNDED_STEP) * UNBOUNDED_STEP
             if not t.drops:
-                per = (codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)) / 2
+                per = (codec_bits(t.keys, layer.head_dim, layer.role)
+                       + codec_bits(t.values, layer.head_dim, layer.role)) / 2
                 bits += held_tokens * (per if per == per else 16.0)  # NaN: the model's dtype, counted as 16-bit
                 if getattr(route, "per_head", False):
                     bits += take * 64 / (2 * layer.head_dim)  # 8 bytes per token and head, of positions and scores
