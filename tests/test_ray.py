@@ -78,3 +78,10 @@ def test_tune_measurements_as_ray_tasks_equal_serial(cluster):
     serial = dict(run_all(measure_task, calls))
     spread = dict(run_all(measure_task, calls, ray=""))
     assert spread == serial
+
+
+def test_a_failing_task_is_a_clear_error(cluster):
+    from veloxquant.errors import RecipeError
+    sl = Slice("calibration", (tuple(range(3, 84)),), 64, 32, 8)
+    with pytest.raises(RecipeError, match="missing schema version"):
+        list(run_all(measure_task, [(TinyModel(), "name: x\npipeline: fp16\n", sl)], ray=""))

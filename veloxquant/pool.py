@@ -54,4 +54,11 @@ def run_all(fn: Callable, calls: Sequence[Tuple], ray: Optional[str] = None) -> 
         done, _ = r.wait(list(pending), num_returns=1)
         for ref in done:
             i = pending.pop(ref)
-            yield i, r.get(ref)
+            try:
+                result = r.get(ref)
+            except r.exceptions.RayTaskError as e:  # the task's own error, without Ray's traceback
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                if isinstance(cause, VeloxError):
+                    raise cause from None
+                raise VeloxError(f"a Ray task failed: {type(cause).__name__}: {cause}") from None
+            yield i, result
