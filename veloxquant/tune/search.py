@@ -67,15 +67,23 @@ class Search:
         self.model_ref, self.shape, self.state, self.ray, self.deadline = model_ref, shape, state, ray, deadline
         self.calib, self.held = slices
         self.progress = progress
+        self.started = time.time()
         self.context = len(self.calib.windows[0]) - 1  # tokens held at the end of a window
 
-    def measure(self, items: List[Tuple[str, str]], sl: Slice, what: str, stop_at_deadline: bool) -> Dict[str, dict]:
-        """{text: result} for (label, text) items on a slice; cached ones come from the state file."""
+    def until(self, share: float) -> Optional[float]:
+        """The time by which `share` of the budget is spent (None without a budget)."""
+        return self.started + share * (self.deadline - self.started) if self.deadline else None
+
+    def measure(self, items: List[Tuple[str, str]], sl: Slice, what: str, stop_at_deadline: bool,
+                deadline: Optional[float] = None) -> Dict[str, dict]:
+        """{text: result} for (label, text) items on a slice; cached ones come from the state file.
+        With stop_at_deadline, no new measurement starts after `deadline` (default: the budget's end)."""
+        deadline = deadline or self.deadline
         model_key = str(self.model_ref)
         done = self.state.done
         out = {t: done[key_of(t, sl, model_key)] for _, t in items if key_of(t, sl, model_key) in done}
         todo = [(label, t) for label, t in items if t not in out]
-        if stop_at_deadline and self.deadline and time.time() > self.deadline:
+        if stop_at_deadline and deadline and time.time() > deadline:
             todo = []
         bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=f"tune {what}", unit="recipe",
                    file=sys.stderr, disable=not self.progress, dynamic_ncols=True)
@@ -83,7 +91,7 @@ class Search:
             calls = [(self.model_ref, t, sl) for _, t in todo]
             if self.ray is None and stop_at_deadline:  # serial: stop between measurements when time is up
                 for label, t in todo:
-                    if self.deadline and time.time() > self.deadline:
+                    if deadline and time.time() > deadline:
                         break
                     bar.set_postfix_str(label[:40])
                     out[t] = measure_task(self.model_ref, t, sl)
@@ -98,6 +106,9 @@ class Search:
         finally:
             bar.close()
         return out
+
+
+GRID_SHARE = 0.7
 
 
 def builtin_text(name: str) -> str:
@@ -119,7 +130,9 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     short = shortlist(cands, search.shape, search.context, max_ratio)
     for c, _ in short:
         entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
-    results = search.measure([(e.label, e.text) for e in entries.values()], calib, "calibration", True)
+    # The grid gets 70% of the time budget, so per-layer mixes of its best are measured too.
+    results = search.measure([(e.label, e.text) for e in entries.values()], calib, "calibration", True,
+                             search.until(GRID_SHARE))
     cand_of = {c.yaml("candidate"): c for c, _ in short}
 
     def fits(text):
