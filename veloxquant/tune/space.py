@@ -98,6 +98,13 @@ def estimate_ratio(cand: Candidate, shape: ModelShape, context: int, chunk: int 
     return _plan_ratio(plan, context)
 
 
+def needs_attention(cand: Candidate, shape: ModelShape) -> bool:
+    """Whether a candidate's stages need the attention hook (so its bytes are estimated, not fed)."""
+    from ..tune.measure import recipe_from_text
+    plan = compile_recipe(recipe_from_text(cand.yaml("estimate")), shape)
+    return any(layer.needs for layer in plan.layers)
+
+
 def _fed_ratio(plan, context: int, chunk: int) -> float:
     import mlx.core as mx
 
@@ -143,11 +150,13 @@ def _plan_ratio(plan, context: int) -> float:
 
 def shortlist(cands: List[Candidate], shape: ModelShape, context: int, max_ratio: float,
               floor: float = 0.6) -> List[Tuple[Candidate, float]]:
-    """Candidates whose bytes lie in [floor x budget, 1.02 x budget], most bytes first
-    (more bytes usually means lower perplexity); the measurement decides."""
+    """Candidates whose bytes lie in [floor x budget, budget], most bytes first (more bytes
+    usually means lower perplexity); the measurement decides. Plan-based estimates (eviction
+    recipes) are uncertain, so they may exceed the budget by 10% here."""
     out: Dict[Candidate, float] = {}
     for c in cands:
         est = estimate_ratio(c, shape, context)
-        if est is not None and floor * max_ratio <= est <= 1.02 * max_ratio:
+        exact = est is not None and not needs_attention(c, shape)
+        if est is not None and floor * max_ratio <= est <= (1.0 if exact else 1.1) * max_ratio:
             out[c] = est
     return sorted(out.items(), key=lambda kv: -kv[1])
