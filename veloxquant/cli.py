@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("recipes", nargs="+", metavar="recipe",
                    help="several: each generates from the same prompt, then one table side by side")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="Write a short poem about the sea.")
+    src.add_argument("--prompt", help="the prompt text (default: a built-in sample of about 1,200 tokens, the "
+                     "opening chapter of Pride and Prejudice and a question, long enough that compressed tiers "
+                     "hold most of it)")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
     src.add_argument("--corpus", help="prompt from a corpus: 'austen', 'austen:emma' or a text file")
     p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt)")
@@ -55,6 +57,21 @@ def _parser() -> argparse.ArgumentParser:
     add_eval_args(sub.add_parser("eval", help="measure perplexity, passkey retrieval, attention fidelity and "
                                  "cost of recipes against fp16 and mlx-lm's quantized cache"))
     add_compare_args(sub.add_parser("compare", help="render eval results as a markdown table and a Pareto plot"))
+
+    p = sub.add_parser("diff", help="compare two recipes by their compiled per-layer plans (exit 0 same plan, "
+                       "1 different, 2 error)")
+    p.add_argument("a", metavar="A", help="recipe file, built-in name, or git revision REV:PATH (e.g. HEAD~1:my.yaml)")
+    p.add_argument("b", metavar="B", help="the same kinds as A")
+    p.add_argument("--model", help="compile for this mlx-lm model folder (default: the SmolLM2-135M shape)")
+
+    p = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors' YAML language servers)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of printing it")
+    p.add_argument("--stage", metavar="NAME", help="print completion items for a stage's parameters, read from "
+                   "the schema")
+
+    from .tune.cli import add_tune_args
+    add_tune_args(sub.add_parser("tune", help="search recipe parameters and per-layer mixes for the lowest measured "
+                                 "perplexity within a byte budget; writes a recipe file"))
 
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
@@ -143,6 +160,38 @@ def cmd_bench(args) -> int:
     return bench_attention(args.args) or 0
 
 
+def cmd_diff(args) -> int:
+    from .compiler import compile_recipe
+    from .compiler.diff import compare
+    from .recipe.revision import load_any
+    shape = _shape(args.model)
+    compiled = [load_any(ref, lambda r: (r, compile_recipe(r, shape))) for ref in (args.a, args.b)]
+    d, text = compare([args.a, args.b], compiled)
+    print(text)
+    return 0 if d.same else 1
+
+
+def cmd_schema(args) -> int:
+    import json
+    from .recipe.schema import completions, recipe_schema
+    schema = recipe_schema()
+    if args.stage:
+        print("\n".join(completions(schema, args.stage)))
+        return 0
+    text = json.dumps(schema, indent=1) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from .tune.cli import cmd_tune as run_tune
+    return run_tune(args)
+
+
 def cmd_eval(args) -> int:
     from .eval.cli import cmd_eval as run_eval
     return run_eval(args)
@@ -154,9 +203,13 @@ def cmd_compare(args) -> int:
 
 
 def main(argv=None) -> int:
+    if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
+        from .blas import maybe_reexec
+        maybe_reexec(sys.argv[1:])
     args = _parser().parse_args(argv)
     commands = {"check": cmd_check, "fmt": cmd_fmt, "explain": cmd_explain, "list": cmd_list,
-                "show": cmd_show, "bench": cmd_bench,
+                "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff, "schema": cmd_schema,
+                "tune": cmd_tune,
                 "eval": cmd_eval, "compare": cmd_compare}
     try:
         if args.command == "run":

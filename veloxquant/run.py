@@ -53,8 +53,11 @@ def cmd_run(args) -> int:
     elif args.corpus:
         from .data import load_text
         text = load_text(args.corpus)
-    else:
+    elif args.prompt is not None:
         text = args.prompt
+    else:  # long enough that a recipe's compressed tiers hold most of the context
+        from .data.sample import sample_prompt
+        text = sample_prompt()
     model, tokenizer = load_model(args.model)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
     if args.warmup:  # the same generation untimed: kernel variants follow tier lengths reached while decoding

@@ -40,6 +40,8 @@ def add_eval_args(p) -> None:
                    f"(default {','.join(map(str, d.passkey_depths))})")
     g.add_argument("--passkey-trials", type=int, help=f"prompts per length and depth (default {d.passkey_trials})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run each row as a Ray task, on a local "
+                   "Ray instance or the cluster at ADDRESS (GPU rows ask for a GPU); results equal a serial run's")
 
 
 def add_compare_args(p) -> None:
@@ -95,11 +97,16 @@ def cmd_eval(args) -> int:
     rows = expand(args.recipes, _csv(bits, int), args.sets)  # bad recipes fail before the model loads
     started = time.perf_counter()
     text = load_text(args.corpus)
-    model, tokenizer = load_model(args.model)
+    if getattr(args, "ray", None) is None:  # Ray tasks load the model in their workers
+        model, tokenizer = load_model(args.model)
     name = args.model or "SmolLM2-135M-Instruct"
     meta = {"model": Path(name).name if Path(name).exists() else name, "corpus": args.corpus,
             "command": " ".join(["veloxquant", *map(_quote, sys.argv[1:])]) if sys.argv[1:2] == ["eval"] else None}
-    result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress)
+    if getattr(args, "ray", None) is not None:
+        from .distributed import evaluate_distributed
+        result = evaluate_distributed(args.model, rows, text, cfg, meta, args.ray, progress=not args.no_progress)
+    else:
+        result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress)
     result["total_wall_s"] = time.perf_counter() - started  # with model and corpus loading
     md = report.markdown([result])
     print(md, end="")

@@ -32,8 +32,11 @@ def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Opti
 
 
 def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
-             meta: Optional[Dict] = None, progress: bool = True) -> Dict:
-    """Measure every row; rows[0] must be the fp16 baseline."""
+             meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None) -> Dict:
+    """Measure every row; rows[0] must be the fp16 baseline.
+
+    `only`: report just these rows (every row still takes part in the fidelity
+    pass); how eval/distributed.py splits one evaluation into Ray tasks."""
     from ..runtime import uninstall
     t_start = time.perf_counter()
     shape = ModelShape.from_model(model)
@@ -63,6 +66,8 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
                 fid_error = _why(e)
                 uninstall(model)
         for row in rows:
+            if only is not None and row.name not in only:
+                continue
             bar.set_description(f"eval {row.name}")
             done, asked = [], []
             error = failed.get(row.name)
@@ -99,7 +104,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     finally:
         bar.close()
         uninstall(model)
-    base = out_rows[0]["ppl"]
+    base = next((r["ppl"] for r in out_rows if r["name"] == rows[0].name), None)
     for r in out_rows:
         r["delta_ppl_pct"] = 100 * (r["ppl"] / base - 1) if base and r["ppl"] else None
     return {

@@ -52,6 +52,7 @@ def choices(*allowed):
     def check(instance, attribute, value):
         if value not in allowed:
             raise ValueError(f"must be one of {', '.join(allowed)}")
+    check.json_schema = {"enum": list(allowed)}  # read by `veloxquant schema`
     return check
 
 
@@ -59,6 +60,7 @@ def in_range(lo, hi):
     def check(instance, attribute, value):
         if not (lo <= value <= hi):
             raise ValueError(f"must be between {lo} and {hi}")
+    check.json_schema = {"minimum": lo, "maximum": hi}  # read by `veloxquant schema`
     return check
 
 

@@ -1,0 +1,1 @@
+"""`veloxquant tune`: search recipe parameters for the lowest measured perplexity within a byte budget."""

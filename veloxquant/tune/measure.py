@@ -1,0 +1,76 @@
+"""One measurement of a recipe on a slice of text: perplexity and the bytes its cache really held.
+
+A slice is a few windows of `prefix + score_tokens + 1` tokens. Each window is
+prefilled through fresh caches, its continuation scored (eval/ppl.py), and the
+cache's held bytes (`nbytes` of its arrays) compared with fp16's for the same
+tokens. Plain data in, plain data out: the same function runs in this process
+or as a Ray task (a worker loads the model once and keeps it).
+"""
+import math
+from typing import Dict, List, Optional, Sequence
+
+import attrs
+
+from ..pool import load_cached
+
+
+
+@attrs.frozen
+class Slice:
+    name: str  # "calibration" or "held-out"
+    windows: tuple  # tuples of token ids
+    prefix: int
+    prefill_chunk: int = 512
+    score_chunk: int = 32
+
+
+def measure(model, recipe_text: str, sl: Slice, base_dir: Optional[str] = None) -> Dict[str, float]:
+    """{nll, tokens, ppl, cache_bytes, fp16_bytes, ratio} of a recipe (its YAML text) on a slice."""
+    from ..compiler import ModelShape
+    from ..eval.cost import fp16_bytes
+    from ..eval.ppl import window_nll
+    from ..runtime import make_prompt_cache, uninstall
+    recipe = recipe_from_text(recipe_text, base_dir)
+    shape = ModelShape.from_model(model)
+    nll = tokens = held = base = 0
+    try:
+        for w in sl.windows:
+            r = window_nll(model, lambda: make_prompt_cache(model, recipe), list(w), sl.prefix,
+                           sl.prefill_chunk, sl.score_chunk)
+            nll, tokens = nll + r["nll"], tokens + r["tokens"]
+            held, base = held + r["cache_bytes"], base + fp16_bytes(shape, r["context"])
+    finally:
+        uninstall(model)
+    return {"nll": nll, "tokens": tokens, "ppl": math.exp(nll / tokens), "cache_bytes": held,
+            "fp16_bytes": base, "ratio": held / base}
+
+
+def recipe_from_text(text: str, base_dir: Optional[str] = None):
+    """Load a recipe from YAML text (written to a temporary file: `extends` resolves from base_dir)."""
+    import os
+    import tempfile
+
+    from ..recipe import load_recipe
+    fd, path = tempfile.mkstemp(suffix=".yaml", dir=base_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return load_recipe(path)
+    finally:
+        os.unlink(path)
+
+
+def measure_task(model_ref: Optional[str], recipe_text: str, sl: Slice) -> Dict[str, float]:
+    """`measure` with the model loaded (once per process) from its reference: a Ray task body."""
+    model, _ = load_cached(model_ref)
+    return measure(model, recipe_text, sl)
+
+
+def slices(tokens: Sequence[int], calib_windows: int, heldout_windows: int, prefix: int,
+           score_tokens: int) -> List[Slice]:
+    """Calibration windows from the first half of the corpus, held-out windows from the second."""
+    from ..eval.ppl import windows
+    half = len(tokens) // 2
+    length = prefix + score_tokens + 1
+    return [Slice("calibration", tuple(map(tuple, windows(tokens[:half], calib_windows, length))), prefix),
+            Slice("held-out", tuple(map(tuple, windows(tokens[half:], heldout_windows, length))), prefix)]
