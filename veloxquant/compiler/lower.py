@@ -81,11 +81,32 @@ def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
             raise RecipeError("'drop' discards tokens, so it takes no codec stages", tier.pos)
         return TierPlan(route, None, None)
     if tier.keys is not None:
-        k = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.keys], head_dim, tier.pos)
-        v = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values], head_dim, tier.pos)
+        k_stages = stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.keys]
+        v_stages = stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values]
     else:
-        k = v = _codec(stages, head_dim, tier.pos)
+        k_stages = v_stages = stages
+    k = _codec(_bind_positions(k_stages, "keys", route, layer, shape), head_dim, tier.pos)
+    v = _codec(_bind_positions(v_stages, "values", route, layer, shape), head_dim, tier.pos)
     return TierPlan(route, k, v)
+
+
+def _bind_positions(stages: List[Tuple[Call, Any]], side: str, route, layer: int, shape: ModelShape):
+    """Positional transforms (unrope) get the layer's RoPE settings; misuse is located."""
+    out = []
+    for call, inst in stages:
+        if getattr(inst, "positional", False):
+            if side == "values" and getattr(inst, "keys_only", False):
+                raise RecipeError(f"'{call.name}' undoes RoPE, which only keys carry", call.pos,
+                                  f"put '{call.name}' under 'keys:' (keys: {call.name} | ... values: ...)")
+            if getattr(route, "per_head", False):
+                raise RecipeError(f"'{call.name}' needs the positions of a contiguous run of tokens, but "
+                                  f"'{route.stage_name}' keeps different tokens in each head", call.pos)
+            rope = shape.ropes[layer] if shape.ropes else "the model shape carries no RoPE settings"
+            if isinstance(rope, str):
+                raise RecipeError(f"'{call.name}' cannot undo layer {layer}'s RoPE: {rope}", call.pos)
+            inst = attrs.evolve(inst, _rope=rope)
+        out.append((call, inst))
+    return out
 
 
 def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> CodecPlan:

@@ -32,34 +32,56 @@ class Codec:
         self.residuals = [r.inner for r in plan.residuals]
         # fp16 / identity with nothing around them: encode is at most a cast, nothing to fuse
         self.trivial = not self.transforms and not self.residuals and self.store.stage_name in ("fp16", "identity")
+        # Positional transforms (unrope) take the first token's position; fitted stores (nuq)
+        # fit arrays on the first block they code and hold them for the tier's life.
+        self.positional = any(getattr(t, "positional", False) for t in self.transforms)
+        self.fits = hasattr(self.store, "fit")
+        self.fitted: Dict[str, mx.array] = {}
+        self.compilable = not (self.trivial or self.positional or self.fits)
 
-    def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        if x.shape[2] <= COMPILED_BLOCK and not self.trivial:
+    def encode(self, x: mx.array, start: int = 0) -> Dict[str, mx.array]:
+        if x.shape[2] <= COMPILED_BLOCK and self.compilable:
             return _compiled_encode(self.plan)(x)
-        return self.encode_ops(x)
+        return self.encode_ops(x, start)
 
-    def encode_ops(self, x: mx.array) -> Dict[str, mx.array]:
+    def _store_encode(self, x: mx.array) -> Dict[str, mx.array]:
+        if not self.fits:
+            return self.store.encode(x)
+        if not self.fitted:
+            self.fitted = self.store.fit(x)
+        return self.store.encode(x, self.fitted)
+
+    def _store_decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+        return self.store.decode(enc, dtype, self.fitted) if self.fits else self.store.decode(enc, dtype)
+
+    def _forward(self, t, x, start):
+        return t.forward(x, start) if getattr(t, "positional", False) else t.forward(x)
+
+    def _inverse(self, t, x, start):
+        return t.inverse(x, start) if getattr(t, "positional", False) else t.inverse(x)
+
+    def encode_ops(self, x: mx.array, start: int = 0) -> Dict[str, mx.array]:
         for t in self.transforms:
-            x = t.forward(x)
-        enc = self.store.encode(x)
+            x = self._forward(t, x, start)
+        enc = self._store_encode(x)
         if self.residuals:
             x = x.astype(mx.float32)
-            approx = self.store.decode(enc, mx.float32)
+            approx = self._store_decode(enc, mx.float32)
             for i, inner in enumerate(self.residuals):
                 part = inner.encode(x - approx)
                 enc.update({f"r{i}.{k}": v for k, v in part.items()})
                 approx = approx + inner.decode(part, mx.float32)
         return enc
 
-    def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+    def decode(self, enc: Dict[str, mx.array], dtype, start: int = 0) -> mx.array:
         if not self.transforms and not self.residuals:
-            return self.store.decode(enc, dtype)
-        x = self.store.decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
+            return self._store_decode(enc, dtype)
+        x = self._store_decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
         for i, inner in enumerate(self.residuals):
             prefix = f"r{i}."
             x = x + inner.decode({k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)}, mx.float32)
         for t in reversed(self.transforms):
-            x = t.inverse(x)
+            x = self._inverse(t, x, start)
         return x.astype(dtype)
 
     def units(self) -> Dict[str, int]:

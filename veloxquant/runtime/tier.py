@@ -61,7 +61,7 @@ class Tier:
             self.start = start
         self._views = {}
         for side, x in (("k", keys), ("v", values)):
-            for name, arr in self.codecs[side].encode(x).items():
+            for name, arr in self.codecs[side].encode(x, start).items():
                 self.buffers[side][name].append(arr)
         self.count += keys.shape[2]
 
@@ -84,7 +84,7 @@ class Tier:
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
-        return self.codecs[side].decode(enc, dtype)
+        return self.codecs[side].decode(enc, dtype, self.start)
 
     def placeable(self, dtype) -> bool:
         """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
@@ -109,7 +109,7 @@ class Tier:
     def _front(self, side: str, n: int, dtype) -> mx.array:
         units = self.codecs[side].units()
         return self.codecs[side].decode({name: buf.view()[:, :, : n // units[name]]
-                                         for name, buf in self.buffers[side].items()}, dtype)
+                                         for name, buf in self.buffers[side].items()}, dtype, self.start)
 
     def drop_front(self, n: int) -> None:
         self._views = {}
@@ -138,12 +138,15 @@ class Tier:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values())
+        fitted = sum(a.nbytes for c in self.codecs.values() for a in c.fitted.values())
+        return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values()) + fitted
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        return {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
-                for name, buf in bufs.items() if buf.view() is not None}
+        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
+               for name, buf in bufs.items() if buf.view() is not None}
+        out.update({f"{side}.fit.{name}": a for side, c in self.codecs.items() for name, a in c.fitted.items()})
+        return out
 
     def expected_names(self) -> List[str]:
         return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs]
@@ -163,6 +166,10 @@ class Tier:
                 if arr.ndim != 4 or arr.shape[2] * per_unit != count:
                     return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
                 self.buffers[side][name].set(arr)
+            if codec.fits:  # a fitted store's arrays (nuq's levels), held since its first block
+                codec.fitted = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{side}.fit.")}
+                if count and not codec.fitted:
+                    return f"missing the fitted arrays {side}.fit.*"
         return None
 
 
