@@ -21,6 +21,13 @@ def _compiled_encode(plan: CodecPlan):
     return mx.compile(Codec(plan).encode_ops)
 
 
+def _corrected(inner, approx: mx.array, part: Dict[str, mx.array]) -> mx.array:
+    """approx plus what a residual stage holds: its own correct() (sparse scatters), else its decode added."""
+    if hasattr(inner, "correct"):
+        return inner.correct(approx, part)
+    return approx + inner.decode(part, mx.float32)
+
+
 class Codec:
     """encode: transforms, store, then each residual stage codes what is left;
     residual arrays are named r0.codes, r1.norms, ..."""
@@ -37,7 +44,8 @@ class Codec:
         self.positional = any(getattr(t, "positional", False) for t in self.transforms)
         self.fits = hasattr(self.store, "fit")
         self.fitted: Dict[str, mx.array] = {}
-        self.compilable = not (self.trivial or self.positional or self.fits)
+        self.compilable = not (self.trivial or self.positional or self.fits) and all(
+            getattr(r, "compilable", True) for r in self.residuals)
 
     def encode(self, x: mx.array, start: int = 0) -> Dict[str, mx.array]:
         if x.shape[2] <= COMPILED_BLOCK and self.compilable:
@@ -70,7 +78,7 @@ class Codec:
             for i, inner in enumerate(self.residuals):
                 part = inner.encode(x - approx)
                 enc.update({f"r{i}.{k}": v for k, v in part.items()})
-                approx = approx + inner.decode(part, mx.float32)
+                approx = _corrected(inner, approx, part)
         return enc
 
     def decode(self, enc: Dict[str, mx.array], dtype, start: int = 0) -> mx.array:
@@ -79,7 +87,7 @@ class Codec:
         x = self._store_decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
         for i, inner in enumerate(self.residuals):
             prefix = f"r{i}."
-            x = x + inner.decode({k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)}, mx.float32)
+            x = _corrected(inner, x, {k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)})
         for t in reversed(self.transforms):
             x = self._inverse(t, x, start)
         return x.astype(dtype)
