@@ -255,6 +255,8 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
     if isinstance(node, (Num, Str)):
         return node.value
     if isinstance(node, Word):
+        if node.name in REGISTRY and REGISTRY[node.name].family == "store":  # split(hi=fp16, ...): a stage
+            return _instantiate(Call(node.name, (), node.pos), params, recipe, layer, shape)[1]
         return {"true": True, "false": False}.get(node.name.lower(), node.name)
     if isinstance(node, Call) and node.name in REGISTRY and REGISTRY[node.name].family == "store":
         return _instantiate(node, params, recipe, layer, shape)[1]  # a nested stage: residual(lloydmax(...))

@@ -1,7 +1,7 @@
 """A codec: transform stages then a store stage, for one tensor of one tier."""
 import re
 from functools import lru_cache
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -43,16 +43,19 @@ class Codec:
         # fit arrays on the first block they code and hold them for the tier's life.
         self.positional = any(getattr(t, "positional", False) for t in self.transforms)
         self.fits = hasattr(self.store, "fit")
+        self.scored = getattr(self.store, "scored", False)  # salient: routes tokens by scores the cache gives
         self.fitted: Dict[str, mx.array] = {}
-        self.compilable = not (self.trivial or self.positional or self.fits) and all(
+        self.compilable = not (self.trivial or self.positional or self.fits or self.scored) and all(
             getattr(r, "compilable", True) for r in self.residuals)
 
-    def encode(self, x: mx.array, start: int = 0) -> Dict[str, mx.array]:
+    def encode(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
         if x.shape[2] <= COMPILED_BLOCK and self.compilable:
             return _compiled_encode(self.plan)(x)
-        return self.encode_ops(x, start)
+        return self.encode_ops(x, start, scores)
 
-    def _store_encode(self, x: mx.array) -> Dict[str, mx.array]:
+    def _store_encode(self, x: mx.array, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
+        if self.scored:
+            return self.store.encode(x, scores)
         if not self.fits:
             return self.store.encode(x)
         if not self.fitted:
@@ -68,10 +71,10 @@ class Codec:
     def _inverse(self, t, x, start):
         return t.inverse(x, start) if getattr(t, "positional", False) else t.inverse(x)
 
-    def encode_ops(self, x: mx.array, start: int = 0) -> Dict[str, mx.array]:
+    def encode_ops(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
         for t in self.transforms:
             x = self._forward(t, x, start)
-        enc = self._store_encode(x)
+        enc = self._store_encode(x, scores)
         if self.residuals:
             x = x.astype(mx.float32)
             approx = self._store_decode(enc, mx.float32)

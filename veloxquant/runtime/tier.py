@@ -36,6 +36,7 @@ class Tier:
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
+        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/saliency.py)
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
@@ -54,14 +55,15 @@ class Tier:
     def end(self) -> int:
         return self.start + self.count
 
-    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+    def append(self, keys: mx.array, values: mx.array, start: int, scores: Optional[mx.array] = None) -> None:
+        """`scores` [B, H, L]: per-token scores for stores that route by them (salient)."""
         if self.drops:
             return
         if self.count == 0:
             self.start = start
         self._views = {}
         for side, x in (("k", keys), ("v", values)):
-            for name, arr in self.codecs[side].encode(x, start).items():
+            for name, arr in self.codecs[side].encode(x, start, scores).items():
                 self.buffers[side][name].append(arr)
         self.count += keys.shape[2]
 
@@ -139,6 +141,7 @@ class Tier:
     @property
     def nbytes(self) -> int:
         fitted = sum(a.nbytes for c in self.codecs.values() for a in c.fitted.values())
+        fitted += sum(a.nbytes for a in self.side_state.values())
         return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values()) + fitted
 
     # --- persistence ----------------------------------------------------
@@ -146,6 +149,7 @@ class Tier:
         out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
                for name, buf in bufs.items() if buf.view() is not None}
         out.update({f"{side}.fit.{name}": a for side, c in self.codecs.items() for name, a in c.fitted.items()})
+        out.update({f"state.{name}": a for name, a in self.side_state.items()})
         return out
 
     def expected_names(self) -> List[str]:
@@ -155,6 +159,7 @@ class Tier:
         """Load saved arrays; returns a problem description instead of raising."""
         self._views = {}
         self.start, self.count = start, count
+        self.side_state = {k[len("state."):]: v for k, v in arrays.items() if k.startswith("state.")}
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
                 arr = arrays.get(f"{side}.{name}")

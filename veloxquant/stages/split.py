@@ -61,7 +61,7 @@ class Split:
     def check_head_dim(self, head_dim: int) -> str:
         for side in ("hi", "lo"):
             inner = getattr(self, side)
-            if inner is None or not hasattr(inner, "encode"):
+            if not hasattr(inner, "stage_name"):
                 return f"split needs two stores, e.g. split(hi=affine(bits=4), lo=affine(bits=2))"
             if hasattr(inner, "fit"):
                 return f"'{inner.stage_name}' fits arrays per tier and cannot be a branch of split"
