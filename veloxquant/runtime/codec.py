@@ -42,7 +42,7 @@ class Codec:
         # Positional transforms (unrope) take the first token's position; fitted stores (nuq)
         # fit arrays on the first block they code and hold them for the tier's life.
         self.positional = any(getattr(t, "positional", False) for t in self.transforms)
-        self.fits = hasattr(self.store, "fit")
+        self.fits = getattr(self.store, "fitted_once", False)
         self.scored = getattr(self.store, "scored", False)  # salient: routes tokens by scores the cache gives
         self.fitted: Dict[str, mx.array] = {}
         self.compilable = not (self.trivial or self.positional or self.fits or self.scored) and all(

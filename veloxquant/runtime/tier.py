@@ -140,7 +140,7 @@ class Tier:
 
     @property
     def nbytes(self) -> int:
-        fitted = sum(a.nbytes for c in self.codecs.values() for a in c.fitted.values())
+        fitted = sum(a.nbytes for c in self.codecs.values() for a in getattr(c, "fitted", {}).values())
         fitted += sum(a.nbytes for a in self.side_state.values())
         return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values()) + fitted
 
@@ -148,7 +148,8 @@ class Tier:
     def arrays(self) -> Dict[str, mx.array]:
         out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
                for name, buf in bufs.items() if buf.view() is not None}
-        out.update({f"{side}.fit.{name}": a for side, c in self.codecs.items() for name, a in c.fitted.items()})
+        for side, c in self.codecs.items():
+            out.update({f"{side}.fit.{name}": a for name, a in getattr(c, "fitted", {}).items()})
         out.update({f"state.{name}": a for name, a in self.side_state.items()})
         return out
 
@@ -171,7 +172,7 @@ class Tier:
                 if arr.ndim != 4 or arr.shape[2] * per_unit != count:
                     return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
                 self.buffers[side][name].set(arr)
-            if codec.fits:  # a fitted store's arrays (nuq's levels), held since its first block
+            if getattr(codec, "fits", False):  # a fitted store's arrays (nuq's levels), held since its first block
                 codec.fitted = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{side}.fit.")}
                 if count and not codec.fitted:
                     return f"missing the fitted arrays {side}.fit.*"

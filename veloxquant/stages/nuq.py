@@ -26,6 +26,7 @@ class Nuq:
 
     codes = True
     token_multiple = 1
+    fitted_once = True  # the codec calls fit() on the first block and keeps its arrays (runtime/codec.py)
 
     def units(self) -> Dict[str, int]:
         return {"codes": 1}

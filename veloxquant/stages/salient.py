@@ -62,7 +62,7 @@ class Salient:
         for side, inner, n in self._branches():
             if not hasattr(inner, "stage_name"):
                 return "salient needs two stores, e.g. salient(hi=affine(bits=4), lo=affine(bits=2))"
-            if hasattr(inner, "fit") or getattr(inner, "scored", False):
+            if getattr(inner, "fitted_once", False) or getattr(inner, "scored", False):
                 return f"'{inner.stage_name}' cannot be a branch of salient"
             if n == 0 or n % inner.token_multiple:
                 return (f"its {side} branch gets {n} tokens of each chunk, not whole groups of "
