@@ -174,7 +174,7 @@ class TieredCache(_BaseCache):
         """Offer a block to tiers[first:] in order; each takes what its route accepts."""
         n = keys.shape[2]
         for i, s, e in self._routing(start, n, first):
-            scored = (self.saliency.take(s, e - s),) if self.saliency and i == self.saliency.index else ()
+            scored = (self.saliency.scores_for(s, e - s),) if self.saliency and i == self.saliency.index else ()
             if e - s == n:  # the whole block (every decode step): no slice ops
                 self.tiers[i].append(keys, values, s, *scored)
             else:

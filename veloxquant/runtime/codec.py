@@ -54,13 +54,11 @@ class Codec:
         return self.encode_ops(x, start, scores)
 
     def _store_encode(self, x: mx.array, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
-        if self.scored:
-            return self.store.encode(x, scores)
-        if not self.fits:
-            return self.store.encode(x)
-        if not self.fitted:
-            self.fitted = self.store.fit(x)
-        return self.store.encode(x, self.fitted)
+        if self.fits:
+            if not self.fitted:  # headbits allocates from per-head scores; nuq fits on the block alone
+                self.fitted = self.store.fit(x, scores) if self.scored else self.store.fit(x)
+            return self.store.encode(x, self.fitted)
+        return self.store.encode(x, scores) if self.scored else self.store.encode(x)
 
     def _store_decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
         return self.store.decode(enc, dtype, self.fitted) if self.fits else self.store.decode(enc, dtype)

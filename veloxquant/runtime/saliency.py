@@ -1,4 +1,4 @@
-"""ZipCache's normalized attention score, gathered for a `salient` tier.
+"""ZipCache's normalized attention score (and AdaKV's per-head entropy), gathered for a scored tier.
 
 Tokens wait in the tier before the salient one (an fp16 window) until they
 spill into it. While they wait, every real query attends to them: a token's
@@ -6,7 +6,8 @@ score is the attention probability it received, summed over the query heads
 of its kv head and over queries, divided by the number of queries that could
 see it (ZipCache, arXiv:2405.14256: early tokens are seen by more queries and
 would win on raw sums). When a chunk spills, the salient store gets those
-scores and routes the chunk's tokens by them.
+scores and routes the chunk's tokens by them. A `headbits` store instead gets
+each kv head's mean attention entropy over the waiting tokens, once.
 
 The running sums are held by the salient tier (`state.*` arrays: counted in
 its bytes and saved with the cache, so a loaded cache continues identically).
@@ -62,6 +63,11 @@ class Saliency:
         logits = (q.astype(mx.float32).reshape(B, Hkv, rep, Lq, D) * scale) @ k[:, :, None].swapaxes(-1, -2)
         p = mx.where(mask, mx.exp(logits - lse.reshape(B, Hkv, rep, Lq)[..., None]), 0.0)
         self._add(feeder.start, p.sum(axis=(2, 3)), mask.sum(axis=0).astype(mx.float32))
+        # Per kv head: the entropy the window's tokens contribute to each query's attention (headbits)
+        entropy = -mx.sum(p * mx.log(mx.maximum(p, 1e-30)), axis=(2, 3, 4))
+        st = self._state
+        st["entropy"] = entropy + st["entropy"] if "entropy" in st else entropy
+        st["queries"] = st.get("queries", mx.zeros((1,))) + rep * Lq
 
     def _add(self, start: int, received: mx.array, seen: mx.array) -> None:
         """Fold sums for positions start.. into the running sums (extended with zeros, aligned)."""
@@ -80,6 +86,16 @@ class Saliency:
         if r is None:  # the window shrank (a trim): keep only what it holds
             r, s = received + old_r[..., :n], seen + old_s[:n]
         st.update(received=r, seen=s, start=mx.array([start], dtype=mx.int32))
+
+    def scores_for(self, start: int, n: int) -> mx.array:
+        """What the salient tier's store routes by: per-token scores, or per-head entropy (headbits)."""
+        stores = [c.store for c in (self.cache.plan.tiers[self.index].keys, self.cache.plan.tiers[self.index].values)]
+        if "heads" in [getattr(s, "scored", None) for s in stores]:
+            st = self._state
+            if "entropy" not in st:
+                raise VeloxError("headbits allocates bits before any attention was observed (is the hook installed?)")
+            return st["entropy"] / st["queries"]
+        return self.take(start, n)
 
     def take(self, start: int, n: int) -> mx.array:
         """Normalized scores [B, Hkv, n] of positions start.., which leave the window now."""
