@@ -57,7 +57,7 @@ class Codec:
         if self.fits:
             if not self.fitted:  # headbits allocates from per-head scores; nuq fits on the block alone
                 self.fitted = self.store.fit(x, scores) if self.scored else self.store.fit(x)
-            return self.store.encode(x, self.fitted)
+            return self.store.encode(x, self.fitted, scores) if self.scored else self.store.encode(x, self.fitted)
         return self.store.encode(x, scores) if self.scored else self.store.encode(x)
 
     def _store_decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:

@@ -68,6 +68,9 @@ class Saliency:
         st = self._state
         st["entropy"] = entropy + st["entropy"] if "entropy" in st else entropy
         st["queries"] = st.get("queries", mx.zeros((1,))) + rep * Lq
+        # Per kv head and channel: the sum of squared queries (skvq weighs its clip search by it)
+        q2 = mx.sum(q.astype(mx.float32).reshape(B, Hkv, rep * Lq, D) ** 2, axis=2)
+        st["q2"] = q2 + st["q2"] if "q2" in st else q2
 
     def _add(self, start: int, received: mx.array, seen: mx.array) -> None:
         """Fold sums for positions start.. into the running sums (extended with zeros, aligned)."""
@@ -90,7 +93,10 @@ class Saliency:
     def scores_for(self, start: int, n: int) -> mx.array:
         """What the salient tier's store routes by: per-token scores, or per-head entropy (headbits)."""
         stores = [c.store for c in (self.cache.plan.tiers[self.index].keys, self.cache.plan.tiers[self.index].values)]
-        if "heads" in [getattr(s, "scored", None) for s in stores]:
+        kinds = [getattr(s, "scored", None) for s in stores]
+        if "channels" in kinds:  # the same for keys and values: a tier scores one way
+            return self._state["q2"] / self._state["queries"] if "q2" in self._state else None
+        if "heads" in kinds:
             st = self._state
             if "entropy" not in st:
                 raise VeloxError("headbits allocates bits before any attention was observed (is the hook installed?)")

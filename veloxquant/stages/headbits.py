@@ -95,7 +95,7 @@ class HeadBits:
         first = np.array([self.widths.index(int(b)) for b in np.array(bits)])
         return mx.array(np.nonzero(first == ROLES.index(role))[0].astype(np.int32))
 
-    def encode(self, x: mx.array, fitted: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    def encode(self, x: mx.array, fitted: Dict[str, mx.array], scores=None) -> Dict[str, mx.array]:
         B, H, L, D = x.shape
         bits = fitted["bits"]
         levels = (mx.power(2, bits.astype(mx.float32)) - 1).reshape(1, H, 1, 1, 1)
