@@ -83,7 +83,7 @@ def test_skvq_misuse_is_located(tmp_path):
     path.write_text('veloxquant: 1\nname: r\npipeline: |\n  recent(32)\n  >> skvq(clips="1.0,1.5")\n')
     with pytest.raises(RecipeError, match=r"'clips' must list clip factors in \(0, 1\]") as e:
         compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
-    assert "r.yaml:5:14" in str(e.value.location)
+    assert "r.yaml:5:17" in str(e.value.location)  # at the value
     path.write_text("veloxquant: 1\nname: r\npipeline: |\n  recent(32)\n  >> skvq(group=48)\n")
     with pytest.raises(RecipeError, match="group=48 does not divide head_dim 64"):
         compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
