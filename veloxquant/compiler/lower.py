@@ -169,6 +169,12 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
             if not last:
                 raise RecipeError(f"'{tier.name}' discards the tokens it evicts, so it must be the last tier",
                                   ast_tiers[i + 1].pos, f"remove the tiers after '{tier.name}'")
+            held = [c.store for c in (tier.keys, tier.values) if getattr(c.store, "fitted_once", False)
+                    or getattr(c.store, "scored", False)]
+            if held:
+                raise RecipeError(f"'{held[0].stage_name}' keeps per-tier state (fitted levels, gathered scores), "
+                                  f"which a '{tier.name}' tier does not hold yet", node.pos,
+                                  "use a stateless codec here, e.g. affine(bits=4, axis=token) | sparse(0.01)")
             if _multiple(tier) > 1:
                 raise RecipeError(f"'{tier.name}' keeps different tokens in each head, so its codec must code "
                                   f"tokens one by one, not {_multiple(tier)} at a time", node.pos,
