@@ -89,7 +89,7 @@ def test_lowrank_fits_the_error_per_chunk_and_full_rank_is_exact():
 
 def test_pure_nuq_pinned_kvquant_outlier_fraction_zero_equals_a_recipe_without_sparse(tmp_path, llama_model):
     tokens = mx.random.randint(0, 500, (1, 80), key=mx.random.key(4))
-    pure = _recipe(tmp_path, "sink(1)\n>> recent(32)\n>> keys: unrope | nuq(bits=3)\n"
+    pure = _recipe(tmp_path, "sink(1)\n>> recent(16)\n>> keys: unrope | nuq(bits=4)\n"
                              "   values: affine(bits=3, group=64, axis=token)", "pure")
     a = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, "kvquant", ["outlier_fraction=0"]), 16)
     b = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, pure), 16)
@@ -109,7 +109,7 @@ def test_gear_rank_zero_without_sparse_is_its_base_quantizer(tmp_path, llama_mod
 @pytest.mark.parametrize("name", ["kvquant", "gear"])
 def test_bytes_are_the_arrays_held_levels_and_lists_included(name, llama_model):
     tokens = mx.random.randint(0, 500, (1, 200), key=mx.random.key(6))
-    caches = vq.make_prompt_cache(llama_model, name)
+    caches = vq.make_prompt_cache(llama_model, name, ["key_bits=3", "outlier_fraction=0.01"] if name == "kvquant" else [])
     feed(llama_model, tokens, caches, 64)
     c = caches[0]
     c._settle()
@@ -137,7 +137,7 @@ def test_misuse_is_located(tmp_path):
 @pytest.mark.parametrize("name", ["kvquant", "gear"])
 def test_save_load_round_trip_continues_identically(tmp_path, name, llama_model):
     tokens = mx.random.randint(0, 500, (1, 150), key=mx.random.key(7))
-    caches = vq.make_prompt_cache(llama_model, name)
+    caches = vq.make_prompt_cache(llama_model, name, ["outlier_fraction=0.01"] if name == "kvquant" else [])
     feed(llama_model, tokens[:, :130], caches, 32)
     path = tmp_path / "c.safetensors"
     vq.save_prompt_cache(str(path), caches)
