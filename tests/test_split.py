@@ -55,7 +55,7 @@ def test_split_scores_add_exactly_across_branches():
 
 
 def test_split_bits_and_bytes_are_what_it_holds(llama_model):
-    caches = vq.make_prompt_cache(llama_model, "kitty")
+    caches = vq.make_prompt_cache(llama_model, "kitty", ["window=128"])
     feed(llama_model, mx.random.randint(0, 500, (1, 256), key=mx.random.key(3)), caches, 64)
     c = caches[0]
     c._settle()
