@@ -28,19 +28,24 @@ QUANTIZERS = {
 
 
 def layer_keys(model, tokens):
+    """{layer: keys [1, H, L, D]} of the layers whose cache holds every position in order
+    (Gemma 3's sliding-window layers keep a ring buffer of 512: left out)."""
+    from mlx_lm.models.cache import RotatingKVCache
     caches = mlx_prompt_cache(model)
     for s in range(0, tokens.shape[1], 512):
         model(tokens[:, s:s + 512], cache=caches)
         mx.eval([c.state for c in caches])
     L = tokens.shape[1]
-    return [c.keys[:, :, :L].astype(mx.float32) for c in caches]
+    return {i: c.keys[:, :, :L].astype(mx.float32) for i, c in enumerate(caches)
+            if not isinstance(c, RotatingKVCache)}
 
 
 def errors(keys, ropes, store):
     """(post-RoPE, pre-RoPE) relative squared error over all layers."""
     num = {"post": 0.0, "pre": 0.0}
     den = 0.0
-    for k, rope in zip(keys, ropes):
+    for i, k in keys.items():
+        rope = ropes[i]
         for name, transforms in (("post", ()), ("pre", (Unrope(_rope=rope),))):
             codec = Codec(CodecPlan(transforms, store))
             got = codec.decode(codec.encode(k, 0), mx.float32, 0)
@@ -63,7 +68,8 @@ def main(argv=None) -> int:
     if any(isinstance(r, str) for r in shape.ropes):
         raise SystemExit(f"unrope cannot invert this model's RoPE: {next(r for r in shape.ropes if isinstance(r, str))}")
     keys = layer_keys(model, tokens)
-    print(f"model {args.model}: {len(keys)} layers, {tokens.shape[1]} tokens; relative key error ||K-K̂||²/||K||²")
+    print(f"model {args.model}: {len(keys)} of {len(shape.ropes)} layers (full attention), {tokens.shape[1]} tokens; "
+          "relative key error ||K-K̂||²/||K||²")
     print("| quantizer | bits | post-RoPE | pre-RoPE (unrope) | change |")
     print("|---|---|---|---|---|")
     for label, make in QUANTIZERS.items():
