@@ -9,6 +9,7 @@ from ..recipe import Recipe
 from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 from ..recipe.params import Schedule, coerce, parse_set
 from ..stages import REGISTRY
+from .bind import bind_positions
 from .groups import assign_groups
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
 from .shape import ModelShape
@@ -85,28 +86,9 @@ def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
         v_stages = stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values]
     else:
         k_stages = v_stages = stages
-    k = _codec(_bind_positions(k_stages, "keys", route, layer, shape), head_dim, tier.pos)
-    v = _codec(_bind_positions(v_stages, "values", route, layer, shape), head_dim, tier.pos)
+    k = _codec(bind_positions(k_stages, "keys", route, layer, shape), head_dim, tier.pos)
+    v = _codec(bind_positions(v_stages, "values", route, layer, shape), head_dim, tier.pos)
     return TierPlan(route, k, v)
-
-
-def _bind_positions(stages: List[Tuple[Call, Any]], side: str, route, layer: int, shape: ModelShape):
-    """Positional transforms (unrope) get the layer's RoPE settings; misuse is located."""
-    out = []
-    for call, inst in stages:
-        if getattr(inst, "positional", False):
-            if side == "values" and getattr(inst, "keys_only", False):
-                raise RecipeError(f"'{call.name}' undoes RoPE, which only keys carry", call.pos,
-                                  f"put '{call.name}' under 'keys:' (keys: {call.name} | ... values: ...)")
-            if getattr(route, "per_head", False):
-                raise RecipeError(f"'{call.name}' needs the positions of a contiguous run of tokens, but "
-                                  f"'{route.stage_name}' keeps different tokens in each head", call.pos)
-            rope = shape.ropes[layer] if shape.ropes else "the model shape carries no RoPE settings"
-            if isinstance(rope, str):
-                raise RecipeError(f"'{call.name}' cannot undo layer {layer}'s RoPE: {rope}", call.pos)
-            inst = attrs.evolve(inst, _rope=rope)
-        out.append((call, inst))
-    return out
 
 
 def _codec(stages: List[Tuple[Call, Any]], head_dim: int, where: Location) -> CodecPlan:
