@@ -9,6 +9,7 @@ from ..recipe import Recipe
 from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 from ..recipe.params import Schedule, coerce, parse_set
 from ..stages import REGISTRY
+from .bind import bind_positions
 from .groups import assign_groups
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
 from .shape import ModelShape
@@ -81,10 +82,12 @@ def _lower_tier(tier: Tier, params, recipe, layer, shape, head_dim) -> TierPlan:
             raise RecipeError("'drop' discards tokens, so it takes no codec stages", tier.pos)
         return TierPlan(route, None, None)
     if tier.keys is not None:
-        k = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.keys], head_dim, tier.pos)
-        v = _codec(stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values], head_dim, tier.pos)
+        k_stages = stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.keys]
+        v_stages = stages + [_instantiate(c, params, recipe, layer, shape) for c in tier.values]
     else:
-        k = v = _codec(stages, head_dim, tier.pos)
+        k_stages = v_stages = stages
+    k = _codec(bind_positions(k_stages, "keys", route, layer, shape), head_dim, tier.pos)
+    v = _codec(bind_positions(v_stages, "values", route, layer, shape), head_dim, tier.pos)
     return TierPlan(route, k, v)
 
 
@@ -148,6 +151,12 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
             if not last:
                 raise RecipeError(f"'{tier.name}' discards the tokens it evicts, so it must be the last tier",
                                   ast_tiers[i + 1].pos, f"remove the tiers after '{tier.name}'")
+            held = [c.store for c in (tier.keys, tier.values) if getattr(c.store, "fitted_once", False)
+                    or getattr(c.store, "scored", False)]
+            if held:
+                raise RecipeError(f"'{held[0].stage_name}' keeps per-tier state (fitted levels, gathered scores), "
+                                  f"which a '{tier.name}' tier does not hold yet", node.pos,
+                                  "use a stateless codec here, e.g. affine(bits=4, axis=token) | sparse(0.01)")
             if _multiple(tier) > 1:
                 raise RecipeError(f"'{tier.name}' keeps different tokens in each head, so its codec must code "
                                   f"tokens one by one, not {_multiple(tier)} at a time", node.pos,
@@ -234,6 +243,8 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
     if isinstance(node, (Num, Str)):
         return node.value
     if isinstance(node, Word):
+        if node.name in REGISTRY and REGISTRY[node.name].family == "store":  # split(hi=fp16, ...): a stage
+            return _instantiate(Call(node.name, (), node.pos), params, recipe, layer, shape)[1]
         return {"true": True, "false": False}.get(node.name.lower(), node.name)
     if isinstance(node, Call) and node.name in REGISTRY and REGISTRY[node.name].family == "store":
         return _instantiate(node, params, recipe, layer, shape)[1]  # a nested stage: residual(lloydmax(...))

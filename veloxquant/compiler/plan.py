@@ -115,7 +115,9 @@ class Plan:
     params: Dict[str, Any] = attrs.field(factory=dict, eq=False)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"model": attrs.asdict(self.shape), "layers": [l.to_dict() for l in self.layers]}
+        model = attrs.asdict(self.shape)
+        del model["ropes"]  # unrope stages carry their layer's settings; other plans keep their fingerprints
+        return {"model": model, "layers": [l.to_dict() for l in self.layers]}
 
     @property
     def fingerprint(self) -> str:
@@ -127,7 +129,7 @@ class Plan:
 
 
 def _stage_text(stage) -> str:
-    values = attrs.asdict(stage, recurse=False)
+    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}  # bound by the compiler
     if not values:
         return stage.stage_name
     shown = (f"{k}={_stage_text(v) if hasattr(v, 'stage_name') else _fmt(v)}" for k, v in values.items())

@@ -12,6 +12,9 @@ class ModelShape:
     n_kv_heads: Tuple[int, ...]  # per layer
     head_dim: Tuple[int, ...]
     windows: Tuple[Optional[int], ...]  # sliding-window size per layer, None = full attention
+    # Per layer: the RoPE settings unrope inverts (stages/unrope.RopeSpec), or a string saying why there are
+    # none. Not part of the fingerprint: the unrope stages that use them carry their own copy.
+    ropes: Tuple = ()
 
     @property
     def n_layers(self) -> int:
@@ -48,8 +51,17 @@ class ModelShape:
                 elif not isinstance(c, KVCache):
                     raise VeloxError(f"layer {i} of {name} uses {type(c).__name__}, not an attention KV cache; "
                                      "veloxquant compresses attention KV caches only")
-        return cls(name, tuple(heads), tuple(dims), tuple(windows))
+        return cls(name, tuple(heads), tuple(dims), tuple(windows), tuple(_ropes(layers)))
+
+
+def _ropes(layers):
+    from ..stages.unrope import rope_spec
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        spec, why = rope_spec(getattr(attn, "rope", None))
+        yield spec if spec is not None else why
 
 
 # The default model's shape, so `explain` works without loading weights.
-SMOLLM2_135M = ModelShape.uniform("SmolLM2-135M-Instruct", 30, 3, 64)
+SMOLLM2_135M = attrs.evolve(ModelShape.uniform("SmolLM2-135M-Instruct", 30, 3, 64),
+                            ropes=((64, False, 100000.0, 1.0, None),) * 30)

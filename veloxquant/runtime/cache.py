@@ -18,6 +18,7 @@ from . import hook, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .head_tier import HeadTier
+from .saliency import Saliency
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
 
@@ -48,6 +49,7 @@ class TieredCache(_BaseCache):
         # a step whose attention did not come through attend() is refused, not run with frozen scores.
         self.scored = "attention" in plan.needs
         self._awaiting_attend = False
+        self.saliency = Saliency.attach(self)  # a salient tier routes tokens by the attention they received
 
     def __deepcopy__(self, memo):
         # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
@@ -88,6 +90,8 @@ class TieredCache(_BaseCache):
             self.scale_seen = scale
             return per_head.attend(self, self.held(), queries, scale, first_q, observe)
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        if self.saliency is not None:
+            return self.saliency.attend(held, queries, scale, first_q, observe)
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
         if not any(fused):
             return self._dense(held, queries, scale, first_q)
@@ -170,10 +174,11 @@ class TieredCache(_BaseCache):
         """Offer a block to tiers[first:] in order; each takes what its route accepts."""
         n = keys.shape[2]
         for i, s, e in self._routing(start, n, first):
+            scored = (self.saliency.scores_for(s, e - s),) if self.saliency and i == self.saliency.index else ()
             if e - s == n:  # the whole block (every decode step): no slice ops
-                self.tiers[i].append(keys, values, s)
+                self.tiers[i].append(keys, values, s, *scored)
             else:
-                self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s)
+                self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s, *scored)
 
     def _settle(self) -> None:
         if not self._unsettled:

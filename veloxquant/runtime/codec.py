@@ -1,7 +1,8 @@
 """A codec: transform stages then a store stage, for one tensor of one tier."""
+import copy
 import re
 from functools import lru_cache
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -21,6 +22,13 @@ def _compiled_encode(plan: CodecPlan):
     return mx.compile(Codec(plan).encode_ops)
 
 
+def _corrected(inner, approx: mx.array, part: Dict[str, mx.array]) -> mx.array:
+    """approx plus what a residual stage holds: its own correct() (sparse scatters), else its decode added."""
+    if hasattr(inner, "correct"):
+        return inner.correct(approx, part)
+    return approx + inner.decode(part, mx.float32)
+
+
 class Codec:
     """encode: transforms, store, then each residual stage codes what is left;
     residual arrays are named r0.codes, r1.norms, ..."""
@@ -32,37 +40,65 @@ class Codec:
         self.residuals = [r.inner for r in plan.residuals]
         # fp16 / identity with nothing around them: encode is at most a cast, nothing to fuse
         self.trivial = not self.transforms and not self.residuals and self.store.stage_name in ("fp16", "identity")
+        # Positional transforms (unrope) take the first token's position; fitted stores (nuq)
+        # fit arrays on the first block they code and hold them for the tier's life.
+        self.positional = any(getattr(t, "positional", False) for t in self.transforms)
+        self.fits = getattr(self.store, "fitted_once", False)
+        self.scored = getattr(self.store, "scored", False)  # salient: routes tokens by scores the cache gives
+        self.fitted: Dict[str, mx.array] = {}
+        self.compilable = not (self.trivial or self.positional or self.fits or self.scored) and all(
+            getattr(r, "compilable", True) for r in self.residuals)
 
     def __deepcopy__(self, memo):
-        return self  # stateless: the plan's stages only (caches deep-copy their tiers, not their codecs)
+        # The plan's stages are frozen and shared; only what a fitted store learned is the tier's own.
+        new = copy.copy(self)
+        new.fitted = dict(self.fitted)
+        memo[id(self)] = new
+        return new
 
-    def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        if x.shape[2] <= COMPILED_BLOCK and not self.trivial:
+    def encode(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
+        if x.shape[2] <= COMPILED_BLOCK and self.compilable:
             return _compiled_encode(self.plan)(x)
-        return self.encode_ops(x)
+        return self.encode_ops(x, start, scores)
 
-    def encode_ops(self, x: mx.array) -> Dict[str, mx.array]:
+    def _store_encode(self, x: mx.array, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
+        if self.fits:
+            if not self.fitted:  # headbits allocates from per-head scores; nuq fits on the block alone
+                self.fitted = self.store.fit(x, scores) if self.scored else self.store.fit(x)
+            return self.store.encode(x, self.fitted, scores) if self.scored else self.store.encode(x, self.fitted)
+        return self.store.encode(x, scores) if self.scored else self.store.encode(x)
+
+    def _store_decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+        return self.store.decode(enc, dtype, self.fitted) if self.fits else self.store.decode(enc, dtype)
+
+    def _forward(self, t, x, start):
+        return t.forward(x, start) if getattr(t, "positional", False) else t.forward(x)
+
+    def _inverse(self, t, x, start):
+        return t.inverse(x, start) if getattr(t, "positional", False) else t.inverse(x)
+
+    def encode_ops(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
         for t in self.transforms:
-            x = t.forward(x)
-        enc = self.store.encode(x)
+            x = self._forward(t, x, start)
+        enc = self._store_encode(x, scores)
         if self.residuals:
             x = x.astype(mx.float32)
-            approx = self.store.decode(enc, mx.float32)
+            approx = self._store_decode(enc, mx.float32)
             for i, inner in enumerate(self.residuals):
                 part = inner.encode(x - approx)
                 enc.update({f"r{i}.{k}": v for k, v in part.items()})
-                approx = approx + inner.decode(part, mx.float32)
+                approx = _corrected(inner, approx, part)
         return enc
 
-    def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+    def decode(self, enc: Dict[str, mx.array], dtype, start: int = 0) -> mx.array:
         if not self.transforms and not self.residuals:
-            return self.store.decode(enc, dtype)
-        x = self.store.decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
+            return self._store_decode(enc, dtype)
+        x = self._store_decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
         for i, inner in enumerate(self.residuals):
             prefix = f"r{i}."
-            x = x + inner.decode({k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)}, mx.float32)
+            x = _corrected(inner, x, {k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)})
         for t in reversed(self.transforms):
-            x = t.inverse(x)
+            x = self._inverse(t, x, start)
         return x.astype(dtype)
 
     def units(self) -> Dict[str, int]:

@@ -138,8 +138,8 @@ class HeadTier:
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
         for key in self.expected_names():
-            side, _, name = key.rpartition(".")
-            buf = self.buffers[side][name] if side else self.meta[name]
+            side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
+            buf = self.buffers[side][name] if side else self.meta[name]  # residual arrays: "k.r0.idx"
             arr = arrays.get(key)
             if count == 0:
                 buf.set(None)

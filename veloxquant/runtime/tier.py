@@ -37,6 +37,7 @@ class Tier:
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
+        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/saliency.py)
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
@@ -60,14 +61,15 @@ class Tier:
     def end(self) -> int:
         return self.start + self.count
 
-    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+    def append(self, keys: mx.array, values: mx.array, start: int, scores: Optional[mx.array] = None) -> None:
+        """`scores` [B, H, L]: per-token scores for stores that route by them (salient)."""
         if self.drops:
             return
         if self.count == 0:
             self.start = start
         self._views = {}
         for side, x in (("k", keys), ("v", values)):
-            for name, arr in self.codecs[side].encode(x).items():
+            for name, arr in self.codecs[side].encode(x, start, scores).items():
                 self.buffers[side][name].append(arr)
         self.count += keys.shape[2]
 
@@ -90,7 +92,7 @@ class Tier:
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
-        return self.codecs[side].decode(enc, dtype)
+        return self.codecs[side].decode(enc, dtype, self.start)
 
     def placeable(self, dtype) -> bool:
         """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
@@ -115,7 +117,7 @@ class Tier:
     def _front(self, side: str, n: int, dtype) -> mx.array:
         units = self.codecs[side].units()
         return self.codecs[side].decode({name: buf.view()[:, :, : n // units[name]]
-                                         for name, buf in self.buffers[side].items()}, dtype)
+                                         for name, buf in self.buffers[side].items()}, dtype, self.start)
 
     def drop_front(self, n: int) -> None:
         self._views = {}
@@ -153,12 +155,18 @@ class Tier:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values())
+        fitted = sum(a.nbytes for c in self.codecs.values() for a in getattr(c, "fitted", {}).values())
+        fitted += sum(a.nbytes for a in self.side_state.values())
+        return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values()) + fitted
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        return {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
-                for name, buf in bufs.items() if buf.view() is not None}
+        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
+               for name, buf in bufs.items() if buf.view() is not None}
+        for side, c in self.codecs.items():
+            out.update({f"{side}.fit.{name}": a for name, a in getattr(c, "fitted", {}).items()})
+        out.update({f"state.{name}": a for name, a in self.side_state.items()})
+        return out
 
     def expected_names(self) -> List[str]:
         return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs]
@@ -167,6 +175,7 @@ class Tier:
         """Load saved arrays; returns a problem description instead of raising."""
         self._views = {}
         self.start, self.count = start, count
+        self.side_state = {k[len("state."):]: v for k, v in arrays.items() if k.startswith("state.")}
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
                 arr = arrays.get(f"{side}.{name}")
@@ -178,6 +187,10 @@ class Tier:
                 if arr.ndim != 4 or arr.shape[2] * per_unit != count:
                     return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
                 self.buffers[side][name].set(arr)
+            if getattr(codec, "fits", False):  # a fitted store's arrays (nuq's levels), held since its first block
+                codec.fitted = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{side}.fit.")}
+                if count and not codec.fitted:
+                    return f"missing the fitted arrays {side}.fit.*"
         return None
 
 
