@@ -33,7 +33,8 @@ def test_salient_codes_the_top_scored_tokens_of_each_chunk_with_hi():
     assert enc["mask"].shape == (1, 2, 2, 1) and enc["hi.x"].shape == (1, 2, 2, 8 * 64)
 
 
-def test_the_score_is_attention_received_over_queries_that_could_see_the_token(tmp_path):
+def test_the_score_is_attention_received_over_queries_that_could_see_the_token(tmp_path, llama_model):
+    vq.install(llama_model)  # scored caches refuse steps while no attention is routed; this test calls attend itself
     recipe = _recipe(tmp_path, "recent(32)\n>> salient(hi=fp16, lo=affine(bits=2, group=16), fraction=0.25, chunk=32)")
     shape = ModelShape.uniform("t", 1, 2, 16)
     cache = TieredCache(compile_recipe(recipe, shape).layers[0])
