@@ -16,6 +16,7 @@ from ..errors import VeloxError
 from ..kernels import cuda, dispatch
 from . import hook, per_head
 from .attention import merge_partials, partial_attention
+from . import kinds
 from .head_tier import HeadTier
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
@@ -28,8 +29,7 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
-        self.tiers = [HeadTier(t) if getattr(t.route, "per_head", False) else Tier(t, self._fed_in_chunks(i))
-                      for i, t in enumerate(plan.tiers)]
+        self.tiers = [kinds.build(t, plan, self._fed_in_chunks(i)) for i, t in enumerate(plan.tiers)]
         self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.observed_queries = None  # SnapKV's window of prompt queries, until it decides
@@ -43,10 +43,12 @@ class TieredCache(_BaseCache):
         self.attended = False  # True once attention ran through attend() (the hook)
         self._attend_epoch = -1  # hook epoch of the last attend() call
         self._unsettled = False
+        # Tiers that act when the prompt is over (latent tiers fit their basis then).
+        self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        if self.per_head and keys.shape[2] == 1:
+        if (self.per_head or self._prompt_tiers) and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
         self._settle()
         self.dtype = keys.dtype
@@ -74,18 +76,22 @@ class TieredCache(_BaseCache):
             self.scale_seen = scale
             return per_head.attend(self, self.held(), queries, scale, first_q, observe)
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        # Tiers that answer their own partial from what they hold (latents) are never decoded here.
+        own = [t.partial(queries, scale, self._tier_mask(t, first_q, Lq) if self._needs_mask(t, first_q, Lq)
+                         else None) for t in held if getattr(t, "attends", False)]
+        held = [t for t in held if not getattr(t, "attends", False)]
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
-        if not any(fused):
+        if not own and not any(fused):
             return self._dense(held, queries, scale, first_q)
         # Kernel-backed tiers attend from their codes. The others are either folded into
         # the kernel's reduce (16-bit, unmasked) or decoded and attended as one partial,
         # and the partials merge exactly.
         rest = [t for t, call in zip(held, fused) if not call]
         calls = [call for call in fused if call]
-        tail = self._tail(rest, queries, first_q) if len(calls) == 1 else None
+        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not own else None
         if tail:
             return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
-        parts = [call() for call in calls]
+        parts = own + [call() for call in calls]
         if rest:
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
@@ -161,6 +167,10 @@ class TieredCache(_BaseCache):
         """The prompt is over: prompt-time eviction (SnapKV) decides now. Idempotent."""
         if self.per_head:
             per_head.finish_prompt(self)
+        if self._prompt_tiers:
+            self._settle()  # what the window spilled at the end of the prompt belongs to it
+            for tier in self._prompt_tiers:
+                tier.finish_prompt()
 
     def held(self) -> List:
         return [t for t in self.tiers if t.count and not t.drops]
