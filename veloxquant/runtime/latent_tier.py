@@ -31,6 +31,8 @@ STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
 class PlainSide:
     """A side held by an ordinary codec (SVDq's float16 values)."""
 
+    shared = False  # never shared across layers
+
     def __init__(self, plan: CodecPlan, n_kv_heads: int, head_dim: int):
         self.codec = Codec(plan)
         self.buffers = {name: Buffer(max(1, UNBOUNDED_STEP // u)) for name, u in self.codec.units().items()}
@@ -82,6 +84,8 @@ class LatentSide:
         self.fitted: Dict[str, mx.array] = {}  # basis [G, hg*D, r], mean [G, hg*D], widths [r]
         self.widths: Optional[np.ndarray] = None
         self.buffers: Dict[str, Buffer] = {}
+        self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
+        self.shared = getattr(self.store, "layers", 1) > 1
 
     def append(self, x: mx.array) -> None:
         if self.widths is None:
@@ -90,19 +94,20 @@ class LatentSide:
         for name, arr in self.store.encode(self._project(x), self.widths, self.fitted).items():
             self.buffers[name].append(mx.contiguous(arr))
 
-    def finish_prompt(self) -> None:
-        """Fit the basis on the staged tokens, code them, free them. Idempotent."""
+    def finish_prompt(self, basis: Optional[Dict[str, mx.array]] = None) -> None:
+        """Fit the basis on the staged tokens (or take the group's `basis`), code them, free them.
+        Idempotent; with nothing staged yet (a prompt shorter than the window) it waits."""
         x = self.staged.view()
         if self.widths is not None or x is None:
             return
-        fitted = self.store.fit(x)
+        fitted = basis if basis is not None else self.store.fit(x)
         self._set_basis(fitted)
         self._set_basis({**fitted, **self.store.stats(self._project(x))})  # quant=gauss: latent scales
         self.staged.set(None)
         self.append(x)
 
     def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
-        self.fitted = {name: mx.contiguous(a) for name, a in fitted.items()}
+        self.fitted = dict(fitted)  # as given: a group's members hold the anchor's arrays themselves
         self.widths = np.array(fitted["widths"]).astype(np.int64)
         # Exact-size buffers: latents grow one group at a time (a small copy), and attention
         # then reads contiguous arrays, the same live and after loading (identical logits).
@@ -170,17 +175,25 @@ class LatentSide:
     def _live(self) -> Dict[str, Buffer]:
         return {"x": self.staged} if self.widths is None else self.buffers
 
+    def _own(self) -> Dict[str, mx.array]:
+        """The fitted arrays this layer holds: a group's basis is held (and saved) by its anchor only."""
+        if self.basis_of is None:
+            return self.fitted
+        return {n: a for n, a in self.fitted.items() if n not in BASIS}
+
     def arrays(self) -> Dict[str, mx.array]:
         out = {n: b.view() for n, b in self._live().items() if b.view() is not None}
-        out.update(self.fitted)
+        out.update(self._own())
         return out
 
     @property
     def nbytes(self) -> int:
-        """Allocated buffers (growth slack is real memory) plus the basis."""
-        return sum(b.nbytes for b in self._live().values()) + sum(a.nbytes for a in self.fitted.values())
+        """Allocated buffers (growth slack is real memory) plus the basis this layer holds."""
+        return sum(b.nbytes for b in self._live().values()) + sum(a.nbytes for a in self._own().values())
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
+        if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis
+            arrays = {**arrays, **{n: self.basis_of()[n] for n in BASIS}}
         if all(name in arrays for name in BASIS):
             self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
         else:
@@ -224,8 +237,37 @@ class LatentTier:
         self.count += keys.shape[2]
 
     def finish_prompt(self) -> None:
-        for s in self.sides.values():
-            s.finish_prompt()
+        for name, s in self.sides.items():
+            if s.shared and self.link is not None:
+                s.finish_prompt(self._group_basis(name))
+            else:
+                s.finish_prompt()
+
+    # --- cross-layer groups (xKV): one basis fitted on every member's keys -----------------
+    link = None
+
+    def join_group(self, link, layers) -> None:
+        """Called by the coordinator: this tier's shared sides take their basis from the anchor's."""
+        self.link, self.group = link, tuple(layers)
+        for name, s in self.sides.items():
+            if s.shared and link.layer != link.anchor:
+                s.basis_of = lambda name=name: self._member(link.anchor, name).fitted
+
+    def _member(self, layer: int, side: str) -> LatentSide:
+        return self.link.cache(layer).tiers[self.link.tier].sides[side]
+
+    def _group_basis(self, side: str) -> Optional[Dict[str, mx.array]]:
+        """The group's basis, fitted by the first member to finish (the anchor: mlx-lm runs layers in
+        order) on the staged vectors of every member (fan-in); None while nothing is staged."""
+        anchor = self._member(self.link.anchor, side)
+        if anchor.widths is None:
+            for layer in self.group:
+                self.link.cache(layer)._settle()  # the window's last spill belongs to the prompt
+            staged = [x for x in (self._member(l, side).staged.view() for l in self.group) if x is not None]
+            if not staged:
+                return None
+            anchor.finish_prompt(anchor.store.fit(mx.concatenate(staged, axis=2)))
+        return {n: anchor.fitted[n] for n in BASIS}
 
     def partial(self, queries: mx.array, scale: float, mask=None) -> Partial:
         B, Hq, Lq, D = queries.shape

@@ -10,6 +10,9 @@ orthonormal components ordered by energy. Each component gets a width:
   budget mode      -- widths from the KVTC allocator under `budget` bits per token
                       and head group (bit_alloc.py); width 0 drops a component.
 
+With `layers=N` (xKV) N adjacent layers share one basis, fitted on all their
+vectors at once; each layer holds its own latents (compiler/groups.py).
+
 Latents of width b < 16 are coded per component, packed along the tokens (a
 component's `group` tokens of b bits fill whole 32-bit words, for any b):
 quant=minmax -- affine codes, a float16 scale and zero per component and group;
@@ -58,6 +61,7 @@ class Latent:
     group: int = attrs.field(default=32, validator=in_range(32, 1 << 16))
     center: bool = False
     quant: str = attrs.field(default="minmax", validator=one_of("minmax", "gauss"))
+    layers: int = attrs.field(default=1, validator=in_range(1, 8))
 
     codes = True  # integer codes an entropy stage may code (the c<b>.codes arrays)
     tier_kind = "latent"  # held by runtime/latent_tier.py
@@ -91,9 +95,12 @@ class Latent:
         return self.heads_per_group(n_kv_heads) * head_dim
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Latent bits per K/V element in rank mode with one head per basis; NaN where the data decides."""
-        if not self.rank or self.budget or self.heads != 1:
+        """Latent bits per K/V element with one head per basis (rank mode, or a budget of Lloyd-Max
+        codes); NaN where the data decides (energy, or how many components get scales)."""
+        if self.heads != 1 or (self.budget and self.quant != "gauss") or not (self.rank or self.budget):
             return float("nan")
+        if self.budget:
+            return min(self.budget, 8 * head_dim) / head_dim
         hi = math.ceil(self.hi_fraction * self.rank)
         meta = 32 / self.group if self.quant == "minmax" else 0.0
         return sum(n * (b if b == FLOAT else b + meta)
@@ -130,7 +137,7 @@ class Latent:
         evals, evecs = evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
         w = self.widths(evals)
         keep = np.flatnonzero(w)
-        return {"basis": mx.array(evecs[:, :, keep].astype(np.float16)),
+        return {"basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
                 "mean": mx.array(mean.astype(np.float16)), "widths": mx.array(w[keep].astype(np.uint8))}
 
     # --- latents <-> codes ------------------------------------------------------------
@@ -144,7 +151,7 @@ class Latent:
             return {}
         loc = mx.mean(z, axis=(0, 2))
         std = mx.sqrt(mx.mean(mx.square(z - loc[:, None]), axis=(0, 2)))
-        return {"loc": loc.astype(mx.float16), "std": mx.maximum(std, 1e-6).astype(mx.float16)}
+        return {"loc": mx.contiguous(loc.astype(mx.float16)), "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16))}
 
     def _standard(self, stats: Dict[str, mx.array], idx: np.ndarray):
         """(loc, std) of the components idx as [1, G, 1, n, 1] (they broadcast over [B, G, groups, n, tokens])."""
