@@ -22,7 +22,6 @@ from ..compiler.plan import CodecPlan, TierPlan
 from .attention import Partial, partial_from_scores
 from .buffer import Buffer
 from .codec import Codec
-from .tier import UNBOUNDED_STEP
 
 BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
 STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
@@ -35,7 +34,8 @@ class PlainSide:
 
     def __init__(self, plan: CodecPlan, n_kv_heads: int, head_dim: int):
         self.codec = Codec(plan)
-        self.buffers = {name: Buffer(max(1, UNBOUNDED_STEP // u)) for name, u in self.codec.units().items()}
+        # Exact-size: the tier is fed whole groups (>= 32 tokens), one copy per group, no slack held.
+        self.buffers = {name: Buffer(None) for name in self.codec.units()}
 
     def append(self, x: mx.array) -> None:
         for name, arr in self.codec.encode(x).items():
@@ -80,7 +80,7 @@ class LatentSide:
 
     def __init__(self, plan: CodecPlan, n_kv_heads: int, head_dim: int):
         self.store, self.n_kv_heads, self.head_dim = plan.store, n_kv_heads, head_dim
-        self.staged = Buffer(UNBOUNDED_STEP)  # float16, until the basis is fitted
+        self.staged = Buffer(None)  # float16, until the basis is fitted
         self.fitted: Dict[str, mx.array] = {}  # basis [G, hg*D, r], mean [G, hg*D], widths [r]
         self.widths: Optional[np.ndarray] = None
         self.buffers: Dict[str, Buffer] = {}
