@@ -10,7 +10,7 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime import latent_tier
+from veloxquant.runtime import latent_side, latent_tier
 from veloxquant.runtime.attention import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
@@ -103,7 +103,7 @@ def test_decode_never_rebuilds_kv_from_latents(monkeypatch):
 
     def refuse(self, dtype):
         raise AssertionError("decode rebuilt K/V from latents")
-    monkeypatch.setattr(latent_tier.LatentSide, "decoded", refuse)
+    monkeypatch.setattr(latent_side.LatentSide, "decoded", refuse)
     logits = mx.concatenate([model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 190)], axis=1)
     mx.eval(logits)
     assert caches[0].attended and caches[0].tiers[1].count >= 96

@@ -1,6 +1,5 @@
 """xKV: one latent basis shared by a group of adjacent layers through the cross-layer coordinator."""
 import mlx.core as mx
-import pytest
 
 import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
