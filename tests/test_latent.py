@@ -172,13 +172,18 @@ def test_kvtc_saved_latent_codes_are_entropy_coded(tmp_path):
     assert any(n.endswith(".codes.rans") for n in names)
 
 
-def test_sliding_window_layers_run_and_forget_old_latents():
-    model = tiny_gemma3(window=64)
-    caches = vq.make_prompt_cache(model, "palu", ["window=32"])
-    out = feed(model, TOKENS, caches, 50)
+@pytest.mark.parametrize("name", ["svdq", "palu", "kvtc"])
+def test_sliding_window_layers_run_and_forget_old_latents(name):
+    model = tiny_gemma3(window=80)
+    caches = vq.make_prompt_cache(model, name, ["window=32"])
+    # The window expires staged tokens during the prompt (not a whole group: 150 - 80 + 1 = 71),
+    # then the single-token steps end the prompt and the sliding layers fit on what is left.
+    out = mx.concatenate([feed(model, TOKENS[:, :150], caches, 50)]
+                         + [model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 200)], axis=1)
     assert not bool(mx.isnan(out).any())
     sliding = caches[0]
-    assert sliding.plan.window == 64 and sliding.size() <= 64 + 32 + 32
+    assert sliding.plan.window == 80 and sliding.tiers[-1].sides["k"].widths is not None
+    assert sliding.tiers[-1].count % 32 == 0 and sliding.size() <= 80 + 32 + 32 + 4
 
 
 # --- recipe errors ------------------------------------------------------------------------------

@@ -43,7 +43,13 @@ class LatentTier:
 
     @property
     def granularity(self) -> int:
-        return max(u for s in self.sides.values() for u in s.units().values())
+        """Tokens leave (sliding-window expiry, trim) in whole groups, staged ones too:
+        what is staged is coded a group at a time at the end of the prompt."""
+        return max([self.group] + [u for s in self.sides.values() for u in s.units().values()])
+
+    @property
+    def group(self) -> int:
+        return max([s.store.group for s in self.sides.values() if isinstance(s, LatentSide)] + [1])
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.count == 0:
