@@ -45,10 +45,10 @@ class LatentTier:
     def granularity(self) -> int:
         """Tokens leave (sliding-window expiry, trim) in whole groups, staged ones too:
         what is staged is coded a group at a time at the end of the prompt."""
-        return max([self.group] + [u for s in self.sides.values() for u in s.units().values()])
+        return max([self.token_group] + [u for s in self.sides.values() for u in s.units().values()])
 
     @property
-    def group(self) -> int:
+    def token_group(self) -> int:
         return max([s.store.group for s in self.sides.values() if isinstance(s, LatentSide)] + [1])
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
@@ -70,7 +70,7 @@ class LatentTier:
 
     def join_group(self, link, layers) -> None:
         """Called by the coordinator: this tier's shared sides take their basis from the anchor's."""
-        self.link, self.group = link, tuple(layers)
+        self.link, self.members = link, tuple(layers)
         for name, s in self.sides.items():
             if s.shared and link.layer != link.anchor:
                 s.basis_of = lambda name=name: self._member(link.anchor, name).fitted
@@ -83,9 +83,9 @@ class LatentTier:
         order) on the staged vectors of every member (fan-in); None while nothing is staged."""
         anchor = self._member(self.link.anchor, side)
         if anchor.widths is None:
-            for layer in self.group:
+            for layer in self.members:
                 self.link.cache(layer)._settle()  # the window's last spill belongs to the prompt
-            staged = [x for x in (self._member(l, side).staged.view() for l in self.group) if x is not None]
+            staged = [x for x in (self._member(l, side).staged.view() for l in self.members) if x is not None]
             if not staged:
                 return None
             anchor.finish_prompt(anchor.store.fit(mx.concatenate(staged, axis=2)))
