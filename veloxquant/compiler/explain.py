@@ -13,8 +13,13 @@ def tier_bits(tier: TierPlan, head_dim: int) -> str:
         return "dropped"
     k, v = tier.keys.bits_per_element(head_dim), tier.values.bits_per_element(head_dim)
     if math.isnan(k) or math.isnan(v):
-        return "model dtype"
+        return "set by the data" if _fitted(tier) else "model dtype"
     return f"{(k + v) / 2:.2f}"
+
+
+def _fitted(tier: TierPlan) -> bool:
+    """A store whose cost the data decides (a `latent` basis fitted at the end of the prompt)."""
+    return any(getattr(c.store, "tier_kind", None) for c in (tier.keys, tier.values))
 
 
 def _tier_line(tier: TierPlan, head_dim: int, values: dict = None) -> str:
@@ -115,7 +120,9 @@ def render(plan: Plan) -> str:
         lines += _per_head_lines(layer)
         shared = any(l.share for l in group)  # anchors and reuse layers hold different bytes: average them
         bits = sum(map(long_run_bits, group)) / len(group) if shared else long_run_bits(layer)
-        if math.isnan(bits):
+        if math.isnan(bits) and any(_fitted(t) for t in layer.tiers if not t.drops):
+            lines.append("    long-context cost: set by the basis fitted at the end of the prompt (see run/eval bytes)")
+        elif math.isnan(bits):
             lines.append("    long-context cost: the model's own dtype (identity store)")
         else:
             ratio = f"{bits / 16:.3f} of fp16" if bits else "bounded memory"

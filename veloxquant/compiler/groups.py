@@ -1,10 +1,11 @@
-"""Cross-layer groups: adjacent layers that share one anchor layer's codes (XQuant).
+"""Cross-layer groups: adjacent layers that share what the anchor layer holds.
 
-A layer whose last tier stores with `xquant(layers=N)` joins a group: the first
-layer of a run of such layers is the anchor, the next N-1 reuse its codes. A
-group never reaches over a layer without xquant, and its layers must hold the
-same tokens the same way (same shape, same tiers) and no sliding window, or the
-reuse layers would ask for codes the anchor never made or already freed.
+A layer whose last tier stores with `xquant(layers=N)` (XQuant: the anchor's codes)
+or `latent(layers=N)` with N > 1 (xKV: the anchor's basis) joins a group: the
+first layer of a run of such layers is the anchor, the next N-1 reuse what it
+holds. A group never reaches over a layer without such a store, and its layers
+must hold the same tokens the same way (same shape, same tiers) and no sliding
+window, or the reuse layers would ask for what the anchor never made or freed.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -18,7 +19,13 @@ STAGE = "xquant"
 
 
 def shares(codec: Optional[CodecPlan]) -> bool:
-    return codec is not None and codec.store.stage_name == STAGE
+    """The codec's store is shared across layers: xquant always (a group of 1 is one anchor),
+    other stores with a `layers` parameter when it is above 1 (latent: one basis for the group)."""
+    return codec is not None and (codec.store.stage_name == STAGE or getattr(codec.store, "layers", 1) > 1)
+
+
+def _name(tier: TierPlan) -> str:
+    return next(c.store.stage_name for c in (tier.keys, tier.values) if shares(c))
 
 
 def shared_tiers(layer: LayerPlan) -> List[int]:
@@ -45,44 +52,46 @@ def assign_groups(layers: Sequence[LayerPlan], pipelines: Sequence[Pipeline]) ->
 
 
 def _group_size(layer: LayerPlan, pipeline: Pipeline) -> Optional[int]:
-    """`layers` of this layer's xquant stores, after checking where they stand; None without xquant."""
+    """`layers` of this layer's shared stores, after checking where they stand; None without them."""
     where = shared_tiers(layer)
     if not where:
         return None
-    pos = _xquant_pos(pipeline)
     last = len(layer.tiers) - 1
     tier = layer.tiers[where[0]]
+    name = _name(tier)
+    pos = _stage_pos(pipeline, name)
     if where != [last] or tier.route is not None:
-        raise RecipeError("xquant codes are shared across layers for as long as the cache lives, so xquant must "
+        raise RecipeError(f"{name} stores are shared across layers for as long as the cache lives, so {name} must "
                           "stand in the last tier, which keeps every token that reaches it", pos,
-                          "e.g. recent(128) >> keys: xquant(...) values: xquant(...)")
+                          f"e.g. recent(128) >> keys: {name}(...) values: {name}(...)")
     if layer.window is not None:
         raise RecipeError(f"layer {layer.index} has a sliding window of {layer.window} tokens, so it frees old "
-                          "tokens that xquant layers share across layers", pos,
+                          f"tokens that {name} layers share across layers", pos,
                           "give sliding layers another pipeline: layers: {sliding: {pipeline: ...}}")
     for codec in (tier.keys, tier.values):
-        if shares(codec) and codec.residuals:
+        if shares(codec) and name == STAGE and codec.residuals:
             raise RecipeError("xquant codes its drift itself (residual_bits); residual(...) cannot follow it", pos)
-        if shares(codec) and getattr(codec, "entropy", ()):
+        if shares(codec) and name == STAGE and getattr(codec, "entropy", ()):
             raise RecipeError("xquant's codes live in the anchor layer only, so saved caches cannot entropy-code "
                               "them per layer yet", pos, "remove the entropy stages after xquant")
     sizes = {c.store.layers for c in (tier.keys, tier.values) if shares(c)}
     if len(sizes) > 1:
         asked = " and ".join(map(str, sorted(sizes)))
         raise RecipeError(f"the keys and values of layer {layer.index} ask for groups of {asked} layers; a group "
-                          "shares both", pos, "give both xquant stages the same layers=")
+                          "shares both", pos, f"give both {name} stages the same layers=")
     return sizes.pop()
 
 
 def _check_match(anchor: LayerPlan, layer: LayerPlan, pipeline: Pipeline) -> None:
+    name = _name(anchor.tiers[-1])
     if (anchor.n_kv_heads, anchor.head_dim) != (layer.n_kv_heads, layer.head_dim):
-        raise RecipeError(f"layers {anchor.index} and {layer.index} would share xquant codes, but their heads differ "
+        raise RecipeError(f"layers {anchor.index} and {layer.index} would share {name} stores, but their heads differ "
                           f"({anchor.n_kv_heads}x{anchor.head_dim} vs {layer.n_kv_heads}x{layer.head_dim})",
-                          _xquant_pos(pipeline), "end the group earlier: a smaller layers= or a layer override")
+                          _stage_pos(pipeline, name), "end the group earlier: a smaller layers= or a layer override")
     if anchor.tiers != layer.tiers:
-        raise RecipeError(f"layers {anchor.index} and {layer.index} would share xquant codes, but their tiers differ "
+        raise RecipeError(f"layers {anchor.index} and {layer.index} would share {name} stores, but their tiers differ "
                           f"({_tiers_text(anchor.tiers)} vs {_tiers_text(layer.tiers)}); the layers of a group must "
-                          "hold the same tokens the same way", _xquant_pos(pipeline),
+                          "hold the same tokens the same way", _stage_pos(pipeline, name),
                           "use the same pipeline and parameters for every layer of a group")
 
 
@@ -91,10 +100,10 @@ def _tiers_text(tiers: Sequence[TierPlan]) -> str:
                        for t in tiers) + f" [{tiers[-1].keys.text()}]"
 
 
-def _xquant_pos(pipeline: Pipeline):
+def _stage_pos(pipeline: Pipeline, name: str = STAGE):
     for tier in pipeline.tiers:
         for call in tier.stages + (tier.keys or ()) + (tier.values or ()):
-            if call.name == STAGE:
+            if call.name == name:
                 return call.pos
     return pipeline.tiers[0].pos
 
@@ -103,7 +112,7 @@ def _xquant_pos(pipeline: Pipeline):
 
 def codec_bits(codec: CodecPlan, head_dim: int, role: Optional[str]) -> float:
     """Bits per element this layer really holds: a reuse layer holds no codes."""
-    if role == "reuse" and shares(codec):
+    if role == "reuse" and shares(codec) and hasattr(codec.store, "reuse_bits_per_element"):
         return codec.store.reuse_bits_per_element(head_dim)
     return codec.bits_per_element(head_dim)
 
@@ -119,13 +128,21 @@ def render_groups(plan: Plan) -> List[str]:
         span = f"layer {share.anchor}" if len(share.layers) == 1 else f"layers {share.layers[0]}-{share.layers[-1]}"
         reuse = ", ".join(map(str, share.layers[1:])) or "none"
         tier = layer.tiers[shared_tiers(layer)[0]]
-        costs = ", ".join(f"{r} {_bits(tier, layer.head_dim, r):.2f}" for r in ("anchor", "reuse")[:len(share.layers)])
+        costs = ", ".join(f"{r} {_bits_text(_bits(tier, layer.head_dim, r))}"
+                          for r in ("anchor", "reuse")[:len(share.layers)])
         lines.append(f"    {span + ':':<14} group {share.group}, anchor {share.anchor}, reuse {reuse}"
                      f"  (bits/elem in the shared tier: {costs})")
     if not lines:
         return []
+    if _name(plan.layers[next(i for i, l in enumerate(plan.layers) if l.share)].tiers[-1]) != STAGE:
+        return ["", "cross-layer groups (latent: the anchor fits and holds one basis from the keys of every layer "
+                    "of its group; each layer holds its own latents on it):"] + lines
     return ["", "cross-layer groups (xquant: the anchor holds the codes; reuse layers hold their own "
                 "scale/zero [+ residual] and read the anchor's codes):"] + lines
+
+
+def _bits_text(bits: float) -> str:
+    return "set by the data" if bits != bits else f"{bits:.2f}"  # NaN: a basis fitted at the end of the prompt
 
 
 def _bits(tier: TierPlan, head_dim: int, role: str) -> float:

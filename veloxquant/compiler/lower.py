@@ -50,6 +50,7 @@ def _lower_layer(index: int, pipeline: Pipeline, params: Dict[str, Any], recipe:
                  shape: ModelShape, hook: bool) -> LayerPlan:
     head_dim = shape.head_dim[index]
     raw = [_lower_tier(t, params, recipe, index, shape, head_dim) for t in pipeline.tiers]
+    _check_stores(raw, pipeline.tiers, shape.n_kv_heads[index], head_dim)
     tiers = _check_order(raw, pipeline.tiers)
     needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers for s in _stages_of(t)))
     if "attention" in needs and not hook:
@@ -58,6 +59,24 @@ def _lower_layer(index: int, pipeline: Pipeline, params: Dict[str, Any], recipe:
                           pipeline.tiers[0].pos, "keep the hook installed: the default of veloxquant.make_prompt_cache; "
                           "on the command line, drop --no-hook")
     return LayerPlan(index, shape.n_kv_heads[index], head_dim, shape.windows[index], tuple(tiers), needs)
+
+
+def _check_stores(tiers: List[TierPlan], ast_tiers, n_kv_heads: int, head_dim: int) -> None:
+    """Stores held by their own tier kind (`latent`) stand in the last tier, which keeps
+    every token it gets; stores that code heads together check the layer's heads."""
+    for i, (tier, node) in enumerate(zip(tiers, ast_tiers)):
+        for codec, calls in ((tier.keys, node.keys), (tier.values, node.values)):
+            if codec is None:
+                continue
+            name = codec.store.stage_name
+            call = next((c for c in (calls or ()) + node.stages if c.name == name), node)
+            if getattr(codec.store, "tier_kind", None) and (i < len(tiers) - 1 or tier.route is not None):
+                raise RecipeError(f"'{name}' fits its basis once and keeps every token that reaches it, so it "
+                                  "must stand in the last tier, without a route", call.pos,
+                                  f"e.g. recent(128) >> keys: {name}(...) values: fp16")
+            problem = getattr(codec.store, "check_heads", lambda h, d: "")(n_kv_heads, head_dim)
+            if problem:
+                raise RecipeError(f"'{name}' cannot code this model's heads: {problem}", call.pos)
 
 
 def _stages_of(tier: TierPlan):

@@ -6,7 +6,7 @@ kernel launch each on the GPU): the unmasked path skips the guards a mask
 needs, and merging is one compiled elementwise kernel per extra tier.
 """
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -25,9 +25,19 @@ def partial_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     # The rep query heads of a kv head become rows of one matmul (no broadcast K/V).
     q = queries.reshape(B, Hkv, rep * Lq, D).astype(mx.float32) * scale
     scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep*Lq, Lk]
+    return partial_from_scores(scores, mask, Lq, lambda weights: weights @ values.astype(mx.float32))
+
+
+def partial_from_scores(scores: mx.array, mask: Optional[mx.array], Lq: int,
+                        combine: Callable[[mx.array], mx.array]) -> Partial:
+    """The partial of one tier from its scores [B, Hkv, rep*Lq, Lk] (scaled, float32).
+
+    `combine(weights)` returns sum_k weights·v [B, Hkv, rep*Lq, D]: plain values, or a
+    tier's own way to that sum (latents: (Σ a·z)·Pᵀ). Output as [B, Hkv*rep, Lq, D]."""
+    B, Hkv, R, Lk = scores.shape
+    rep = R // Lq
     if mask is not None:
-        Lk = scores.shape[-1]
-        scores = mx.where(mask, scores.reshape(B, Hkv, rep, Lq, Lk), -mx.inf).reshape(B, Hkv, rep * Lq, Lk)
+        scores = mx.where(mask, scores.reshape(B, Hkv, rep, Lq, Lk), -mx.inf).reshape(B, Hkv, R, Lk)
     peak = mx.max(scores, axis=-1, keepdims=True)
     if mask is not None:
         # A row that may attend to nothing here gets lse=-inf and weight 0 in the merge.
@@ -36,9 +46,9 @@ def partial_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     total = mx.sum(weights, axis=-1, keepdims=True)
     if mask is not None:
         total = mx.maximum(total, 1e-30)
-    out = (weights @ values.astype(mx.float32)) / total
+    out = combine(weights) / total
     lse = mx.log(total) + peak
-    return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+    return out.reshape(B, Hkv * rep, Lq, -1), lse.reshape(B, Hkv * rep, Lq)
 
 
 @partial(mx.compile, shapeless=True)

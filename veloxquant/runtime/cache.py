@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
-from . import hook, per_head, trimming
+from . import hook, kinds, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .head_tier import HeadTier
@@ -30,8 +30,7 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
-        self.tiers = [HeadTier(t) if getattr(t.route, "per_head", False) else Tier(t, self._fed_in_chunks(i))
-                      for i, t in enumerate(plan.tiers)]
+        self.tiers = [kinds.build(t, plan, self._fed_in_chunks(i)) for i, t in enumerate(plan.tiers)]
         self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.observed_queries = None  # SnapKV's window of prompt queries, until it decides
@@ -50,6 +49,8 @@ class TieredCache(_BaseCache):
         self.scored = "attention" in plan.needs
         self._awaiting_attend = False
         self.saliency = Saliency.attach(self)  # a salient tier routes tokens by the attention they received
+        # Tiers that act when the prompt is over (latent tiers fit their basis then).
+        self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
 
     def __deepcopy__(self, memo):
         # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
@@ -61,7 +62,7 @@ class TieredCache(_BaseCache):
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
         self._awaiting_attend = self.scored
-        if self.per_head and keys.shape[2] == 1:
+        if (self.per_head or self._prompt_tiers) and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
         self._settle()
         self.dtype = keys.dtype
@@ -92,18 +93,22 @@ class TieredCache(_BaseCache):
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
         if self.saliency is not None:
             return self.saliency.attend(held, queries, scale, first_q, observe)
+        # Tiers that answer their own partial from what they hold (latents) are never decoded here.
+        own = [t.partial(queries, scale, self._tier_mask(t, first_q, Lq) if self._needs_mask(t, first_q, Lq)
+                         else None) for t in held if getattr(t, "attends", False)]
+        held = [t for t in held if not getattr(t, "attends", False)]
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
-        if not any(fused):
+        if not own and not any(fused):
             return self._dense(held, queries, scale, first_q)
         # Kernel-backed tiers attend from their codes. The others are either folded into
         # the kernel's reduce (16-bit, unmasked) or decoded and attended as one partial,
         # and the partials merge exactly.
         rest = [t for t, call in zip(held, fused) if not call]
         calls = [call for call in fused if call]
-        tail = self._tail(rest, queries, first_q) if len(calls) == 1 else None
+        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not own else None
         if tail:
             return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
-        parts = [call() for call in calls]
+        parts = own + [call() for call in calls]
         if rest:
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
@@ -165,6 +170,10 @@ class TieredCache(_BaseCache):
         """The prompt is over: prompt-time eviction (SnapKV) decides now. Idempotent."""
         if self.per_head:
             per_head.finish_prompt(self)
+        if self._prompt_tiers:
+            self._settle()  # what the window spilled at the end of the prompt belongs to it
+            for tier in self._prompt_tiers:
+                tier.finish_prompt()
 
     def held(self) -> List:
         return [t for t in self.tiers if t.count and not t.drops]

@@ -14,7 +14,7 @@ cost more than they save) are saved packed under NAME, as without entropy
 stages, so a coded file is never larger than the packed one.
 """
 import zlib
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -29,12 +29,16 @@ class CodedStreamError(ValueError):
     """A coded array that does not decode; the message names the array."""
 
 
-def coded_arrays(codec: CodecPlan) -> List[Tuple[str, int]]:
-    """(array name, code width) of each codes array the codec's entropy stages code."""
+def coded_arrays(codec: CodecPlan, names: Iterable[str] = ()) -> List[Tuple[str, int, int]]:
+    """(array name, code width, tokens per unit of axis 2) of each codes array the codec's
+    entropy stages code. A store whose code arrays depend on the data (the `latent`
+    store's one per width) names them from the arrays held, `names`."""
     if not codec.entropy:
         return []
+    if hasattr(codec.store, "coded_names"):
+        return list(codec.store.coded_names(names))
     stores = [("", codec.store)] + [(f"r{i}.", r.inner) for i, r in enumerate(codec.residuals)]
-    return [(f"{prefix}codes", s.bits) for prefix, s in stores if getattr(s, "codes", False)]
+    return [(f"{prefix}codes", s.bits, 1) for prefix, s in stores if getattr(s, "codes", False)]
 
 
 def _crc(words: np.ndarray) -> int:
@@ -45,7 +49,8 @@ def encode(arrays: Dict[str, mx.array], sides: Dict[str, CodecPlan]) -> Dict[str
     """A tier's saved arrays ({"k.codes": ...}) with coded arrays in place of packed codes."""
     out = dict(arrays)
     for side, codec in sides.items():
-        for name, bits in coded_arrays(codec):
+        held = [k[len(side) + 1:] for k in arrays if k.startswith(f"{side}.")]
+        for name, bits, _ in coded_arrays(codec, held):
             key = f"{side}.{name}"
             if key not in out:
                 continue  # an empty tier saves no arrays
@@ -73,7 +78,9 @@ def decode(arrays: Dict[str, mx.array], sides: Dict[str, CodecPlan], tokens: int
     naming the array that does not decode."""
     out = dict(arrays)
     for side, codec in sides.items():
-        for name, bits in coded_arrays(codec):
+        held = {k[len(side) + 1:].rsplit(".", 1)[0] if k.endswith(tuple(f".{p}" for p in PARTS))
+                else k[len(side) + 1:] for k in arrays if k.startswith(f"{side}.")}
+        for name, bits, units in coded_arrays(codec, held):
             key = f"{side}.{name}"
             parts = {p: out.pop(f"{key}.{p}", None) for p in PARTS}
             if all(v is None for v in parts.values()):
@@ -83,7 +90,7 @@ def decode(arrays: Dict[str, mx.array], sides: Dict[str, CodecPlan], tokens: int
             missing = [f"{key}.{p}" for p, v in parts.items() if v is None]
             if missing:
                 raise CodedStreamError(f"coded array {key}: missing {', '.join(missing)}")
-            out[key] = _decode_one(key, {p: np.array(v) for p, v in parts.items()}, codec, bits, tokens)
+            out[key] = _decode_one(key, {p: np.array(v) for p, v in parts.items()}, codec, bits, tokens // units)
     return out
 
 

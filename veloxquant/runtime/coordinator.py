@@ -1,8 +1,10 @@
-"""The coordinator shared by one model's layer caches: cross-layer groups (XQuant).
+"""The coordinator shared by one model's layer caches: cross-layer groups.
 
 The compiler puts layers in groups (LayerPlan.share). Here each reuse layer's
-shared tier becomes a ReuseTier whose Link reads the anchor layer's packed
-codes for the positions it holds. Layers stay in step because mlx-lm runs
+shared tier is linked to its anchor: an ordinary tier becomes a ReuseTier whose
+Link reads the anchor layer's packed codes (XQuant); a tier kind that shares by
+itself (`join_group`: the latent tier, one basis per group, xKV) is handed the
+Links of its group and does the rest. Layers stay in step because mlx-lm runs
 layer i before layer j in every step and all layers of a group route tokens
 the same way; the Link checks that, and refuses reads or trims that would let
 a reuse layer drift from its anchor's codes.
@@ -27,6 +29,9 @@ class Link:
 
     def _anchor_tier(self):
         return self.coordinator.caches[self.anchor].tiers[self.tier]
+
+    def cache(self, layer: int):
+        return self.coordinator.caches[layer]
 
     def codes(self, side: str, start: int, end: int) -> mx.array:
         """The anchor's packed codes for positions [start, end): a slice, never a copy."""
@@ -69,12 +74,13 @@ class Coordinator:
         self.links: List[Link] = []
         for layer, cache in zip(plan.layers, caches):
             cache.coordinator = self
-            if layer.role != "reuse":
-                continue
             for t in shared_tiers(layer):
                 link = Link(self, layer.share.anchor, layer.index, t)
-                cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
-                self.links.append(link)
+                if hasattr(cache.tiers[t], "join_group"):
+                    cache.tiers[t].join_group(link, layer.share.layers)  # it shares by itself (latent: the basis)
+                elif layer.role == "reuse":
+                    cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
+                    self.links.append(link)
 
     def problems(self) -> List[str]:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""

@@ -1,0 +1,195 @@
+"""The two kinds of side (K or V) a latent tier holds: latents on a basis, or an ordinary codec.
+
+Both answer the same three questions for the tier's partial: scores(q), combine(weights)
+and decoded (the reference path), and hold, restore and count their own arrays.
+"""
+from typing import Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..compiler.plan import CodecPlan
+from .buffer import Buffer
+from .codec import Codec
+
+BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
+STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
+
+
+class PlainSide:
+    """A side held by an ordinary codec (SVDq's float16 values)."""
+
+    shared = False  # never shared across layers
+
+    def __init__(self, plan: CodecPlan, n_kv_heads: int, head_dim: int):
+        self.codec = Codec(plan)
+        # Exact-size: the tier is fed whole groups (>= 32 tokens), one copy per group, no slack held.
+        self.buffers = {name: Buffer(None) for name in self.codec.units()}
+
+    def append(self, x: mx.array) -> None:
+        for name, arr in self.codec.encode(x).items():
+            self.buffers[name].append(arr)
+
+    def decoded(self, dtype) -> mx.array:
+        return self.codec.decode({n: b.view() for n, b in self.buffers.items()}, dtype)
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ self.decoded(mx.float32).swapaxes(-1, -2)
+
+    def combine(self, weights: mx.array) -> mx.array:
+        return weights @ self.decoded(mx.float32)
+
+    def finish_prompt(self) -> None:
+        pass
+
+    def units(self) -> Dict[str, int]:
+        return self.codec.units()
+
+    def _live(self) -> Dict[str, Buffer]:
+        return self.buffers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def arrays(self) -> Dict[str, mx.array]:
+        return {n: b.view() for n, b in self.buffers.items() if b.view() is not None}
+
+    def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
+        for name, per_unit in self.units().items():
+            arr = arrays.get(name)
+            if count and (arr is None or arr.ndim != 4 or arr.shape[2] * per_unit != count):
+                return f"array {name} is missing or does not hold {count} tokens"
+            self.buffers[name].set(arr if count else None)
+        return None
+
+
+class LatentSide:
+    """A side held as latents on a basis (the `latent` store)."""
+
+    def __init__(self, plan: CodecPlan, n_kv_heads: int, head_dim: int):
+        self.store, self.n_kv_heads, self.head_dim = plan.store, n_kv_heads, head_dim
+        self.staged = Buffer(None)  # float16, until the basis is fitted
+        self.fitted: Dict[str, mx.array] = {}  # basis [G, hg*D, r], mean [G, hg*D], widths [r]
+        self.widths: Optional[np.ndarray] = None
+        self.buffers: Dict[str, Buffer] = {}
+        self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
+        self.shared = getattr(self.store, "layers", 1) > 1
+
+    def append(self, x: mx.array) -> None:
+        if self.widths is None:
+            self.staged.append(x.astype(mx.float16))
+            return
+        for name, arr in self.store.encode(self._project(x), self.widths, self.fitted).items():
+            self.buffers[name].append(mx.contiguous(arr))
+
+    def finish_prompt(self, basis: Optional[Dict[str, mx.array]] = None) -> None:
+        """Fit the basis on the staged tokens (or take the group's `basis`), code them, free them.
+        Idempotent; with nothing staged yet (a prompt shorter than the window) it waits."""
+        x = self.staged.view()
+        if self.widths is not None or x is None:
+            return
+        fitted = basis if basis is not None else self.store.fit(x)
+        self._set_basis(fitted)
+        self._set_basis({**fitted, **self.store.stats(self._project(x))})  # quant=gauss: latent scales
+        self.staged.set(None)
+        self.append(x)
+
+    def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
+        self.fitted = dict(fitted)  # as given: a group's members hold the anchor's arrays themselves
+        self.widths = np.array(fitted["widths"]).astype(np.int64)
+        # Exact-size buffers: latents grow one group at a time (a small copy), and attention
+        # then reads contiguous arrays, the same live and after loading (identical logits).
+        self.buffers = {name: Buffer(None) for name in self.store.units(self.widths)}
+
+    # --- shapes: per kv head views of the group basis -------------------------------
+    def _per_head(self):
+        """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive)."""
+        basis, mean = self.fitted["basis"].astype(mx.float32), self.fitted["mean"].astype(mx.float32)
+        H, D = self.n_kv_heads, self.head_dim
+        return basis.reshape(H, D, -1), mean.reshape(H, 1, D)
+
+    def _project(self, x: mx.array) -> mx.array:
+        """x [B, H, L, D] -> latents [B, G, L, r]."""
+        B, H, L, D = x.shape
+        G = self.fitted["basis"].shape[0]
+        basis, mean = self._per_head()
+        # z_g = sum over the group's heads of (x_h - mean_h) P_h
+        z = (x.astype(mx.float32) - mean) @ basis  # [B, H, L, r]
+        return z.reshape(B, G, H // G, L, -1).sum(axis=2)
+
+    def latents(self) -> mx.array:
+        return self.store.decode({n: b.view() for n, b in self.buffers.items()}, self.widths, self.fitted)
+
+    # --- attention from the latents --------------------------------------------------
+    def scores(self, q: mx.array) -> mx.array:
+        """q [B, H, R, D] (scaled, float32) -> q·k for every held token [B, H, R, L]."""
+        if self.widths is None:
+            return q @ self.staged.view().astype(mx.float32).swapaxes(-1, -2)
+        B, H, R, D = q.shape
+        basis, mean = self._per_head()
+        z = self.latents()  # [B, G, L, r]: the latents, never K
+        G = z.shape[1]
+        qp = (q @ basis).reshape(B, G, (H // G) * R, -1)  # the query projected once per head
+        s = (qp @ z.swapaxes(-1, -2)).reshape(B, H, R, -1)
+        return s + q @ mean.swapaxes(-1, -2) if self.store.center else s
+
+    def combine(self, weights: mx.array) -> mx.array:
+        """weights [B, H, R, L] -> sum of weight·v [B, H, R, D], through the latents."""
+        if self.widths is None:
+            return weights @ self.staged.view().astype(mx.float32)
+        B, H, R, L = weights.shape
+        z = self.latents()
+        G, r = z.shape[1], z.shape[-1]
+        basis, mean = self._per_head()
+        mixed = (weights.reshape(B, G, (H // G) * R, L) @ z).reshape(B, H, R, r)
+        out = mixed @ basis.swapaxes(-1, -2)
+        return out + mx.sum(weights, axis=-1, keepdims=True) * mean if self.store.center else out
+
+    def decoded(self, dtype) -> mx.array:
+        """The reference path: K or V rebuilt from the latents [B, H, L, D]."""
+        if self.widths is None:
+            return self.staged.view().astype(dtype)
+        z = self.latents()
+        B, G, L, r = z.shape
+        basis = self.fitted["basis"].astype(mx.float32)  # [G, hg*D, r]
+        x = (z @ basis.swapaxes(-1, -2)) + self.fitted["mean"].astype(mx.float32)[:, None]  # [B, G, L, hg*D]
+        H, D = self.n_kv_heads, self.head_dim
+        return x.reshape(B, G, L, H // G, D).swapaxes(2, 3).reshape(B, H, L, D).astype(dtype)
+
+    # --- bookkeeping --------------------------------------------------------------
+    def units(self) -> Dict[str, int]:
+        return {"x": 1} if self.widths is None else self.store.units(self.widths)
+
+    def _live(self) -> Dict[str, Buffer]:
+        return {"x": self.staged} if self.widths is None else self.buffers
+
+    def _own(self) -> Dict[str, mx.array]:
+        """The fitted arrays this layer holds: a group's basis is held (and saved) by its anchor only."""
+        if self.basis_of is None:
+            return self.fitted
+        return {n: a for n, a in self.fitted.items() if n not in BASIS}
+
+    def arrays(self) -> Dict[str, mx.array]:
+        out = {n: b.view() for n, b in self._live().items() if b.view() is not None}
+        out.update(self._own())
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Allocated buffers (growth slack is real memory) plus the basis this layer holds."""
+        return sum(b.nbytes for b in self._live().values()) + sum(a.nbytes for a in self._own().values())
+
+    def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
+        if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis
+            arrays = {**arrays, **{n: self.basis_of()[n] for n in BASIS}}
+        if all(name in arrays for name in BASIS):
+            self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
+        else:
+            self.fitted, self.widths, self.buffers = {}, None, {}
+        for name, per_unit in self.units().items():
+            arr = arrays.get(name)
+            if count and (arr is None or arr.ndim != 4 or arr.shape[2] * per_unit != count):
+                return f"array {name} is missing or does not hold {count} tokens"
+            self._live()[name].set(arr if count else None)
+        return None

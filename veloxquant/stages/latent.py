@@ -1,0 +1,224 @@
+"""The `latent` store: K or V as low-rank latents on a basis fitted at the end of the prompt.
+
+For each group of `heads` kv heads, an eigendecomposition of the prompt's
+vectors (uncentred: SVD, as SVDq/PALU; `center=true`: PCA, as KVTC) gives
+orthonormal components ordered by energy. Each component gets a width:
+
+  rank/energy mode -- the first `rank` components (or as many as reach `energy`
+                      of the energy), the top `hi_fraction` of them at `hi_bits`,
+                      the rest at `lo_bits` (16 = float16 latents);
+  budget mode      -- widths from the KVTC allocator under `budget` bits per token
+                      and head group (bit_alloc.py); width 0 drops a component.
+
+With `layers=N` (xKV) N adjacent layers share one basis, fitted on all their
+vectors at once; each layer holds its own latents (compiler/groups.py).
+
+Latents of width b < 16 are coded per component, packed along the tokens (a
+component's `group` tokens of b bits fill whole 32-bit words, for any b):
+quant=minmax -- affine codes, a float16 scale and zero per component and group;
+quant=gauss  -- Lloyd-Max levels of a unit gaussian on the latent standardised by
+                its prompt mean and deviation (fitted with the basis): no metadata
+                per token, the whole budget goes to the codes. The runtime tier (runtime/latent_tier.py) holds them and
+attends in latent space; this module is the arithmetic.
+"""
+import math
+from typing import Dict, Tuple
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from .bit_alloc import allocate, parse_choices
+from .bitpack import pack, unpack
+from .codebook import lloyd_max
+from .registry import choices as one_of, in_range, stage
+
+FLOAT = 16  # width that stores a latent as float16
+
+
+def _choices(instance, attribute, value):
+    parse_choices(value)
+
+
+def _width(instance, attribute, value):
+    if not (1 <= value <= 8 or value == FLOAT):
+        raise ValueError("must be between 1 and 8, or 16 (float16 latents)")
+
+
+@stage("latent", "store")
+@attrs.frozen
+class Latent:
+    """Low-rank latents on a basis fitted at the end of the prompt; attention runs in latent space."""
+    rank: int = attrs.field(default=0, validator=in_range(0, 1 << 16))
+    energy: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    heads: int = attrs.field(default=1, validator=in_range(0, 1 << 10))
+    hi_bits: int = attrs.field(default=4, validator=_width)
+    lo_bits: int = attrs.field(default=2, validator=_width)
+    hi_fraction: float = attrs.field(default=0.25, validator=in_range(0.0, 1.0))
+    budget: int = attrs.field(default=0, validator=in_range(0, 1 << 16))
+    choices: str = attrs.field(default="0,1,2,3,4,6,8", validator=_choices)
+    beta: float = attrs.field(default=4.0, validator=in_range(1.0001, 1e6))
+    group: int = attrs.field(default=32, validator=in_range(32, 1 << 16))
+    center: bool = False
+    quant: str = attrs.field(default="minmax", validator=one_of("minmax", "gauss"))
+    layers: int = attrs.field(default=1, validator=in_range(1, 8))
+
+    codes = True  # integer codes an entropy stage may code (the c<b>.codes arrays)
+    tier_kind = "latent"  # held by runtime/latent_tier.py
+
+    def __attrs_post_init__(self):
+        if self.group % 32:
+            raise ValueError(f"group={self.group} must be a multiple of 32 (codes are packed along tokens)")
+        if not (self.rank or self.energy or self.budget):
+            raise ValueError("give rank=, energy= or budget= (how many components to keep)")
+        if self.rank and self.energy:
+            raise ValueError("give rank= or energy=, not both")
+
+    @property
+    def token_multiple(self) -> int:
+        return self.group
+
+    def check_head_dim(self, head_dim: int) -> str:
+        return ""
+
+    def check_heads(self, n_kv_heads: int, head_dim: int) -> str:
+        if self.heads and n_kv_heads % self.heads:
+            return f"heads={self.heads} does not divide the {n_kv_heads} kv heads"
+        if self.rank > self.group_width(n_kv_heads, head_dim):
+            return f"rank={self.rank} exceeds the {self.group_width(n_kv_heads, head_dim)} channels of a head group"
+        return ""
+
+    def heads_per_group(self, n_kv_heads: int) -> int:
+        return self.heads or n_kv_heads
+
+    def group_width(self, n_kv_heads: int, head_dim: int) -> int:
+        return self.heads_per_group(n_kv_heads) * head_dim
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Latent bits per K/V element with one head per basis (rank mode, or a budget of Lloyd-Max
+        codes); NaN where the data decides (energy, or how many components get scales)."""
+        if self.heads != 1 or (self.budget and self.quant != "gauss") or not (self.rank or self.budget):
+            return float("nan")
+        if self.budget:
+            return min(self.budget, 8 * head_dim) / head_dim
+        hi = math.ceil(self.hi_fraction * self.rank)
+        meta = 32 / self.group if self.quant == "minmax" else 0.0
+        return sum(n * (b if b == FLOAT else b + meta)
+                   for n, b in ((hi, self.hi_bits), (self.rank - hi, self.lo_bits))) / head_dim
+
+    # --- the basis ----------------------------------------------------------------
+    def widths(self, spectra: np.ndarray) -> np.ndarray:
+        """Width of each component from the energies [groups, channels] (descending per group)."""
+        n = spectra.shape[1]
+        if self.budget:
+            variances = spectra.mean(axis=0)
+            if self.rank:
+                variances = variances[:self.rank]
+            w = allocate(variances, self.budget, parse_choices(self.choices), self.beta)
+            return np.concatenate([w, np.zeros(n - len(w), np.int64)])
+        if self.rank:
+            r = min(self.rank, n)
+        else:  # the smallest rank reaching `energy` in every head group
+            share = np.cumsum(spectra, axis=1) / np.maximum(spectra.sum(axis=1, keepdims=True), 1e-30)
+            r = int(max(np.searchsorted(s, self.energy - 1e-12) + 1 for s in share))
+            r = min(r, n)
+        hi = math.ceil(self.hi_fraction * r)
+        return np.array([self.hi_bits] * hi + [self.lo_bits] * (r - hi) + [0] * (n - r), np.int64)
+
+    def fit(self, x: mx.array) -> Dict[str, mx.array]:
+        """{"basis" [G, hg*D, r], "mean" [G, hg*D], "widths" [r] uint8} from vectors x [B, H, L, D]."""
+        B, H, L, D = x.shape
+        hg = self.heads_per_group(H)
+        X = np.array(x.astype(mx.float32), dtype=np.float64)
+        X = X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
+        mean = X.mean(axis=1) if self.center else np.zeros((H // hg, hg * D))
+        Xc = X - mean[:, None]
+        evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(B * L, 1))
+        evals, evecs = evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
+        w = self.widths(evals)
+        keep = np.flatnonzero(w)
+        return {"basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
+                "mean": mx.array(mean.astype(np.float16)), "widths": mx.array(w[keep].astype(np.uint8))}
+
+    # --- latents <-> codes ------------------------------------------------------------
+    def classes(self, widths: np.ndarray) -> Tuple[Tuple[int, np.ndarray], ...]:
+        """(width, component indices) per distinct width, widest first."""
+        return tuple((int(b), np.flatnonzero(widths == b)) for b in sorted(set(widths.tolist()), reverse=True))
+
+    def stats(self, z: mx.array) -> Dict[str, mx.array]:
+        """quant=gauss: each latent's prompt mean and deviation {"loc", "std"} [G, r] (float16)."""
+        if self.quant != "gauss":
+            return {}
+        loc = mx.mean(z, axis=(0, 2))
+        std = mx.sqrt(mx.mean(mx.square(z - loc[:, None]), axis=(0, 2)))
+        return {"loc": mx.contiguous(loc.astype(mx.float16)), "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16))}
+
+    def _standard(self, stats: Dict[str, mx.array], idx: np.ndarray):
+        """(loc, std) of the components idx as [1, G, 1, n, 1] (they broadcast over [B, G, groups, n, tokens])."""
+        sel = mx.array(idx)
+        return tuple(stats[k][:, sel].astype(mx.float32)[None, :, None, :, None] for k in ("loc", "std"))
+
+    def encode(self, z: mx.array, widths: np.ndarray, stats: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """Latents z [B, G, L, r] (L a multiple of `group`) -> arrays whose axis 2 counts token groups."""
+        B, G, L, r = z.shape
+        n_groups = L // self.group
+        out = {}
+        for b, idx in self.classes(widths):
+            zb = z[..., mx.array(idx)].astype(mx.float32)
+            zb = zb.reshape(B, G, n_groups, self.group, len(idx)).swapaxes(-1, -2)  # [.., comps, tokens]
+            if b == FLOAT:
+                out["f16"] = zb.astype(mx.float16).reshape(B, G, n_groups, -1)
+                continue
+            if self.quant == "gauss":
+                loc, std = self._standard(stats, idx)
+                levels = mx.array(lloyd_max(b, "gaussian"))
+                q = mx.sum(((zb - loc) / std)[..., None] > (levels[1:] + levels[:-1]) / 2, axis=-1)
+                out[f"c{b}.codes"] = pack(q, b).reshape(B, G, n_groups, -1)
+                continue
+            lo, hi = mx.min(zb, axis=-1, keepdims=True), mx.max(zb, axis=-1, keepdims=True)
+            levels = (1 << b) - 1
+            scale, zero = ((hi - lo) / levels).astype(mx.float16), lo.astype(mx.float16)
+            q = mx.clip(mx.round((zb - zero.astype(mx.float32)) / mx.maximum(scale.astype(mx.float32), 1e-12)),
+                        0, levels)
+            out[f"c{b}.codes"] = pack(q, b).reshape(B, G, n_groups, -1)
+            out[f"c{b}.scales"], out[f"c{b}.zeros"] = scale.squeeze(-1), zero.squeeze(-1)
+        return out
+
+    def decode(self, enc: Dict[str, mx.array], widths: np.ndarray, stats: Dict[str, mx.array]) -> mx.array:
+        """Inverse of encode: latents [B, G, L, r] in float32."""
+        parts, order = [], []
+        for b, idx in self.classes(widths):
+            n = len(idx)
+            if b == FLOAT:
+                x = enc["f16"].astype(mx.float32)
+                B, G, n_groups, _ = x.shape
+                zb = x.reshape(B, G, n_groups, n, self.group)
+            else:
+                words = enc[f"c{b}.codes"]
+                B, G, n_groups, _ = words.shape
+                q = unpack(words.reshape(B, G, n_groups, n, self.group * b // 32), b, self.group)
+                if self.quant == "gauss":
+                    loc, std = self._standard(stats, idx)
+                    zb = mx.array(lloyd_max(b, "gaussian"))[q] * std + loc
+                else:
+                    zb = (q.astype(mx.float32) * enc[f"c{b}.scales"].astype(mx.float32)[..., None]
+                          + enc[f"c{b}.zeros"].astype(mx.float32)[..., None])
+            parts.append(zb.swapaxes(-1, -2).reshape(B, G, n_groups * self.group, n))
+            order.append(idx)
+        z = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        inverse = np.argsort(np.concatenate(order))
+        return z if (inverse == np.arange(len(inverse))).all() else z[..., mx.array(inverse)]
+
+    def units(self, widths: np.ndarray) -> Dict[str, int]:
+        """Tokens per unit of axis 2 of each latent array."""
+        out = {}
+        for b, _ in self.classes(widths):
+            names = ("f16",) if b == FLOAT else (f"c{b}.codes",) if self.quant == "gauss" else \
+                (f"c{b}.codes", f"c{b}.scales", f"c{b}.zeros")
+            out.update({name: self.group for name in names})
+        return out
+
+    def coded_names(self, names) -> Tuple[Tuple[str, int, int], ...]:
+        """(array, code width, tokens per unit) of the integer codes among `names` (for entropy coding)."""
+        return tuple((n, int(n[1:-len(".codes")]), self.group) for n in sorted(names)
+                     if n.startswith("c") and n.endswith(".codes"))
