@@ -17,6 +17,10 @@ def trimmable(cache) -> bool:
     cache._settle()
     if cache.size() != cache.offset:
         return False
+    # A tier that cannot hand its tokens back (latent tiers: the fp16 values are gone and
+    # a cut group could not be re-held) makes the layer untrimmable once it holds any.
+    if any(t.count and not hasattr(t, "take_back") for t in cache.held()):
+        return False
     shared = getattr(cache, "coordinator", None) and cache.plan.share
     return not (shared and any(cache.tiers[t].count for t in shared_tiers(cache.plan)))
 
