@@ -138,6 +138,7 @@ class HeadTier:
     def arrays(self) -> Dict[str, mx.array]:
         out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items() for name, buf in bufs.items()}
         out.update({name: buf.view() for name, buf in self.meta.items()})
+        out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
         return {k: v for k, v in out.items() if v is not None}
 
     def expected_names(self) -> List[str]:
@@ -147,6 +148,7 @@ class HeadTier:
         self.count = count
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
+        self.scorer.load({k[len("scorer."):]: v for k, v in arrays.items() if k.startswith("scorer.")})
         for key in self.expected_names():
             side, _, name = key.rpartition(".")
             buf = self.buffers[side][name] if side else self.meta[name]

@@ -69,6 +69,13 @@ class Scorer:
         """[B, H, L]: the tier keeps the highest. `weigh` as in Seen (None while decoding)."""
         return tier.scores
 
+    def state(self) -> Dict[str, mx.array]:
+        """Per-head arrays a saved cache must carry to keep ranking the same way (not per token)."""
+        return {}
+
+    def load(self, arrays: Dict[str, mx.array]) -> None:
+        pass
+
     def release(self) -> None:
         """The decision is made (once routes): drop what was only kept to make it."""
 
