@@ -50,7 +50,8 @@ class Evict(_PerHeadRoute):
     The first `sinks` positions and the newest `recent` are never evicted.
     window: queries a scorer looks back on (morph rows, expected/qfilters
     statistics); tau: keyformer's noise temperature; chunk: chunkkv's chunk
-    size; rank: curdkv's rank cap.
+    size; rank: curdkv's rank cap; pool: max-pool `mean` scores over that
+    many neighbouring tokens (SnapKV's smoothing).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
@@ -61,6 +62,7 @@ class Evict(_PerHeadRoute):
     tau: float = attrs.field(default=1.0, validator=in_range(0.0, 1e6))
     chunk: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
     rank: int = attrs.field(default=16, validator=in_range(1, 1 << 16))
+    pool: int = attrs.field(default=1, validator=in_range(1, 1 << 10))
 
     def __attrs_post_init__(self):
         if self.sinks + self.recent >= self.budget:

@@ -44,10 +44,12 @@ class QFilters(Scorer):
         return (k @ u[..., None])[..., 0]
 
     def state(self):
-        return {} if self.direction is None else {"direction": self.direction}
+        if self.direction is not None:
+            return {"direction": self.direction}
+        return {} if self.samples is None else {"samples": self.samples}  # calibration still under way
 
     def load(self, arrays):
-        self.direction = arrays.get("direction", self.direction)
+        self.direction, self.samples = arrays.get("direction"), arrays.get("samples")
 
     def release(self):
         self.samples = None  # the direction (D floats per head) stays: it is all later keys would need
