@@ -216,3 +216,23 @@ def test_new_recipes_on_sliding_window_layers(name):
     want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 16)
     got = feed(model, tokens, veloxquant.make_prompt_cache(model, name, ["budget=200"]), 16)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["observed_attention", "snapkv", "knorm"])
+def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
+    """bench kvpress feeds the prompt once and decides at each budget on copies: same as a fresh run."""
+    from veloxquant.bench.kvpress import fork
+    tokens = mx.array(np.random.default_rng(18).integers(0, 500, (1, 48)))
+    sets = {"knorm": ["once=true"], "snapkv": ["window=8"]}.get(name, [])
+    wide = veloxquant.make_prompt_cache(llama_model, name, [*sets, "budget=30"])
+    feed(llama_model, tokens[:, :40], wide, 16)
+    forked = fork(wide, 12)
+    fresh = veloxquant.make_prompt_cache(llama_model, name, [*sets, "budget=12"])
+    feed(llama_model, tokens[:, :40], fresh, 16)
+    for caches in (forked, fresh):
+        for c in caches:
+            c.finish_prompt()
+    a, b = (np.array(feed(llama_model, tokens[:, 40:], c, 4)) for c in (forked, fresh))
+    assert np.array_equal(a, b)
+    assert all(np.array_equal(np.array(x.tiers[0].positions), np.array(y.tiers[0].positions))
+               for x, y in zip(forked, fresh))

@@ -13,6 +13,7 @@ are compared on the same footing. kvpress's own figures (issue 14: kvpress
 ours; they are not re-measured here.
 """
 import argparse
+import copy
 import json
 import math
 import sys
@@ -44,8 +45,22 @@ def rows_asked(specs: List[str]) -> List[str]:
     return [ours for _, (ours, _) in KVPRESS.items() if ours] + EXTRA
 
 
-def measure(model, windows, spec: str, budget: int, cfg, where: Path) -> float:
-    from ..eval.ppl import window_nll
+def fork(caches, budget: int):
+    """A copy of prefilled caches whose eviction tiers will keep `budget` tokens: the prompt is fed
+    once per row and window, then decided at each fraction (nothing is evicted before the end)."""
+    import attrs
+    copies = copy.deepcopy(caches, {id(c.dtype): c.dtype for c in caches})
+    for c in copies:
+        for t in c.tiers:
+            if t.scorer is not None:
+                t.route = t.scorer.route = attrs.evolve(t.route, budget=budget)
+    return copies
+
+
+def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> List[float]:
+    """PPL of the continuation at each budget, summed over the windows."""
+    import mlx.core as mx
+    from ..eval.feed import score, settle
     from ..eval.rows import parse_row
     from ..runtime import make_prompt_cache
     if spec == "streaming":
@@ -53,13 +68,21 @@ def measure(model, windows, spec: str, budget: int, cfg, where: Path) -> float:
         path.write_text(STREAMING)
         spec = str(path)
     row = parse_row(spec, ())
-    sets = (*row.sets, f"budget={budget}")
-    nll = n = 0.0
+    nll, n = [0.0] * len(budgets), 0
     for w in windows:
-        r = window_nll(model, lambda: make_prompt_cache(model, row.ref, sets), w, cfg.prefix,
-                       cfg.prefill_chunk, cfg.score_chunk)
-        nll, n = nll + r["nll"], n + r["tokens"]
-    return math.exp(nll / n)
+        x = mx.array(w)[None]
+        caches = make_prompt_cache(model, row.ref, (*row.sets, f"budget={max(budgets)}"))
+        for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
+            model(x[:, s:min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
+            settle(caches)
+        for i, b in enumerate(budgets):
+            mine = fork(caches, b)
+            for c in mine:
+                c.finish_prompt()  # the prefix ends: compress once
+            settle(mine)
+            nll[i] += float(score(model, x, mine, cfg.prefix, cfg.score_chunk))
+        n += x.shape[1] - 1 - cfg.prefix
+    return [math.exp(v / n) for v in nll]
 
 
 def main(argv=None) -> int:
@@ -91,12 +114,11 @@ def main(argv=None) -> int:
     ours: Dict[str, List[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in rows_asked(args.recipes):
-            ours[spec] = []
-            for b in budgets:
-                p = measure(model, wins, spec, b, cfg, Path(tmp))
-                ours[spec].append(100 * (p / base - 1))
-                print(f"  {spec} budget {b}: PPL {p:.3f} ({ours[spec][-1]:+.2f}%) "
-                      f"[{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
+            ppls = measure(model, wins, spec, budgets, cfg, Path(tmp))
+            ours[spec] = [100 * (p / base - 1) for p in ppls]
+            print(f"  {spec} budgets {budgets}: PPL " + ", ".join(f"{p:.3f}" for p in ppls) + " (" +
+                  ", ".join(f"{d:+.2f}%" for d in ours[spec]) + f") [{time.perf_counter() - started:.0f} s]",
+                  file=sys.stderr, flush=True)
     print(table(ours, fractions, base))
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline_ppl": base, "fractions": fractions, "budgets": budgets,
