@@ -32,8 +32,8 @@ KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94))
            "KeyDiff": ("keydiff", (3.28, 7.05, 12.28)),
            "Knorm": ("knorm[once=true]", (8.76, 12.49, 15.29))}
 KVPRESS_FRACTIONS = (0.5, 0.75, 0.85)
-EXTRA = ["h2o[once=true]", "observed_attention[recent=16]", "chunkkv[once=true]", "curdkv[once=true]",
-         "qfilters[once=true]", "keyformer[once=true]", "morphkv[once=true]"]
+EXTRA = ["observed_attention[recent=64]", "observed_attention[pool=5]", "h2o[once=true]", "curdkv[once=true]",
+         "qfilters[once=true]", "chunkkv[once=true]", "morphkv[once=true]"]
 # StreamingLLM at the end of the prompt: sinks plus the newest tokens, then append.
 STREAMING = "veloxquant: 1\nname: streaming\npipeline: evict(budget=$budget, sinks=4, score=newest, once=true)\n" \
             "params:\n  budget: {default: 256, type: int, doc: tokens kept}\n"
@@ -119,11 +119,13 @@ def main(argv=None) -> int:
             print(f"  {spec} budgets {budgets}: PPL " + ", ".join(f"{p:.3f}" for p in ppls) + " (" +
                   ", ".join(f"{d:+.2f}%" for d in ours[spec]) + f") [{time.perf_counter() - started:.0f} s]",
                   file=sys.stderr, flush=True)
+            if args.json:  # after every row, so a long run's finished rows are kept
+                Path(args.json).write_text(json.dumps({
+                    "command": " ".join(["python -m veloxquant.bench.kvpress", *(argv or sys.argv[1:])]),
+                    "baseline_ppl": base, "windows": len(wins), "fractions": fractions, "budgets": budgets,
+                    "delta_ppl_percent": ours, "kvpress_reference": {k: v[1] for k, v in KVPRESS.items()}},
+                    indent=1) + "\n")
     print(table(ours, fractions, base))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"baseline_ppl": base, "fractions": fractions, "budgets": budgets,
-                                               "delta_ppl_percent": ours, "kvpress_reference": {
-                                                   k: v[1] for k, v in KVPRESS.items()}}, indent=1) + "\n")
     return 0
 
 
