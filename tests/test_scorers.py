@@ -236,3 +236,27 @@ def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
     assert np.array_equal(a, b)
     assert all(np.array_equal(np.array(x.tiers[0].positions), np.array(y.tiers[0].positions))
                for x, y in zip(forked, fresh))
+
+
+def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
+    """The protocol: a scorer declared outside the runtime is fed what it needs, and ranks."""
+    from veloxquant.runtime.scorers import SCORERS, Scorer, scorer
+
+    @scorer("test_oldest_first")
+    class OldestFirst(Scorer):
+        needs = frozenset({"queries", "new_keys"})
+        seen = []
+
+        def observe(self, tier, seen):
+            OldestFirst.seen.append((seen.queries.shape, seen.new_keys.shape, seen.received))
+
+        def priority(self, tier, offset, weigh):
+            return -tier.positions.astype(mx.float32)
+
+    try:
+        cache = drive(layer_cache(llama_model, tmp_path, "evict(budget=6, sinks=0, score=test_oldest_first)"),
+                      blocks(19, [10, 1]))
+        assert [list(h) for h in held(cache)[0]] == [list(range(6))] * HKV
+        assert OldestFirst.seen[0] == ((1, HQ, 10, 16), (1, HKV, 10, 16), None)  # no weights asked, none computed
+    finally:
+        del SCORERS["test_oldest_first"]
