@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--corpus", default="austen")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--baseline-ppl", type=float, default=None,
+                    help="fp16 PPL on the same windows, from an earlier run of this bench (skips measuring it)")
     args = ap.parse_args(argv)
     from ..data import load_text
     from ..eval.config import EvalConfig
@@ -106,9 +108,11 @@ def main(argv=None) -> int:
     wins = windows(tokenizer.encode(load_text(args.corpus)), cfg.windows, cfg.window_len)
     started = time.perf_counter()
     from ..eval.ppl import window_nll
-    base_nll = [window_nll(model, lambda: make_prompt_cache(model, "fp16"), w, cfg.prefix, cfg.prefill_chunk,
-                           cfg.score_chunk) for w in wins]
-    base = math.exp(sum(r["nll"] for r in base_nll) / sum(r["tokens"] for r in base_nll))
+    base = args.baseline_ppl
+    if base is None:
+        base_nll = [window_nll(model, lambda: make_prompt_cache(model, "fp16"), w, cfg.prefix, cfg.prefill_chunk,
+                               cfg.score_chunk) for w in wins]
+        base = math.exp(sum(r["nll"] for r in base_nll) / sum(r["tokens"] for r in base_nll))
     print(f"fp16 PPL {base:.3f} on {len(wins)} windows of {cfg.prefix} + {cfg.score_tokens} tokens; "
           f"budgets per kv head {budgets}", file=sys.stderr)
     ours: Dict[str, List[float]] = {}
