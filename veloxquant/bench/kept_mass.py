@@ -10,6 +10,7 @@ yardstick: kept mass = the share of it on positions the recipe still holds
 (for that query head's kv head). Averaged over queries and heads, then layers.
 """
 import argparse
+from pathlib import Path
 from typing import Dict, List
 
 import mlx.core as mx
@@ -20,7 +21,11 @@ from ..runtime.scoring import attention_weights, position_mask
 
 ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
-        ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", [])]
+        ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", []),
+        ("observed_attention (once)", "observed_attention", []), ("h2o once", "h2o", ["once=true"]),
+        ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []), ("expected_attention (once)", "expected_attention", []),
+        ("qfilters", "qfilters", []), ("keyformer", "keyformer", []), ("morphkv", "morphkv", []),
+        ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", [])]
 
 
 class Recorder:
@@ -90,21 +95,29 @@ def main(argv=None) -> int:
     ap.add_argument("--next", type=int, default=32, help="continuation tokens whose queries are the yardstick")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--corpus", default="austen")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="model path (default SmolLM2; 'gemma3' = Gemma-3-270M)")
+    ap.add_argument("--only", default=None, help="comma-separated row labels to run (default: all)")
     args = ap.parse_args(argv)
     from ..data.corpus import load_text
     from ..models.default import load_model
+    if args.model == "gemma3":
+        from ..models.default import gemma3_model_path
+        args.model = str(gemma3_model_path())
     model, tokenizer = load_model(args.model) if args.model else load_model()
     ids = tokenizer.encode(load_text(args.corpus))[: args.prompt_tokens + args.next]
     tokens = mx.array(ids)[None]
     n = args.prompt_tokens
     weights = fp16_weights(model, tokens, n)
     kept: Dict[str, List[np.ndarray]] = {}
-    print(f"SmolLM2 prompt {n} tokens ({args.corpus}), budget {args.budget} per kv head; yardstick: fp16 "
+    model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    print(f"{model_name}: prompt {n} tokens ({args.corpus}), budget {args.budget} per kv head; yardstick: fp16 "
           f"attention of the next {args.next} tokens' queries over the prompt\n")
     print("| recipe | held per head (layer mean) | fp16 attention mass kept, mean over layers | worst layer |")
     print("| --- | --- | --- | --- |")
+    only = set(args.only.split(",")) if args.only else None
     for label, name, sets in ROWS:
+        if only and label not in only:
+            continue
         sets = [x.replace("HALF", str(args.budget // 2)) for x in sets]
         sets = sets + ([f"budget=pyramid(from={args.budget * 7 // 4}, to={args.budget // 4})"]
                        if name == "pyramidkv" else [f"budget={args.budget}"])
@@ -118,6 +131,8 @@ def main(argv=None) -> int:
         held = np.mean([p.shape[2] for p in kept[label]])
         worst = int(np.argmin(per_layer))
         print(f"| {label} | {held:.0f} | {np.mean(per_layer):.4f} | {per_layer[worst]:.4f} (layer {worst}) |")
+    if "h2o" not in kept or "h2o proxy" not in kept:
+        return 0
     print(f"\nkept-set overlap (Jaccard, mean over layers and kv heads), h2o real vs proxy: "
           f"{jaccard(kept['h2o'], kept['h2o proxy']):.3f}")
     return 0

@@ -139,9 +139,11 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
     out = []
     for t in layer.tiers:
         if getattr(t.route, "per_head", False):
+            from ..runtime.scorers import make  # the scorer says what it keeps per token
+            extra = 4 * sum(math.prod(shape) for shape in make(t.route).token_state.values())
             when = "once, at the end of the prompt" if t.route.once else "every step"
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
-                       "+8 bytes/token/head of positions and scores")
+                       f"+{8 + extra} bytes/token/head of positions and scores")
     return out
 
 

@@ -33,7 +33,6 @@ class TieredCache(_BaseCache):
         self.tiers = [kinds.build(t, plan, self._fed_in_chunks(i)) for i, t in enumerate(plan.tiers)]
         self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
-        self.observed_queries = None  # SnapKV's window of prompt queries, until it decides
         self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
@@ -163,11 +162,10 @@ class TieredCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         self._settle()
-        pending = self.observed_queries.nbytes if self.observed_queries is not None else 0
-        return sum(t.nbytes for t in self.tiers) + pending
+        return sum(t.nbytes for t in self.tiers)  # scorers' pending state (SnapKV's queries) included
 
     def finish_prompt(self) -> None:
-        """The prompt is over: prompt-time eviction (SnapKV) decides now. Idempotent."""
+        """The prompt is over: prompt-time eviction (SnapKV, evict(once=true)) decides now. Idempotent."""
         if self.per_head:
             per_head.finish_prompt(self)
         if self._prompt_tiers:

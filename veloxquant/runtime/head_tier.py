@@ -10,12 +10,13 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..compiler.plan import TierPlan
+from . import scorers
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
 from .tier import UNBOUNDED_STEP
 
-META = ("pos", "score")  # arrays beside the codec's: positions and running scores
+META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
 
 
 class HeadTier:
@@ -27,12 +28,13 @@ class HeadTier:
         self.plan = plan
         self.route = plan.route
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        self.scorer = scorers.make(plan.route)
         # Routes that evict every step re-gather every array each step: exact-size
         # buffers then cost one concatenation per append, not a regrowth and copy.
         step = UNBOUNDED_STEP if plan.route.once else None
         self.buffers: Dict[str, Dict[str, Buffer]] = {
             side: {name: Buffer(step) for name in codec.units()} for side, codec in self.codecs.items()}
-        self.meta = {name: Buffer(step) for name in META}
+        self.meta = {name: Buffer(step) for name in (*META, *self.scorer.token_state)}
         self.count = 0  # tokens per head
         self.decided = False  # `once` routes (SnapKV) decide a single time
         # Until the first eviction every head holds the same run [first, first + count):
@@ -70,7 +72,9 @@ class HeadTier:
                 self.buffers[side][name].append(arr)
         pos = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (B, H, n))
         self.meta["pos"].append(pos)
-        self.meta["score"].append(mx.zeros((B, H, n), mx.float32))
+        self.meta["score"].append(self.scorer.initial(keys))
+        for name, trailing in self.scorer.token_state.items():
+            self.meta[name].append(mx.zeros((B, H, n, *trailing), mx.float32))
         self.count += n
 
     def encoded(self, side: str) -> Dict[str, mx.array]:
@@ -80,13 +84,13 @@ class HeadTier:
         return tuple(self.codecs[s].decode(self.encoded(s), dtype) for s in ("k", "v"))
 
     # --- scoring and eviction ---------------------------------------------
-    def observe(self, received: mx.array, newest: mx.array) -> None:
-        """received: attention each held token got from this step's queries [B, H, L];
-        newest: from the last query only (what a memoryless score keeps)."""
-        if self.route.score == "current":
-            self.meta["score"].set(newest)
-        else:
-            self.meta["score"].set(self.scores + received)
+    @property
+    def listening(self) -> bool:
+        """Scorers are fed until a `once` route has decided (then tokens are only appended)."""
+        return not (self.route.once and self.decided)
+
+    def set_scores(self, scores: mx.array) -> None:
+        self.meta["score"].set(scores)
 
     def keep(self, priority: mx.array, offset: int) -> None:
         """Keep the `budget` highest-priority tokens of each head, in position order;
@@ -108,7 +112,7 @@ class HeadTier:
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
         if not self.route.once and self.count > self.route.budget:
-            self.keep(self.scores, offset)
+            self.keep(self.scorer.priority(self, offset, None), offset)
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:
@@ -122,21 +126,24 @@ class HeadTier:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
+        held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
+        return held + self.scorer.nbytes
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
         out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items() for name, buf in bufs.items()}
         out.update({name: buf.view() for name, buf in self.meta.items()})
+        out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
         return {k: v for k, v in out.items() if v is not None}
 
     def expected_names(self) -> List[str]:
-        return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs] + list(META)
+        return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs] + list(self.meta)
 
     def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
         self.count = count
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
+        self.scorer.load({k[len("scorer."):]: v for k, v in arrays.items() if k.startswith("scorer.")})
         for key in self.expected_names():
             side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
             buf = self.buffers[side][name] if side else self.meta[name]  # residual arrays: "k.r0.idx"

@@ -2,19 +2,17 @@
 
 When a layer has an eviction tier (HeadTier), keys are masked by their
 per-head positions, and the tier's scorer is fed from the very attention the
-model computes:
-  mass / current  the weights of this step's real queries (explicit softmax);
-  proxy           the new keys stand in for queries (the model's own output
-                  still comes from fused SDPA);
-  snap            the last `window` prompt queries are kept, and vote once,
-                  at the end of the prompt (see finish_prompt).
+model computes. Each tier's scorer (runtime/scorers/) declares what it needs
+("weights", "queries", "new_keys"); this module gathers exactly that, and
+computes attention with an explicit softmax only when some scorer needs the
+weights. It never branches on which scorer it feeds.
 """
 from typing import List, Optional
 
 import mlx.core as mx
 
-from .scoring import (attend_with_weights, attention_weights, expand_heads, max_pool, position_mask, received,
-                      received_blocked)
+from .scorers import Seen
+from .scoring import attend_with_weights, attention_weights, expand_heads, position_mask, received, received_blocked
 
 SCORE_BLOCK = 128  # queries whose explicit softmax weights are held at once while scoring
 
@@ -63,64 +61,63 @@ def _causal(cache, held: List, end: int) -> bool:
     return contiguous and spans[-1][1] == end
 
 
+def _weigher(cache, held: List, k: mx.array, kpos: mx.array, scale: float):
+    """weigh(queries, first_q, where) -> attention received [B, Hkv, L], summed over the queries and the
+    group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed)."""
+    def weigh(queries: mx.array, first_q: int, where: slice) -> mx.array:
+        w = attention_weights(queries, k, scale, _mask(cache, held, kpos, first_q, queries.shape[2]))
+        return received(w)[0][..., where]
+    return weigh
+
+
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
+    """The layer's attention over everything held; feeds each listening scorer what it declared."""
     Lq, Hq = queries.shape[2], queries.shape[1]
-    scorers = [(t, i) for i, t in enumerate(held) if getattr(t, "per_head", False)]
-    live = observe and any(t.route.score in ("mass", "current") for t, _ in scorers)
+    listeners = [(t, i) for i, t in enumerate(held) if observe and t.scorer is not None and t.listening]
+    needs = set().union(*(t.scorer.needs for t, _ in listeners))
+    live = "weights" in needs
+    rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.scorer.needs] or [1])
     blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
     k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
     mask = _mask(cache, held, kpos, first_q, Lq)
     sdpa_mask = None  # what fused SDPA gets: the mask array, or "causal" while heads agree
     if mask is not None:
         sdpa_mask = "causal" if _causal(cache, held, first_q + Lq) else expand_heads(mask, Hq)
-    if live:
-        if blocked:
-            out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
-            total, newest = received_blocked(queries, k, scale, mask, SCORE_BLOCK)
-        else:
-            out, w = attend_with_weights(queries, k, v, scale, mask)
-            total, newest = received(w)
-        for t, i in scorers:
-            if t.route.score in ("mass", "current"):
-                t.observe(total[..., slices[i]], newest[..., slices[i]])
-        return out.astype(queries.dtype)
-    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
-    if observe:
-        for t, i in scorers:
-            if t.route.score == "proxy" and cache.new_keys is not None:
-                _observe_proxy(cache, t, k, slices[i], mask, scale)
-            elif t.route.once and not t.decided:
-                keep = t.route.window
-                prev = cache.observed_queries
-                q = queries if prev is None else mx.concatenate([prev, queries], axis=2)
-                cache.observed_queries = q[:, :, -keep:]
-    return out
-
-
-def _observe_proxy(cache, tier, k, where: slice, mask, scale: float) -> None:
-    """Keys of the new block act as queries (one per kv head): the approximation."""
-    proxy = cache.new_keys  # [B, Hkv, n, D], positions first_q..
-    w = attention_weights(proxy, k, scale, mask)
-    total, newest = received(w)
-    tier.observe(total[..., where], newest[..., where])
+    total = tail = None
+    if live and not blocked:
+        out, w = attend_with_weights(queries, k, v, scale, mask)
+        total, tail = received(w, rows)
+    else:
+        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
+        if live:
+            total, tail = received_blocked(queries, k, scale, mask, SCORE_BLOCK, rows)
+    if listeners:
+        weigh = _weigher(cache, held, k.astype(mx.float32), kpos, scale)
+        for t, i in listeners:
+            where = slices[i]
+            t.scorer.observe(t, Seen(first_q=first_q,
+                                     received=None if total is None else total[..., where],
+                                     rows=None if tail is None else tail[..., where],
+                                     queries=queries if "queries" in t.scorer.needs else None,
+                                     new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
+                                     weigh=lambda q, f, where=where: weigh(q, f, where)))
+    return out.astype(queries.dtype)
 
 
 def finish_prompt(cache) -> None:
-    """End of the prompt: SnapKV tiers vote with the observed window queries, once."""
-    pending = [t for t in cache.tiers if getattr(t, "per_head", False) and t.route.once and not t.decided]
+    """End of the prompt: `once` tiers (SnapKV, evict(once=true)) rank with what they saw and decide, once."""
+    pending = [t for t in cache.tiers if t.scorer is not None and t.route.once and not t.decided]
     if not pending:
         return
     cache._settle()
-    q = cache.observed_queries
+    held = cache.held()
+    weigh = None
+    if any(t.count > t.route.budget for t in pending):
+        k, _, kpos, slices = _gather(cache, held, mx.float32)
+        weigh = _weigher(cache, held, k, kpos, cache.scale_seen)
     for t in pending:
-        if t.count > t.route.budget and q is not None:
-            held = cache.held()
-            k, _, kpos, slices = _gather(cache, held, mx.float32)
-            first_q = cache.offset - q.shape[2]
-            w = attention_weights(q, k, cache.scale_seen, _mask(cache, held, kpos, first_q, q.shape[2]))
-            votes, _ = received(w)
-            votes = max_pool(votes[..., slices[held.index(t)]], t.route.pool)
-            in_window = t.positions >= cache.offset - t.route.window
-            t.keep(mx.where(in_window, mx.inf, votes), cache.offset)
+        if t.count > t.route.budget:
+            where = slices[held.index(t)]
+            t.keep(t.scorer.priority(t, cache.offset, lambda q, f, where=where: weigh(q, f, where)), cache.offset)
         t.decided = True
-    cache.observed_queries = None
+        t.scorer.release()

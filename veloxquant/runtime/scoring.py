@@ -49,22 +49,26 @@ def attend_with_weights(queries: mx.array, keys: mx.array, values: mx.array, sca
 
 
 def received_blocked(queries: mx.array, keys: mx.array, scale: float, mask: Optional[mx.array],
-                     block: int) -> Tuple[mx.array, mx.array]:
+                     block: int, rows: int = 1) -> Tuple[mx.array, mx.array]:
     """`received` of attention_weights(...), computed `block` queries at a time: rows are
-    independent softmaxes, so the sums are exact and only one block of weights lives at once."""
+    independent softmaxes, so the sums are exact and only one block of weights lives at once.
+    The newest `rows` rows are the last block's when it has them, else weighed on their own."""
     Lq = queries.shape[2]
-    total = newest = None
+    total = tail = None
     for s in range(0, Lq, block):
         part = mask[:, :, s:s + block] if mask is not None else None
-        t, newest = received(attention_weights(queries[:, :, s:s + block], keys, scale, part))
+        t, tail = received(attention_weights(queries[:, :, s:s + block], keys, scale, part), rows)
         total = t if total is None else total + t
-    return total, newest
+    if tail.shape[2] < min(rows, Lq):
+        part = mask[:, :, -rows:] if mask is not None else None
+        _, tail = received(attention_weights(queries[:, :, -rows:], keys, scale, part), rows)
+    return total, tail
 
 
-def received(weights: mx.array) -> Tuple[mx.array, mx.array]:
+def received(weights: mx.array, rows: int = 1) -> Tuple[mx.array, mx.array]:
     """Attention each key received, summed over the query heads sharing its kv head:
-    (from all queries [B, Hkv, L], from the newest query only [B, Hkv, L])."""
-    return mx.sum(weights, axis=(2, 3)), mx.sum(weights[:, :, :, -1], axis=2)
+    (from all queries [B, Hkv, L], from each of the newest `rows` queries [B, Hkv, rows, L])."""
+    return mx.sum(weights, axis=(2, 3)), mx.sum(weights[:, :, :, -rows:], axis=2)
 
 
 def max_pool(x: mx.array, size: int) -> mx.array:

@@ -22,6 +22,8 @@ def fusable(plan: TierPlan) -> bool:
 
 
 class Tier:
+    scorer = None  # only per-head tiers rank their tokens (head_tier.py)
+
     def __init__(self, plan: TierPlan, exact: bool = False):
         """`exact`: buffers hold exactly their tokens (grown by concatenation). For
         tiers fed whole chunks whose codes a kernel reads: a sliced buffer is not

@@ -7,7 +7,7 @@ the approximation other libraries ship, so the two can be compared.
 """
 import attrs
 
-from .registry import choices, in_range, stage
+from .registry import in_range, stage
 
 
 def _sinks_below_budget(instance, attribute, value):
@@ -28,27 +28,45 @@ class _PerHeadRoute:
         return 0
 
 
+def _known_scorer(instance, attribute, value):
+    from ..runtime.scorers import names  # the scorer modules register themselves (runtime/scorers/)
+    allowed = [n for n in names() if n != "window"]  # SnapKV's vote is the `snap` stage
+    if value not in allowed:
+        raise ValueError(f"must be one of {', '.join(allowed)}")
+
+
 @stage("evict", "route", needs=("attention",))
 @attrs.frozen
 class Evict(_PerHeadRoute):
-    """Keeps `budget` tokens per head; evicts the lowest-scoring ones every step.
+    """Keeps `budget` tokens per head, the highest by `score`; every step, or once at the end of the prompt.
 
-    score=mass: attention received so far, accumulated (H2O);
-    score=current: attention from the newest query only (TOVA, memoryless);
-    score=proxy: accumulated attention with the new keys standing in for queries.
-    The first `sinks` positions and the newest `recent` are never evicted
-    (H2O's paper splits its budget between heavy hitters and recent tokens).
+    score (one module each under runtime/scorers/): mass (H2O, accumulated
+    attention), mean (mass / queries that saw the token: kvpress's
+    ObservedAttention), current (TOVA), proxy (keys as queries), knorm,
+    keydiff, qfilters, expected (ExpectedAttention), keyformer, morph
+    (MorphKV), chunk (ChunkKV), curd (CurDKV).
+    once=true: rank once, when the prompt ends, then append (kvpress's
+    protocol); false: keep the budget every step (the papers' decode loop).
+    The first `sinks` positions and the newest `recent` are never evicted.
+    window: queries a scorer looks back on (morph rows, expected/qfilters
+    statistics); tau: keyformer's noise temperature; chunk: chunkkv's chunk
+    size; rank: curdkv's rank cap; pool: max-pool `mean` scores over that
+    many neighbouring tokens (SnapKV's smoothing).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
-    score: str = attrs.field(default="mass", validator=choices("mass", "current", "proxy"))
+    score: str = attrs.field(default="mass", validator=_known_scorer)
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
+    once: bool = False
+    window: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
+    tau: float = attrs.field(default=1.0, validator=in_range(0.0, 1e6))
+    chunk: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
+    rank: int = attrs.field(default=16, validator=in_range(1, 1 << 16))
+    pool: int = attrs.field(default=1, validator=in_range(1, 1 << 10))
 
     def __attrs_post_init__(self):
         if self.sinks + self.recent >= self.budget:
             raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
-
-    once = False
 
 
 @stage("snap", "route", needs=("attention",))

@@ -1,0 +1,111 @@
+"""Eviction scorers: one small module per way of ranking the tokens a head keeps.
+
+A scorer declares what it needs, and `runtime/per_head.py` gathers exactly
+that and hands it over in a `Seen`; the scorer folds it into per-head state
+(the tier's `score` array, extra per-token arrays it names in `token_state`,
+or its own small arrays) and ranks tokens when the tier evicts. per_head never
+branches on which scorer it feeds.
+
+Needs:
+  "weights"   this step's softmax weights, received per token (summed over the
+              queries and the GQA group) and the newest `rows` query rows;
+              the layer then computes attention with an explicit softmax
+  "queries"   this step's real queries [B, Hq, Lq, D] and their first position
+  "new_keys"  the keys of the block just placed [B, Hkv, n, D]
+Every scorer may also read the tier's own keys and values when it ranks.
+
+Modules in this package register with @scorer(name); they are discovered,
+so a new scorer is one new module.
+"""
+import importlib
+import pkgutil
+from typing import Callable, Dict, Optional, Tuple
+
+import attrs
+import mlx.core as mx
+
+SCORERS: Dict[str, type] = {}
+
+
+def scorer(name: str):
+    def register(cls):
+        if name in SCORERS:
+            raise ValueError(f"scorer '{name}' registered twice")
+        cls.name = name
+        SCORERS[name] = cls
+        return cls
+    return register
+
+
+@attrs.define
+class Seen:
+    """What one attention step showed a tier (its own token slice where per token)."""
+    first_q: int  # position of the first query
+    received: Optional[mx.array] = None  # [B, H, L] attention from all this step's queries
+    rows: Optional[mx.array] = None  # [B, H, R, L] from the newest R queries, each summed over its group
+    queries: Optional[mx.array] = None  # [B, Hq, Lq, D]
+    new_keys: Optional[mx.array] = None  # [B, Hkv, n, D]
+    weigh: Optional[Callable] = None  # weigh(queries, first_q) -> received [B, H, L] over this tier
+
+
+class Scorer:
+    """The protocol, with the defaults most scorers keep."""
+    name = "?"
+    needs: frozenset = frozenset()
+    rows = 1  # with "weights": how many newest query rows it wants per token
+    token_state: Dict[str, Tuple[int, ...]] = {}  # extra per-token arrays: name -> trailing shape
+
+    def __init__(self, route):
+        self.route = route
+
+    def initial(self, keys: mx.array) -> mx.array:
+        """Score of tokens as they arrive [B, H, n]."""
+        return mx.zeros(keys.shape[:3], mx.float32)
+
+    def observe(self, tier, seen: Seen) -> None:
+        pass
+
+    def priority(self, tier, offset: int, weigh: Optional[Callable]) -> mx.array:
+        """[B, H, L]: the tier keeps the highest. `weigh` as in Seen (None while decoding)."""
+        return tier.scores
+
+    def state(self) -> Dict[str, mx.array]:
+        """Per-head arrays a saved cache must carry to keep ranking the same way (not per token)."""
+        return {}
+
+    def load(self, arrays: Dict[str, mx.array]) -> None:
+        pass
+
+    def release(self) -> None:
+        """The decision is made (once routes): drop what was only kept to make it."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def observers(tier, offset: int) -> mx.array:
+    """How many queries have seen each held token (causal: every position from its own on)."""
+    return (offset - tier.positions).astype(mx.float32)
+
+
+def names() -> Tuple[str, ...]:
+    _discover()
+    return tuple(sorted(SCORERS))
+
+
+def make(route) -> Scorer:
+    _discover()
+    return SCORERS[route.score](route)
+
+
+_found = False
+
+
+def _discover() -> None:
+    global _found
+    if _found:
+        return
+    _found = True
+    for info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
+        importlib.import_module(info.name)
