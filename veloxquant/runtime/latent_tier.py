@@ -24,6 +24,7 @@ from .latent_side import BASIS, LatentSide, PlainSide
 
 class LatentTier:
     """Behind the tier protocol (runtime/tier.py): place, drop, hold, answer a partial."""
+    can_rewind = False  # trimming: latents cannot give their fp16 values back (runtime/trimming.py)
 
     fusable = False
     sixteen_bit = False

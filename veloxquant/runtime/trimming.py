@@ -18,8 +18,8 @@ def trimmable(cache) -> bool:
     if cache.size() != cache.offset:
         return False
     # A tier that cannot hand its tokens back (latent tiers: the fp16 values are gone and
-    # a cut group could not be re-held) makes the layer untrimmable once it holds any.
-    if any(t.count and not hasattr(t, "take_back") for t in cache.held()):
+    # a cut group could not be re-held) says so; the layer is untrimmable once it holds any.
+    if any(not getattr(t, "can_rewind", True) for t in cache.held()):
         return False
     shared = getattr(cache, "coordinator", None) and cache.plan.share
     return not (shared and any(cache.tiers[t].count for t in shared_tiers(cache.plan)))
@@ -44,9 +44,9 @@ def trim(cache, n: int) -> int:
             refill = (k[:, :, :whole - take], v[:, :, :whole - take], start)
         left -= take
     cache.offset -= n
-    if cache.observed_queries is not None:  # SnapKV's pending window: its newest queries are gone too
-        keep = cache.observed_queries.shape[2] - n
-        cache.observed_queries = cache.observed_queries[:, :, :keep] if keep > 0 else None
+    for tier in cache.tiers:  # SnapKV's pending query window: its newest queries are gone too
+        if getattr(tier, "scorer", None) is not None:
+            tier.scorer.rewind(n)
     if refill is not None:
         cache._place(0, *refill)
         cache._unsettled = True

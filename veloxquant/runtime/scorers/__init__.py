@@ -79,6 +79,16 @@ class Scorer:
     def release(self) -> None:
         """The decision is made (once routes): drop what was only kept to make it."""
 
+    def rewind(self, n: int) -> None:
+        """The cache was trimmed by n positions: forget what the newest n queries told us.
+        Scorers that keep a window of queries (`window`, `expected`) drop its newest n rows."""
+        queries = getattr(self, "queries", None)
+        if queries is not None:
+            keep = queries.shape[2] - n
+            self.queries = queries[:, :, :keep] if keep > 0 else None
+            if hasattr(self, "end"):
+                self.end -= n
+
     @property
     def nbytes(self) -> int:
         return 0
