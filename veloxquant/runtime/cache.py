@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
-from . import hook, per_head
+from . import code_attention, hook, per_head
 from .attention import merge_partials, partial_attention
 from .head_tier import HeadTier
 from .scoring import position_mask
@@ -75,17 +75,21 @@ class TieredCache(_BaseCache):
             return per_head.attend(self, self.held(), queries, scale, first_q, observe)
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
-        if not any(fused):
+        coded = [not call and code_attention.applies(t, Lq) for t, call in zip(held, fused)]
+        if not any(fused) and not any(coded):
             return self._dense(held, queries, scale, first_q)
-        # Kernel-backed tiers attend from their codes. The others are either folded into
-        # the kernel's reduce (16-bit, unmasked) or decoded and attended as one partial,
-        # and the partials merge exactly.
-        rest = [t for t, call in zip(held, fused) if not call]
+        # Kernel-backed tiers and tiers whose codecs score their codes attend from their
+        # codes. The others are either folded into the kernel's reduce (16-bit, unmasked)
+        # or decoded and attended as one partial, and the partials merge exactly.
+        rest = [t for t, call, c in zip(held, fused, coded) if not call and not c]
         calls = [call for call in fused if call]
-        tail = self._tail(rest, queries, first_q) if len(calls) == 1 else None
+        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not any(coded) else None
         if tail:
             return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
         parts = [call() for call in calls]
+        parts += [code_attention.tier_partial(t, queries, scale, self._tier_mask(t, first_q, Lq)
+                                              if self._needs_mask(t, first_q, Lq) else None)
+                  for t, c in zip(held, coded) if c]
         if rest:
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
