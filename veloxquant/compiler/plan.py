@@ -127,7 +127,7 @@ class Plan:
 
 
 def _stage_text(stage) -> str:
-    values = attrs.asdict(stage, recurse=False)
+    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}  # bindings
     if not values:
         return stage.stage_name
     shown = (f"{k}={_stage_text(v) if hasattr(v, 'stage_name') else _fmt(v)}" for k, v in values.items())
