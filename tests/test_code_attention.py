@@ -85,7 +85,7 @@ def test_rabitq_bias_correction_removes_the_shrinkage_of_one_bit_codes():
     assert abs(slope(corrected) - 1) < 0.1 and slope(raw) < 0.85
 
 
-@pytest.mark.parametrize("recipe", CODED)
+@pytest.mark.parametrize("recipe", CODED + ["polarquant"])
 def test_bytes_are_the_arrays_held(recipe):
     tier, _, _ = _tier(recipe, n=256)
     plan = tier.plan
@@ -93,7 +93,7 @@ def test_bytes_are_the_arrays_held(recipe):
     assert tier.nbytes == 256 * 3 * 64 * bits / 8  # 256 tokens: one allocation step, no slack
 
 
-@pytest.mark.parametrize("recipe", ["turboquant_prod", "qjl"])
+@pytest.mark.parametrize("recipe", ["turboquant_prod", "qjl", "polarquant"])
 def test_saved_cache_continues_identically(llama_model, recipe, tmp_path):
     tokens = mx.random.randint(0, 500, (1, 120), key=mx.random.key(3))
     caches = vq.make_prompt_cache(llama_model, recipe)
@@ -108,4 +108,37 @@ def test_sketch_widths_that_do_not_fill_words_are_located(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("veloxquant: 1\nname: bad\npipeline: |\n  keys: qjl(factor=0.3)\n  values: fp16\n")
     with pytest.raises(RecipeError, match=r"bad.yaml:4:.*19 sketch bits"):
+        compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
+
+
+def test_groupmean_residual_scores_equal_decode_and_cut_the_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("veloxquant: 1\nname: c\npipeline: |\n  recent(64) >> rotation | keys: groupmean(32) | "
+                    "residual(rabitq)\n                              values: lloydmax(bits=4)\n")
+    tier, k, _ = _tier(str(path), n=128)
+    q = mx.random.normal((1, 9, 5, 64), key=mx.random.key(2))
+    kd, vd = tier.decoded(mx.float32)
+    ref = partial_attention(q, kd, vd, 0.125)
+    got = codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125)
+    assert float(mx.abs(ref[0] - got[0]).max()) < 1e-4
+    plain, _, _ = _tier("rabitq", n=128)  # the keys carry a common offset (+1.5): centring removes it
+    err = lambda t: float(mx.mean((t.decoded(mx.float32)[0] - k) ** 2))
+    assert err(tier) < 0.5 * err(plain)
+
+
+def test_polar_round_trip_bytes_and_levels():
+    from veloxquant.stages.polar import Polar, angle_levels
+    x = Rotation().forward(mx.random.normal((1, 3, 256, 64), key=mx.random.key(0)))
+    rel = lambda p: float(mx.sum((p.decode(p.encode(x), mx.float32) - x) ** 2) / mx.sum(x * x))
+    assert rel(Polar()) < 0.05 and rel(Polar(first_bits=8, bits=8)) < 1e-3
+    enc = Polar().encode(x)  # 32x4 + 16x2 + 8x2 + 4x2 = 184 angle bits -> 6 words; 4 float16 radii
+    assert enc["angles"].shape[-1] == 6 and enc["radii"].shape[-1] == 4
+    assert Polar().bits_per_element(64) == (192 + 64) / 64
+    assert np.all(np.diff(angle_levels(3, 2)) > 0) and angle_levels(3, 2).max() < np.pi / 2
+
+
+def test_polar_levels_beyond_head_dim_are_located(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("veloxquant: 1\nname: p\npipeline: polar(levels=7)\n")
+    with pytest.raises(RecipeError, match=r"p.yaml:3:.*not divisible by 128"):
         compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
