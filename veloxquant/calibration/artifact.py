@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from ..data.corpus import cache_root
 from ..errors import VeloxError
 
-FIT_VERSION = 1  # bump when a fitter changes what it computes: old artifacts then read as stale
+FIT_VERSION = 2  # bump when a fitter changes what it computes: old artifacts then read as stale
 _LOADED: Dict[str, Dict[str, mx.array]] = {}  # content hash -> arrays
 
 

@@ -101,7 +101,9 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     from tqdm import tqdm
     import sys
     for i, t, side, stage in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
-        for name, arr in stage.fit(samples[i][side]).items():
+        # keys are fitted with the real queries too: what matters is the error q.(k - k^)
+        seen = samples[i]["q"] if side == "k" else None
+        for name, arr in stage.fit(samples[i][side], seen).items():
             arrays[f"{i}.{t}.{side}.{name}"] = arr
     key = key_for(plan, model)
     meta = {"recipe": plan.recipe, "model": model_name, "weights": artifact.weights_identity(model),

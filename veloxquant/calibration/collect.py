@@ -7,14 +7,18 @@ import numpy as np
 from tqdm import tqdm
 
 CHUNK = 512  # tokens per forward pass
+QUERY_STRIDE = 4  # keep every 4th query: their second moments need far fewer samples than keys' bases
 
 
 def collect(model, ids: List[int], layers: Set[int], progress: bool = True) -> Dict[int, Dict[str, np.ndarray]]:
-    """{layer: {"k": [H, N, D], "v": [H, N, D]}} float32, read after each chunk (sliding-window
-    layers forget old tokens, so each chunk's own tokens are taken as it arrives)."""
+    """{layer: {"k": [H, N, D], "v": [H, N, D], "q": [Hq, N/4, D]}} float32: keys and values read
+    after each chunk (sliding-window layers forget old tokens, so each chunk's own tokens are
+    taken as it arrives), and the real queries the model attends with (post-RoPE)."""
     from ..runtime.make import make_prompt_cache
     caches = make_prompt_cache(model, "fp16")
-    got: Dict[int, Dict[str, list]] = {i: {"k": [], "v": []} for i in layers}
+    got: Dict[int, Dict[str, list]] = {i: {"k": [], "v": [], "q": []} for i in layers}
+    for i in layers:
+        caches[i].attend = _recording(caches[i].attend, got[i]["q"])
     x = mx.array(ids)[None]
     for s in tqdm(range(0, x.shape[1], CHUNK), desc="calibrate: model pass", unit="chunk", file=sys.stderr,
                   disable=not progress):
@@ -25,3 +29,11 @@ def collect(model, ids: List[int], layers: Set[int], progress: bool = True) -> D
             for side, arr in (("k", k), ("v", v)):
                 got[i][side].append(np.array(arr[0, :, -(e - s):, :]))
     return {i: {side: np.concatenate(parts, axis=1) for side, parts in d.items()} for i, d in got.items()}
+
+
+def _recording(attend, into: list):
+    """The cache's attend, keeping a copy of every QUERY_STRIDE-th query it answers."""
+    def wrapped(queries, scale, mask=None, sinks=None, observe=True):
+        into.append(np.array(queries[0, :, ::QUERY_STRIDE].astype(mx.float32)))
+        return attend(queries, scale, mask, sinks, observe)
+    return wrapped
