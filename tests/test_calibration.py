@@ -127,3 +127,39 @@ def test_water_filling_gives_bits_to_variance_and_equal_variances_a_uniform_spli
 def test_an_unbound_spectral_stage_refuses_to_run_rather_than_guess():
     with pytest.raises(CalibrationError, match="not bound"):
         Spectral().encode(mx.zeros((1, 1, 4, 64)))
+
+
+def test_calibrate_command_names_a_setting_the_recipe_lacks(capsys):
+    from veloxquant.cli import main
+    assert main(["calibrate", "kivi", "--corpus", "austen:emma"]) == 2
+    assert "recipe 'kivi' has no 'corpus' parameter" in capsys.readouterr().err
+
+
+def test_explain_lists_calibrated_stages_without_a_model():
+    plan = vq.compile_recipe(vq.load_recipe("spectralquant"), __import__("veloxquant").compiler.SMOLLM2_135M)
+    lines = calibration_lines(plan)
+    assert "spectral on keys x30, spectral on values x30" in lines[1] and "4096 tokens of 'austen:emma'" in lines[1]
+    assert "pass --model" in lines[2]
+
+
+def test_vecinfer_look_up_table_scores_equal_decode_then_attend(llama_model, setup):
+    from veloxquant.stages.productvq import ProductVQ
+    recipe, corpus, tmp = setup
+    path = tmp / "vi.yaml"
+    path.write_text(f"veloxquant: 1\nname: vi\npipeline: |\n  keys: pvq(corpus=\"{corpus}\", tokens=256)\n"
+                    "  values: rotation | lloydmax(bits=4)\n")
+    _calibrate(llama_model, str(path))
+    plan = plan_for(llama_model, str(path))
+    from veloxquant.runtime.tier import Tier
+    tier = Tier(plan.layers[2].tiers[0])
+    k = mx.random.normal((1, 3, 40, 64), key=mx.random.key(0))
+    tier.append(k, k, 0)
+    assert tier.codecs["k"].scores_from_codes and tier.encoded("k")["codes"].shape[-1] == 2  # 8 one-byte indices
+    q = mx.random.normal((1, 9, 3, 64), key=mx.random.key(1))
+    kd, vd = tier.decoded(mx.float32)
+    ref, got = partial_attention(q, kd, vd, 0.125), codes_partial_attention(
+        q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125)
+    assert float(mx.abs(ref[0] - got[0]).max()) < 1e-4 and float(mx.abs(ref[1] - got[1]).max()) < 1e-4
+    assert ProductVQ().bits_per_element(64) == 1.0
+    tokens = mx.random.randint(0, 500, (1, 48), key=mx.random.key(3))
+    assert feed(llama_model, tokens, vq.make_prompt_cache(llama_model, str(path)), 16).shape == (1, 48, 500)
