@@ -163,3 +163,14 @@ def test_vecinfer_look_up_table_scores_equal_decode_then_attend(llama_model, set
     assert ProductVQ().bits_per_element(64) == 1.0
     tokens = mx.random.randint(0, 500, (1, 48), key=mx.random.key(3))
     assert feed(llama_model, tokens, vq.make_prompt_cache(llama_model, str(path)), 16).shape == (1, 48, 500)
+
+
+def test_run_reports_the_artifact_beside_the_cache_bytes(llama_model, setup):
+    from veloxquant.run import cache_report
+    recipe, _, _ = setup
+    meta = _calibrate(llama_model, recipe)
+    caches = vq.make_prompt_cache(llama_model, recipe)
+    feed(llama_model, mx.random.randint(0, 500, (1, 40), key=mx.random.key(1)), caches, 20)
+    report = cache_report(caches)
+    assert report["calibration_bytes"] == meta["bytes"] and report["cache_bytes"] == sum(c.nbytes for c in caches)
+    assert cache_report(vq.make_prompt_cache(llama_model, "kivi"))["calibration_bytes"] == 0
