@@ -26,7 +26,7 @@ CODES_MAX_QUERIES = 64
 def applies(tier, n_queries: int) -> bool:
     """This tier can answer from its codes for a block of `n_queries` queries."""
     codecs = getattr(tier, "codecs", None)
-    return bool(codecs) and n_queries <= CODES_MAX_QUERIES and codecs["k"].scores_from_codes
+    return bool(codecs) and n_queries <= CODES_MAX_QUERIES and getattr(codecs["k"], "scores_from_codes", False)
 
 
 def tier_partial(tier, queries: mx.array, scale: float, mask: Optional[mx.array] = None) -> Partial:
