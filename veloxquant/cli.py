@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     add_tune_args(sub.add_parser("tune", help="search recipe parameters and per-layer mixes for the lowest measured "
                                  "perplexity within a byte budget; writes a recipe file"))
 
+    from .calibration.cli import add_calibrate_args
+    add_calibrate_args(sub.add_parser("calibrate", help="fit a recipe's calibrated stages on a model and write "
+                                      "the artifact that run/eval/make_prompt_cache bind to"))
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -121,8 +125,21 @@ def cmd_explain(args) -> int:
     from .compiler import compile_recipe
     from .compiler.explain import render
     from .recipe import load_recipe
-    print(render(compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)))
+    plan = compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)
+    print(render(plan))
+    from .calibration.explain import calibration_lines
+    from .calibration.binding import calibrated_stages
+    model = _calibration_model(args.model) if calibrated_stages(plan) else None
+    for line in calibration_lines(plan, model, args.model or ""):
+        print(line)
     return 0
+
+
+def _calibration_model(model_path):
+    """The model whose weights key a calibration artifact (the default model when none is named)."""
+    from .models import load_model
+    from .models.default import default_model_path
+    return load_model(model_path or default_model_path(), lazy=True)[0]
 
 
 def cmd_list(args) -> int:
@@ -202,6 +219,11 @@ def cmd_compare(args) -> int:
     return run_compare(args)
 
 
+def cmd_calibrate(args) -> int:
+    from .calibration.cli import cmd_calibrate as run_calibrate
+    return run_calibrate(args)
+
+
 def main(argv=None) -> int:
     if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
         from .blas import maybe_reexec
@@ -211,6 +233,7 @@ def main(argv=None) -> int:
                 "show": cmd_show, "bench": cmd_bench, "diff": cmd_diff, "schema": cmd_schema,
                 "tune": cmd_tune,
                 "eval": cmd_eval, "compare": cmd_compare}
+    commands["calibrate"] = cmd_calibrate
     try:
         if args.command == "run":
             from .run import cmd_run

@@ -28,7 +28,17 @@ def cache_report(caches) -> Dict[str, object]:
         "fp16_bytes": base,
         "ratio": cache_bytes / base if base else None,
         "attention": "by tiers (hook)" if caches and caches[0].attended else "decoded K/V (no hook)",
+        # calibration artifacts are constants shared by the model's caches: beside the cache, not in it
+        "calibration_bytes": calibration_bytes(caches),
     }
+
+
+def calibration_bytes(caches) -> int:
+    from .calibration import calibrated_stages
+    from .calibration.artifact import by_content
+    plan = getattr(caches[0], "plan_root", None) if caches else None
+    digests = {s._artifact for _, _, _, s in calibrated_stages(plan)} if plan is not None else set()
+    return sum((by_content(d) or {}).get("bytes", 0) for d in digests)
 
 
 def prompt_tokens(tokenizer, text: str, raw: bool, limit=None) -> List[int]:
@@ -140,6 +150,8 @@ def format_report(r: Dict[str, object]) -> str:
     ]
     if "saved_cache_bytes" in r:
         rows.append(("saved cache file", f"{r['saved_cache_bytes']:,} bytes"))
+    if r.get("calibration_bytes"):
+        rows.insert(3, ("calibration artifact", f"{r['calibration_bytes']:,} bytes (shared, not in the cache)"))
     text = "\n".join(f"{k:<24} {v}" for k, v in rows)
     if r["ratio"] is not None and r["ratio"] > 0.95 and r["recipe"] != "fp16":
         text += ("\nnote: the whole context still fits in this recipe's uncompressed tiers; "

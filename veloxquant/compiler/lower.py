@@ -261,6 +261,8 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
         return value
     if isinstance(node, (Num, Str)):
         return node.value
+    if isinstance(node, Word) and node.name in REGISTRY and REGISTRY[node.name].family == "store":
+        return _instantiate(Call(node.name, (), node.pos), params, recipe, layer, shape)[1]  # residual(rabitq)
     if isinstance(node, Word):
         if node.name in REGISTRY and REGISTRY[node.name].family == "store":  # split(hi=fp16, ...): a stage
             return _instantiate(Call(node.name, (), node.pos), params, recipe, layer, shape)[1]

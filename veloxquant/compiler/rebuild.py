@@ -13,7 +13,8 @@ def _stage(d: Dict[str, Any]):
     name = d.pop("stage")
     if name not in REGISTRY:
         raise VeloxError(f"unknown stage '{name}' in a saved plan")
-    return REGISTRY[name].cls(**d)
+    # attrs takes a private field (_artifact) by its public name (artifact)
+    return REGISTRY[name].cls(**{k.lstrip("_"): v for k, v in d.items()})
 
 
 def _codec(stages) -> CodecPlan:

@@ -109,3 +109,19 @@ def dequantizer():
         return None
     from . import dequant
     return dequant
+
+
+# Fused kernels that attend from a codec's codes (qjl sign products, Lloyd-Max look-ups,
+# ...), by the codec's stage chain, e.g. ("rotation", "lloydmax"). A kernel takes
+# runtime.code_attention.codes_partial_attention's arguments and returns the same
+# partial; it is listed here only after its parity test passed on the backend named.
+CODE_KERNELS: Dict[Tuple[str, Tuple[str, ...]], object] = {}
+
+
+def code_kernel(tier_plan, q: mx.array, mask=None):
+    """A verified fused kernel for attention from this tier's key/value codes, or None (the MLX-ops reference)."""
+    if not CODE_KERNELS or os.environ.get(_ENV, "").lower() in ("off", "0", "reference"):
+        return None
+    chain = tuple(s.stage_name for s in tier_plan.keys.stages) + ("/",) + tuple(
+        s.stage_name for s in tier_plan.values.stages)
+    return CODE_KERNELS.get((backend(), chain))

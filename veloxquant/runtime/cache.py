@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from ..kernels import cuda, dispatch
-from . import hook, kinds, per_head, trimming
+from . import code_attention, hook, kinds, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .head_tier import HeadTier
@@ -97,17 +97,21 @@ class TieredCache(_BaseCache):
                          else None) for t in held if getattr(t, "attends", False)]
         held = [t for t in held if not getattr(t, "attends", False)]
         fused = [self._kernel(t, queries, scale, first_q) for t in held]
-        if not own and not any(fused):
+        coded = [not call and code_attention.applies(t, Lq) for t, call in zip(held, fused)]
+        if not own and not any(fused) and not any(coded):
             return self._dense(held, queries, scale, first_q)
-        # Kernel-backed tiers attend from their codes. The others are either folded into
-        # the kernel's reduce (16-bit, unmasked) or decoded and attended as one partial,
-        # and the partials merge exactly.
-        rest = [t for t, call in zip(held, fused) if not call]
+        # Kernel-backed tiers and tiers whose codecs score their codes attend from their
+        # codes. The others are either folded into the kernel's reduce (16-bit, unmasked)
+        # or decoded and attended as one partial, and the partials merge exactly.
+        rest = [t for t, call, c in zip(held, fused, coded) if not call and not c]
         calls = [call for call in fused if call]
-        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not own else None
+        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not own and not any(coded) else None
         if tail:
             return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
         parts = own + [call() for call in calls]
+        parts += [code_attention.tier_partial(t, queries, scale, self._tier_mask(t, first_q, Lq)
+                                              if self._needs_mask(t, first_q, Lq) else None)
+                  for t, c in zip(held, coded) if c]
         if rest:
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)

@@ -101,6 +101,53 @@ class Codec:
             x = self._inverse(t, x, start)
         return x.astype(dtype)
 
+    # --- scoring from codes ---------------------------------------------
+    @property
+    def scores_from_codes(self) -> bool:
+        """Every transform is orthogonal (has `query`) and every store can score its codes."""
+        return (all(hasattr(t, "query") for t in self.transforms) and hasattr(self.store, "scores")
+                and all(hasattr(r, "scores") for r in self.residuals))
+
+    @property
+    def linear_transforms(self) -> bool:
+        """The transforms are orthogonal maps: a weighted sum may be un-transformed once, after summing."""
+        return all(hasattr(t, "query") for t in self.transforms)
+
+    def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
+        """<q, decoded key> for q [B, H, M, D] -> [B, H, M, L] (float32), from the codes: the
+        query is transformed once, then each stage (store, residuals) adds its own estimate."""
+        q = q.astype(mx.float32)
+        for t in self.transforms:
+            q = t.query(q)
+        parts = self._split(enc)
+        s = self.store.scores(q, parts[0])
+        for inner, part in zip(self.residuals, parts[1:]):
+            s = s + inner.scores(q, part)
+        return s
+
+    def decode_transformed(self, enc: Dict[str, mx.array]) -> mx.array:
+        """Values in the transformed domain (float32): decode() without the inverse transforms."""
+        parts = self._split(enc)
+        x = self.store.decode(parts[0], mx.float32)
+        for inner, part in zip(self.residuals, parts[1:]):
+            x = x + inner.decode(part, mx.float32)
+        return x
+
+    def untransform(self, y: mx.array) -> mx.array:
+        for t in reversed(self.transforms):
+            y = t.inverse(y)
+        return y
+
+    def _split(self, enc: Dict[str, mx.array]):
+        """The store's arrays, then each residual stage's (prefix r0., r1., ... removed)."""
+        if not self.residuals:
+            return [enc]
+        parts = [{k: v for k, v in enc.items() if not _RESIDUAL.match(k)}]
+        for i in range(len(self.residuals)):
+            prefix = f"r{i}."
+            parts.append({k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)})
+        return parts
+
     def units(self) -> Dict[str, int]:
         units = dict(self.store.units())
         for i, inner in enumerate(self.residuals):

@@ -1,6 +1,7 @@
 """Recipe + model -> the per-layer caches mlx-lm is handed as `prompt_cache`."""
 from typing import Iterable, List, Union
 
+from ..calibration import bind
 from ..compiler import ModelShape, Plan, compile_recipe
 from ..recipe import Recipe, load_recipe
 from . import hook
@@ -10,7 +11,8 @@ from .coordinator import link_groups
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
     recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
-    return compile_recipe(recipe, ModelShape.from_model(model), sets, hook=use_hook)
+    plan = compile_recipe(recipe, ModelShape.from_model(model), sets, hook=use_hook)
+    return bind(plan, model)  # calibrated stages: their artifact for this model, or a clear error
 
 
 def caches_for(plan: Plan) -> List[TieredCache]:

@@ -69,6 +69,17 @@ class LloydMax:
         unit = self._levels()[unpack(codes, self.bits, D)]
         return (unit * enc["norms"].astype(mx.float32) / D ** 0.5).astype(dtype)
 
+    def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
+        """<q, decoded key> for q [B, H, M, D] (float32, in this store's domain) -> [B, H, M, L].
+
+        The codes index the level table in place (the look-up), the product runs
+        on unit-scale codes, and each key's norm scales its score afterwards: no
+        key is rebuilt at full scale or rotated back."""
+        D = q.shape[-1]
+        unit = self._levels()[unpack(enc["codes"], self.bits, D)]
+        scale = enc["norms"].astype(mx.float32).swapaxes(-1, -2) / D ** 0.5  # [B, H, 1, L]
+        return (q @ unit.swapaxes(-1, -2)) * scale
+
 
 @stage("residual", "residual")
 @attrs.frozen

@@ -33,3 +33,6 @@ class Hadamard:
     def inverse(self, y: mx.array) -> mx.array:
         # The normalized Sylvester matrix is symmetric and orthogonal: H^-1 == H.
         return y @ _hadamard_matrix(y.shape[-1])
+
+    # Orthonormal: <Hq, Hk> == <q, k>, so scoring rotates the query the same way.
+    query = forward

@@ -1,0 +1,114 @@
+"""Find a plan's calibrated stages, bind them to their artifact, or fit and write it."""
+import time
+from typing import Callable, Dict, List, Tuple
+
+import attrs
+import numpy as np
+
+from ..compiler.plan import Plan
+from ..errors import VeloxError
+from . import artifact
+from .artifact import CalibrationError
+
+Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v", stage)
+
+
+def calibrated_stages(plan: Plan) -> List[Site]:
+    out = []
+    for layer in plan.layers:
+        for t, tier in enumerate(layer.tiers):
+            for side, codec in (("k", tier.keys), ("v", tier.values)):
+                if codec is not None and getattr(codec.store, "calibrated", False):
+                    out.append((layer.index, t, side, codec.store))
+    return out
+
+
+def settings(plan: Plan) -> Dict:
+    """What the calibration runs on; every calibrated stage of a plan must agree."""
+    found = {(s.corpus, s.tokens) for _, _, _, s in calibrated_stages(plan)}
+    if len(found) > 1:
+        raise VeloxError(f"recipe '{plan.recipe}': calibrated stages disagree on what they calibrate on "
+                         f"({sorted(found)}); give them the same corpus and tokens")
+    corpus, tokens = found.pop()
+    return {"corpus": corpus, "tokens": tokens}
+
+
+def _map_stores(plan: Plan, fn: Callable) -> Plan:
+    layers = []
+    for layer in plan.layers:
+        tiers = []
+        for t, tier in enumerate(layer.tiers):
+            sides = {}
+            for side, codec in (("keys", tier.keys), ("values", tier.values)):
+                if codec is not None and getattr(codec.store, "calibrated", False):
+                    codec = attrs.evolve(codec, store=fn(layer.index, t, side[0], codec.store))
+                sides[side] = codec
+            tiers.append(attrs.evolve(tier, **sides))
+        layers.append(attrs.evolve(layer, tiers=tuple(tiers)))
+    return attrs.evolve(plan, layers=tuple(layers))
+
+
+def unbound(plan: Plan) -> Plan:
+    return _map_stores(plan, lambda i, t, s, st: attrs.evolve(st, artifact="", slot=""))
+
+
+def with_artifact(plan: Plan, digest: str) -> Plan:
+    return _map_stores(plan, lambda i, t, s, st: attrs.evolve(st, artifact=digest, slot=f"{i}.{t}.{s}"))
+
+
+def _corpus_digest(corpus: str) -> str:
+    from ..data.corpus import load_text
+    return artifact.text_digest(load_text(corpus, progress=False))
+
+
+def key_for(plan: Plan, model) -> str:
+    cfg = settings(plan)
+    return artifact.key_of(artifact.weights_identity(model), unbound(plan).fingerprint,
+                           _corpus_digest(cfg["corpus"]), cfg)
+
+
+def bind(plan: Plan, model) -> Plan:
+    """The plan with its calibrated stages bound to their artifact; a clear error if there is none."""
+    if not calibrated_stages(plan):
+        return plan
+    key = key_for(plan, model)
+    meta = artifact.find(key)
+    if meta is None:
+        cfg = settings(plan)
+        stale = list(artifact.others_for(plan.recipe, artifact.weights_identity(model)))
+        why = (f"; the artifact(s) found for this recipe and model ({', '.join(m['key'] for m in stale)}) were made "
+               f"from other settings or calibration text (stale)" if stale else "")
+        raise CalibrationError(
+            f"recipe '{plan.recipe}' needs a calibration artifact for this model, recipe settings and corpus "
+            f"'{cfg['corpus']}' ({cfg['tokens']} tokens): key {key} is not in {artifact.directory()}{why}. "
+            f"Make it with: veloxquant calibrate {plan.recipe} --model MODEL (with the same --set values)")
+    return with_artifact(plan, meta["content"])
+
+
+def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: str = "") -> Dict:
+    """Fit every calibrated stage on the model's keys/values over the calibration text; write the artifact."""
+    from ..data.corpus import load_text
+    from .collect import collect
+    start = time.perf_counter()
+    cfg = settings(plan)
+    text = load_text(cfg["corpus"], progress=progress)
+    ids = tokenizer.encode(text)[: cfg["tokens"]]
+    if len(ids) < cfg["tokens"]:
+        raise VeloxError(f"corpus '{cfg['corpus']}' has {len(ids)} tokens, fewer than the {cfg['tokens']} asked for")
+    sites = calibrated_stages(plan)
+    samples = collect(model, ids, {i for i, _, _, _ in sites}, progress)
+    arrays: Dict[str, np.ndarray] = {}
+    from tqdm import tqdm
+    import sys
+    for i, t, side, stage in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
+        # keys are fitted with the real queries too: what matters is the error q.(k - k^)
+        seen = samples[i]["q"] if side == "k" else None
+        for name, arr in stage.fit(samples[i][side], seen).items():
+            arrays[f"{i}.{t}.{side}.{name}"] = arr
+    key = key_for(plan, model)
+    meta = {"recipe": plan.recipe, "model": model_name, "weights": artifact.weights_identity(model),
+            "plan": unbound(plan).fingerprint, "corpus": cfg["corpus"], "tokens": cfg["tokens"],
+            "corpus_digest": _corpus_digest(cfg["corpus"]), "stages": len(sites),
+            "seconds": round(time.perf_counter() - start, 2)}
+    path = artifact.save(key, arrays, meta)
+    return {**artifact.find(key), "path": str(path)}
