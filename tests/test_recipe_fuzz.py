@@ -105,6 +105,8 @@ def check(data: bytes, sets=(), trace: bool = TRACE) -> int:
 @fuzz(ci_examples=300)
 @given(recipe_bytes(), st.lists(set_value, max_size=2))
 @example(b"weloxquant: 1\nname: fp16\nsummary: U\npipeline: f\xc2\x85p16\n", [])  # found: U+0085 is a YAML line break
+@example(b'veloxquant: 1\nname: "\\U001BC1C3"\npipeline: fp16\n', [])  # found: chr() ValueError in PyYAML's scanner
+@example(b'veloxquant: 1\nname: "\\uD800"\npipeline: fp16\n', [])  # a surrogate: could not be printed
 def test_fuzz_recipe_files(data, sets):
     check(data, sets)
 

@@ -70,6 +70,18 @@ class BoundedLoader(yaml.SafeLoader):
         if self._depth + height > MAX_YAML_DEPTH:
             self._refuse(f"{what} makes maps and lists nest more than {MAX_YAML_DEPTH} deep", mark)
 
+    def scan_flow_scalar_non_spaces(self, double, start_mark):
+        # PyYAML turns "\U001BC1C3" into chr(0x1BC1C3): a ValueError with no place. A surrogate
+        # ("\uD800") is no character either, and could not even be printed in a message.
+        try:
+            chunks = super().scan_flow_scalar_non_spaces(double, start_mark)
+        except (ValueError, OverflowError):
+            chunks = None
+        if chunks is None or any(0xD800 <= ord(c) <= 0xDFFF for chunk in chunks for c in chunk):
+            raise yaml.scanner.ScannerError("while scanning a quoted string", start_mark,
+                                            "an escape names no Unicode character", self.get_mark())
+        return chunks
+
     def construct_object(self, node, deep=False):
         # A tagged scalar the constructor cannot read (`!!timestamp x`, an int of
         # 5,000 digits) raises a plain Python error: place it at the node.
