@@ -59,8 +59,11 @@ def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Locati
     for c in candidates:
         if _is_file(c):
             return c.resolve()
+    hint = nearest(ref, builtin_names())
+    if not hint.startswith("did you mean"):  # dozens of built-ins: point at the list rather than print it
+        hint = "`veloxquant list` shows the built-in recipes"
     raise RecipeError(f"no recipe file or built-in recipe named {quoted(ref)}", where or Location(quoted(ref)[1:-1]),
-                      nearest(ref, builtin_names()))
+                      hint)
 
 
 class _PipelineBudget:
