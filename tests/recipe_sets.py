@@ -1,5 +1,6 @@
 """Every built-in recipe, with parameters small enough that a few hundred tokens
 of a tiny model exercise what the recipe does (spills, drops, evictions)."""
+from veloxquant.calibration.binding import needs_artifact
 from veloxquant.recipe import builtin_names
 
 SMALL = {
@@ -7,14 +8,7 @@ SMALL = {
     "xquant": ["window=32"], "cachegen": ["window=32"], "h2o": ["budget=64"], "tova": ["budget=64"],
     "snapkv": ["budget=64"], "pyramidkv": ["budget=pyramid(from=96, to=32)"],
 }
-def _calibrated(name):
-    from veloxquant.calibration.binding import calibrated_stages
-    from veloxquant.compiler import SMOLLM2_135M, compile_recipe
-    from veloxquant.recipe import load_recipe
-    return bool(calibrated_stages(compile_recipe(load_recipe(name), SMOLLM2_135M)))
-
-
 # Calibrated recipes need an artifact made on the model first: tests/test_calibration.py covers them.
-RECIPES = sorted(n for n in builtin_names() if not _calibrated(n))
+RECIPES = sorted(n for n in builtin_names() if not needs_artifact(n))
 # Recipes whose held tokens equal mlx-lm's KVCache's: their outputs can be compared exactly.
 EXACT = ("fp16",)

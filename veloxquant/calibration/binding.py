@@ -112,3 +112,10 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
             "seconds": round(time.perf_counter() - start, 2)}
     path = artifact.save(key, arrays, meta)
     return {**artifact.find(key), "path": str(path)}
+
+
+def needs_artifact(ref: str) -> bool:
+    """Whether a recipe has calibrated stages (it runs only after `veloxquant calibrate`)."""
+    from ..compiler import SMOLLM2_135M, compile_recipe
+    from ..recipe import load_recipe
+    return bool(calibrated_stages(compile_recipe(load_recipe(ref), SMOLLM2_135M)))

@@ -2,6 +2,8 @@
 import json
 from typing import Any, Dict
 
+import attrs
+
 from ..errors import VeloxError
 from ..stages import REGISTRY
 from .plan import CodecPlan, LayerPlan, Plan, Share, TierPlan
@@ -13,8 +15,11 @@ def _stage(d: Dict[str, Any]):
     name = d.pop("stage")
     if name not in REGISTRY:
         raise VeloxError(f"unknown stage '{name}' in a saved plan")
-    # attrs takes a private field (_artifact) by its public name (artifact)
-    return REGISTRY[name].cls(**{k.lstrip("_"): v for k, v in d.items()})
+    # attrs takes a field by its init alias: a private field (_artifact) by its public name
+    # (artifact) unless the stage gave it another alias (unrope's _rope keeps its underscore)
+    cls = REGISTRY[name].cls
+    alias = {a.name: a.alias for a in attrs.fields(cls)}
+    return cls(**{alias.get(k, k): v for k, v in d.items()})
 
 
 def _codec(stages) -> CodecPlan:
