@@ -16,19 +16,24 @@ from .bitpack import pack, unpack
 from .registry import choices, in_range, stage
 
 
-@lru_cache(maxsize=32)
-def lloyd_max(bits: int, dist: str) -> np.ndarray:
-    """MSE-optimal levels for a unit-variance gaussian or laplace source (Lloyd's algorithm)."""
-    grid = np.linspace(-8, 8, 200001)
-    pdf = np.exp(-grid ** 2 / 2) if dist == "gaussian" else np.exp(-np.sqrt(2) * np.abs(grid))
-    pdf /= pdf.sum()
-    levels = np.interp((np.arange(2 ** bits) + 0.5) / 2 ** bits, np.cumsum(pdf), grid)  # start at quantiles
-    for _ in range(300):
+def lloyd_levels(grid: np.ndarray, pdf: np.ndarray, bits: int, iters: int) -> np.ndarray:
+    """MSE-optimal levels for a density sampled on `grid` (Lloyd's algorithm, started at its quantiles)."""
+    pdf = pdf / pdf.sum()
+    levels = np.interp((np.arange(2 ** bits) + 0.5) / 2 ** bits, np.cumsum(pdf), grid)
+    for _ in range(iters):
         edges = (levels[1:] + levels[:-1]) / 2
         cell = np.searchsorted(edges, grid)
         mass = np.bincount(cell, pdf, minlength=levels.size)
         levels = np.bincount(cell, pdf * grid, minlength=levels.size) / np.maximum(mass, 1e-300)
     return levels.astype(np.float32)
+
+
+@lru_cache(maxsize=32)
+def lloyd_max(bits: int, dist: str) -> np.ndarray:
+    """MSE-optimal levels for a unit-variance gaussian or laplace source (Lloyd's algorithm)."""
+    grid = np.linspace(-8, 8, 200001)
+    pdf = np.exp(-grid ** 2 / 2) if dist == "gaussian" else np.exp(-np.sqrt(2) * np.abs(grid))
+    return lloyd_levels(grid, pdf, bits, 300)
 
 
 @stage("lloydmax", "store")

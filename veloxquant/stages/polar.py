@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .bitpack import pack, unpack
+from .codebook import lloyd_levels
 from .registry import in_range, stage
 
 
@@ -27,15 +28,7 @@ from .registry import in_range, stage
 def angle_levels(level: int, bits: int) -> np.ndarray:
     """Lloyd-Max levels for the level-`level` angle density on [0, pi/2] (level >= 2)."""
     grid = np.linspace(0, math.pi / 2, 20001)
-    pdf = np.sin(2 * grid) ** (2 ** (level - 1) - 1)
-    pdf /= pdf.sum()
-    levels = np.interp((np.arange(2 ** bits) + 0.5) / 2 ** bits, np.cumsum(pdf), grid)
-    for _ in range(200):
-        edges = (levels[1:] + levels[:-1]) / 2
-        cell = np.searchsorted(edges, grid)
-        mass = np.bincount(cell, pdf, minlength=levels.size)
-        levels = np.bincount(cell, pdf * grid, minlength=levels.size) / np.maximum(mass, 1e-300)
-    return levels.astype(np.float32)
+    return lloyd_levels(grid, np.sin(2 * grid) ** (2 ** (level - 1) - 1), bits, 200)
 
 
 @stage("polar", "store")
