@@ -137,7 +137,8 @@ class TieredCache(_BaseCache):
     @property
     def state(self) -> List[mx.array]:
         self._settle()
-        return [a for t in self.tiers for a in t.arrays().values()]
+        # by name within a tier: the same list however the arrays were made (live, or restored from a file)
+        return [a for t in self.tiers for _, a in sorted(t.arrays().items())]
 
     @state.setter
     def state(self, v):
