@@ -40,3 +40,11 @@ def feed(model, tokens, cache, chunk):
     """Logits for `tokens` fed through `cache` in chunks, as generation prefills."""
     outs = [model(tokens[:, s:s + chunk], cache=cache) for s in range(0, tokens.shape[1], chunk)]
     return mx.concatenate(outs, axis=1)
+
+
+def pipeline_recipe(tmp_path, pipeline, name="r"):
+    """A recipe file holding just `pipeline`, loaded."""
+    from veloxquant.recipe import load_recipe
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
+    return load_recipe(str(path))

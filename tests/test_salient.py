@@ -10,13 +10,7 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.cache import TieredCache
 from veloxquant.stages.salient import Salient
 from veloxquant.stages.store import Affine, Fp16
-from conftest import feed
-
-
-def _recipe(tmp_path, pipeline, name="r"):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
-    return load_recipe(str(path))
+from conftest import feed, pipeline_recipe as _recipe
 
 
 def test_salient_codes_the_top_scored_tokens_of_each_chunk_with_hi():

@@ -8,15 +8,9 @@ import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
 from veloxquant.recipe import load_recipe
-from conftest import feed, tiny_gemma3, tiny_llama
+from conftest import feed, tiny_gemma3, tiny_llama, pipeline_recipe as _recipe
 
 FAMILY = ["skvq", "kitty", "zipcache", "adakv_bits", "kvquant", "gear", "age_tiered", "composite"]
-
-
-def _recipe(tmp_path, pipeline, name="r"):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
-    return load_recipe(str(path))
 
 
 def _honest(caches):

@@ -12,19 +12,13 @@ from veloxquant.stages.lowrank import LowRank
 from veloxquant.stages.nuq import Nuq
 from veloxquant.stages.sparse import Sparse
 from veloxquant.stages.store import Affine
-from conftest import feed
+from conftest import feed, pipeline_recipe as _recipe
 
 
 def _laplace(shape, seed=0):
     u = mx.random.uniform(-0.5, 0.5, shape, key=mx.random.key(seed))
     scale = mx.exp(mx.random.normal((1, shape[1], 1, shape[3]), key=mx.random.key(seed + 1)))  # per-channel spread
     return -mx.sign(u) * mx.log(1 - 2 * mx.abs(u)) * scale
-
-
-def _recipe(tmp_path, pipeline, name="r"):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
-    return load_recipe(str(path))
 
 
 def _err(codec, x):

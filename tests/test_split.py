@@ -9,18 +9,12 @@ from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.stages.split import Split
 from veloxquant.stages.store import Affine, Fp16
-from conftest import feed
+from conftest import feed, pipeline_recipe as _recipe
 
 
 def _x(seed=0):
     spread = mx.exp(2 * mx.random.normal((1, 3, 1, 64), key=mx.random.key(seed + 1)))  # a few wide channels
     return mx.random.normal((1, 3, 64, 64), key=mx.random.key(seed)) * spread
-
-
-def _recipe(tmp_path, pipeline, name="r"):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
-    return load_recipe(str(path))
 
 
 def _mse(store, x):

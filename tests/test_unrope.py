@@ -9,13 +9,7 @@ from veloxquant.compiler.rebuild import plan_from_dict
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.stages.unrope import Unrope, rope_spec, rotate
-from conftest import feed, tiny_gemma3, tiny_llama
-
-
-def _recipe(tmp_path, pipeline, name="r"):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  " + pipeline.replace("\n", "\n  ") + "\n")
-    return load_recipe(str(path))
+from conftest import feed, tiny_gemma3, tiny_llama, pipeline_recipe as _recipe
 
 
 def _check_inverts_every_layer(model, start=37, atol=1e-4):
