@@ -24,8 +24,12 @@ class HeadTier:
     fusable = False
     granularity = 1
 
-    def __init__(self, plan: TierPlan):
+    def __init__(self, plan: TierPlan, window: Optional[int] = None):
         self.plan = plan
+        # A sliding-window layer (Gemma 3's local layers): no future query sees a token
+        # older than the window, so such tokens go first and the tier never holds more
+        # than the window (a budget above it would hold more than fp16's own cache).
+        self.window = window
         self.route = plan.route
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
         self.scorer = scorers.make(plan.route)
@@ -92,13 +96,20 @@ class HeadTier:
     def set_scores(self, scores: mx.array) -> None:
         self.meta["score"].set(scores)
 
-    def keep(self, priority: mx.array, offset: int) -> None:
+    @property
+    def budget(self) -> int:
+        """Tokens kept per head: the route's budget, at most the layer's sliding window."""
+        return min(self.route.budget, self.window) if self.window else self.route.budget
+
+    def keep(self, priority: mx.array, offset: int, budget: Optional[int] = None) -> None:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
-        budget = self.route.budget
+        budget = budget or self.budget
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
+        if self.window:  # expired tokens leave first, sinks included: no query sees them again
+            priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
         idx = mx.argpartition(-priority, kth=budget - 1, axis=2)[:, :, :budget]
         idx = mx.sort(idx, axis=2)  # older first, so the newest tokens stay at the back
         for bufs in (*self.buffers.values(), self.meta):
@@ -111,8 +122,12 @@ class HeadTier:
 
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
-        if not self.route.once and self.count > self.route.budget:
+        if not self.route.once and self.count > self.budget:
             self.keep(self.scorer.priority(self, offset, None), offset)
+        elif self.window and self.count > self.window:
+            # `once` routes append until (and after) their decision; on a sliding layer the
+            # expired tokens are dropped meanwhile, so the tier stays within the window.
+            self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:

@@ -112,11 +112,11 @@ def finish_prompt(cache) -> None:
     cache._settle()
     held = cache.held()
     weigh = None
-    if any(t.count > t.route.budget for t in pending):
+    if any(t.count > t.budget for t in pending):
         k, _, kpos, slices = _gather(cache, held, mx.float32)
         weigh = _weigher(cache, held, k, kpos, cache.scale_seen)
     for t in pending:
-        if t.count > t.route.budget:
+        if t.count > t.budget:
             where = slices[held.index(t)]
             t.keep(t.scorer.priority(t, cache.offset, lambda q, f, where=where: weigh(q, f, where)), cache.offset)
         t.decided = True
