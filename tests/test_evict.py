@@ -288,3 +288,20 @@ def test_sliding_window_layers_never_hold_more_than_the_window(name):
         assert held <= 32
         assert cache[i].nbytes <= 1.5 * fp16[i].nbytes  # positions and scores ride along
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3) if name == "snapkv" else None
+
+
+def test_shared_heads_keep_one_token_set_per_layer(llama_model, tmp_path):
+    """shared_heads=true ranks by the score averaged over kv heads (kvpress's TOVA):
+    every head keeps the same positions; without it heads keep their own."""
+    tokens = mx.array(np.random.default_rng(4).integers(0, 500, (1, 90)))
+    held = {}
+    for shared in (False, True):
+        cache = veloxquant.make_prompt_cache(llama_model, recipe(
+            tmp_path, f"evict(budget=24, sinks=2, score=current, shared_heads={str(shared).lower()})"))
+        feed(llama_model, tokens, cache, 8)
+        cache[0].state  # settle
+        tier = next(t for t in cache[0].tiers if getattr(t, "per_head", False))
+        held[shared] = np.array(tier.positions)
+        assert held[shared].shape[-1] == 24
+    assert (held[True] == held[True][:, :1]).all()
+    assert not (held[False] == held[False][:, :1]).all()

@@ -105,6 +105,8 @@ class HeadTier:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
         budget = budget or self.budget
+        if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
+            priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
