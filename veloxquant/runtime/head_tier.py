@@ -3,7 +3,9 @@
 Every array's axis 2 counts tokens, so evicting is one gather per array.
 Heads hold equally many tokens but at different positions: `pos` [B, H, L]
 says which, and masks are built from it. Positions and scores are real
-memory and count in nbytes.
+memory and count in nbytes. Once the coordinator gives heads unequal budgets
+(Ada-KV), the first eviction makes the tier ragged (runtime/ragged.py): each
+head's tokens held flat, no padding; the arrays below are then padded views.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -14,6 +16,8 @@ from . import scorers
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
+from .allocation import allocates
+from .ragged import PAD, Ragged, RaggedBuffer, choose, gather, grown
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -40,6 +44,13 @@ class HeadTier:
         # Until the first eviction every head holds the same run [first, first + count):
         # attention can then use SDPA's "causal" instead of a per-head mask array.
         self.uniform, self.first = True, 0
+        self.ragged: Optional[Ragged] = None  # per-head lengths, once heads keep different counts
+        self.budgets: Optional[List[int]] = None  # per kv head, once the coordinator allocated them
+        # Budgets allocated at the end of the prompt (squeeze, adakv) are read from the attention
+        # each token received, collected here until the coordinator has decided.
+        self.collecting = allocates(plan.route)
+        if self.collecting:
+            self.meta["seen"] = Buffer(step)
 
     def __deepcopy__(self, memo):
         return copy_sharing(self, memo, shared=("plan", "route"))
@@ -61,7 +72,14 @@ class HeadTier:
 
     @property
     def end(self) -> int:
-        return int(mx.max(self.positions).item()) + 1 if self.count else 0
+        if not self.count:
+            return 0
+        pos = self.positions
+        return int(mx.max(mx.where(pos < PAD, pos, -1)).item()) + 1
+
+    @property
+    def can_rewind(self) -> bool:
+        return self.ragged is None
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         B, H, n, _ = keys.shape
@@ -75,6 +93,8 @@ class HeadTier:
         self.meta["score"].append(self.scorer.initial(keys))
         for name, trailing in self.scorer.token_state.items():
             self.meta[name].append(mx.zeros((B, H, n, *trailing), mx.float32))
+        if self.collecting:
+            self.meta["seen"].append(mx.zeros((B, H, n), mx.float32))
         self.count += n
 
     def encoded(self, side: str) -> Dict[str, mx.array]:
@@ -89,13 +109,45 @@ class HeadTier:
         """Scorers are fed until a `once` route has decided (then tokens are only appended)."""
         return not (self.route.once and self.decided)
 
+    @property
+    def needs(self) -> frozenset:
+        return self.scorer.needs | ({"weights"} if self.collecting else frozenset())
+
     def set_scores(self, scores: mx.array) -> None:
         self.meta["score"].set(scores)
+
+    # --- budgets the coordinator allocates (runtime/allocation.py) -----------
+    def collect(self, received: mx.array) -> None:
+        self.meta["seen"].set(self.meta["seen"].view() + received)
+
+    def signal(self, offset: int) -> mx.array:
+        """[B, H, L]: attention each held token received per query that could see it (0 for unused slots)."""
+        pos = self.positions
+        mean = self.meta["seen"].view() / mx.maximum(offset - pos, 1).astype(mx.float32)
+        return mx.where(pos < PAD, mean, 0.0)
+
+    def allocate(self, budgets: List[int]) -> None:
+        self.budgets = [int(b) for b in budgets]
+        self.collecting = False
+        self.meta.pop("seen", None)  # only held to make the decision
+
+    def lengths(self) -> List[int]:
+        if self.ragged is not None:
+            return [n + self.count - self.ragged.width for n in self.ragged.lens]
+        return [self.count] * (self.positions.shape[1] if self.count else 0)
+
+    def over(self) -> bool:
+        """Some head holds more than its budget."""
+        if self.budgets is None:
+            return self.count > self.route.budget
+        return any(n > b for n, b in zip(self.lengths(), self.budgets))
 
     def keep(self, priority: mx.array, offset: int) -> None:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
-        budget = self.route.budget
+        if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
+            return self._keep_ragged(priority, offset)
+        budget = min(self.budgets[0] if self.budgets else self.route.budget, self.count)
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
@@ -109,9 +161,25 @@ class HeadTier:
         self.count = budget
         self.uniform = False
 
+    def _keep_ragged(self, priority: mx.array, offset: int) -> None:
+        """Head h keeps its own budget: the tier's arrays become ragged (flat, no padding held)."""
+        pos = self.positions
+        valid = pos < PAD
+        recent = getattr(self.route, "recent", 0)
+        protected = valid & ((pos < self.route.sinks) | (pos >= offset - recent))
+        priority = mx.where(valid, mx.where(protected, mx.inf, priority), -mx.inf)
+        layout, idx = choose(priority, [min(b, n) for b, n in zip(self.budgets, self.lengths())])
+        step = UNBOUNDED_STEP if self.route.once else None
+        for bufs in (*self.buffers.values(), self.meta):
+            for name, buf in bufs.items():
+                fill = PAD if bufs is self.meta and name == "pos" else None
+                bufs[name] = RaggedBuffer(layout, gather(buf.view(), idx), step, fill)
+        self.ragged, self.count, self.uniform = layout, layout.width, False
+
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
-        if not self.route.once and self.count > self.route.budget:
+        # While budgets are open the prompt is held whole: they are decided before any eviction.
+        if not self.route.once and not self.collecting and self.over():
             self.keep(self.scorer.priority(self, offset, None), offset)
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
@@ -131,9 +199,14 @@ class HeadTier:
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items() for name, buf in bufs.items()}
-        out.update({name: buf.view() for name, buf in self.meta.items()})
+        held = (lambda buf: buf.held()) if self.ragged is not None else (lambda buf: buf.view())
+        out = {f"{side}.{name}": held(buf) for side, bufs in self.buffers.items() for name, buf in bufs.items()}
+        out.update({name: held(buf) for name, buf in self.meta.items()})
         out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
+        if self.ragged is not None:  # each head's run, the tail folded in: [B, 1, sum(lens), ...]
+            out["ragged.lens"] = mx.array(grown(self.ragged, self.count - self.ragged.width).lens, mx.int32)
+        if self.budgets is not None:
+            out["alloc.budgets"] = mx.array(self.budgets, mx.int32)
         return {k: v for k, v in out.items() if v is not None}
 
     def expected_names(self) -> List[str]:
@@ -144,6 +217,12 @@ class HeadTier:
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
         self.scorer.load({k[len("scorer."):]: v for k, v in arrays.items() if k.startswith("scorer.")})
+        self.collecting = False  # a saved prompt is over: its budgets were allocated (or are fixed)
+        self.meta.pop("seen", None)
+        if "alloc.budgets" in arrays:
+            self.budgets = [int(b) for b in arrays["alloc.budgets"].tolist()]
+        if "ragged.lens" in arrays:
+            return self._restore_ragged(arrays)
         for key in self.expected_names():
             side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
             buf = self.buffers[side][name] if side else self.meta[name]  # residual arrays: "k.r0.idx"
@@ -158,5 +237,27 @@ class HeadTier:
             buf.set(arr)
         pos = self.positions
         if count and (pos.dtype != mx.int32 or bool(mx.any(pos[..., 1:] <= pos[..., :-1]).item())):
+            return "positions are not increasing int32 per head"
+        return None
+
+    def _restore_ragged(self, arrays: Dict[str, mx.array]) -> Optional[str]:
+        lens = arrays["ragged.lens"].tolist()
+        if not lens or min(lens) < 1:
+            return f"ragged.lens {lens} gives a kv head no tokens"
+        layout = Ragged(lens)
+        step = UNBOUNDED_STEP if self.route.once else None
+        for key in self.expected_names():
+            side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
+            bufs = self.buffers[side] if side else self.meta
+            arr = arrays.get(key)
+            if arr is None:
+                return f"missing array {key}"
+            if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
+                return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
+            bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
+        self.ragged, self.count = layout, layout.width
+        pos = self.positions
+        ordered = (pos[..., 1:] > pos[..., :-1]) | ~layout.valid[None, :, 1:]
+        if pos.dtype != mx.int32 or not bool(mx.all(ordered).item()):
             return "positions are not increasing int32 per head"
         return None
