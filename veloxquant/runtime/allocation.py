@@ -14,6 +14,8 @@ layers=squeeze (SqueezeAttention): a layer whose attention is spread needs
   in proportion to base_l * breadth_l ** strength, the total over the layers
   fixed (base: the recipe's budget, a schedule included). strength 0 returns
   the base budgets themselves (h2o bit for bit).
+heads=score (NestedKV's head-wise competition): the same rule on the scorer's own
+  scores, which must be comparable across heads (nested's lie in [0, 1]).
 heads=adakv (Ada-KV): a layer's H * B tokens go to the heads whose tokens
   carry the most attention: every head keeps its `alpha` * B best (the
   paper's safeguard; at least the protected tokens), and the rest of the
@@ -30,6 +32,11 @@ import numpy as np
 def allocates(route) -> bool:
     """The route's budgets are open until the end of the prompt (squeeze with strength > 0, or adakv
     below alpha=1); otherwise they are the recipe's, nothing is collected, and it runs as it would without."""
+    return watches(route) or (getattr(route, "heads", "equal") == "score" and route.alpha < 1)
+
+
+def watches(route) -> bool:
+    """The allocation reads the attention tokens received (squeeze, adakv), so the tier collects it."""
     squeezed = getattr(route, "layers", "fixed") == "squeeze" and route.strength > 0
     return squeezed or (getattr(route, "heads", "equal") == "adakv" and route.alpha < 1)
 
@@ -39,7 +46,7 @@ def decide(caches: List) -> Dict[str, list]:
     found = [(c, t) for c in caches for t in c.tiers if getattr(t, "collecting", False)]
     if not found:
         return {}
-    dists = [_distribution(t.signal(c.offset)) for c, t in found]  # [H, L] each
+    dists = [_distribution(t.signal(c.offset)) if watches(t.route) else None for c, t in found]  # [H, L]
     bases = [t.route.budget for _, t in found]
     squeezed = [i for i, (_, t) in enumerate(found) if t.route.layers == "squeeze" and t.route.strength > 0]
     layer = list(bases)
@@ -51,8 +58,12 @@ def decide(caches: List) -> Dict[str, list]:
             layer[i] = b
     chosen = []
     for (c, t), p, b in zip(found, dists, layer):
-        heads = adakv(p, b, t.route.alpha, t.route.floor) if t.route.heads == "adakv" and t.route.alpha < 1 \
-            else [b] * p.shape[0]
+        if t.route.heads == "score" and t.route.alpha < 1:  # NestedKV: heads compete on the scorer's own scores
+            p = mx.mean(t.scorer.priority(t, c.offset, None), axis=0)
+        if t.route.heads in ("adakv", "score") and t.route.alpha < 1:
+            heads = adakv(p, b, t.route.alpha, t.route.floor)
+        else:
+            heads = [b] * len(t.lengths())
         t.allocate(heads)
         chosen.append(heads)
     return {"layers": layer, "heads": chosen}
@@ -117,4 +128,8 @@ def rule(route) -> str:
         parts.append(f"kv-head budgets by Ada-KV (alpha {route.alpha}): each head keeps its best "
                      f"max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the heads whose "
                      "tokens carry the most attention; unequal heads held ragged (no padding)")
+    if route.heads == "score":
+        parts.append(f"kv-head budgets by competition on score={route.score} (alpha {route.alpha}): each head keeps "
+                     f"its best max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the "
+                     "highest scores pooled over heads; unequal heads held ragged (no padding)")
     return "; ".join(parts)

@@ -16,7 +16,7 @@ from . import scorers
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
-from .allocation import allocates
+from .allocation import allocates, watches
 from .ragged import PAD, Ragged, RaggedBuffer, choose, gather, grown
 from .tier import UNBOUNDED_STEP
 
@@ -48,8 +48,8 @@ class HeadTier:
         self.budgets: Optional[List[int]] = None  # per kv head, once the coordinator allocated them
         # Budgets allocated at the end of the prompt (squeeze, adakv) are read from the attention
         # each token received, collected here until the coordinator has decided.
-        self.collecting = allocates(plan.route)
-        if self.collecting:
+        self.collecting = allocates(plan.route)  # budgets still open: the prompt is held whole until decided
+        if watches(plan.route):
             self.meta["seen"] = Buffer(step)
 
     def __deepcopy__(self, memo):
@@ -93,7 +93,7 @@ class HeadTier:
         self.meta["score"].append(self.scorer.initial(keys))
         for name, trailing in self.scorer.token_state.items():
             self.meta[name].append(mx.zeros((B, H, n, *trailing), mx.float32))
-        if self.collecting:
+        if "seen" in self.meta:
             self.meta["seen"].append(mx.zeros((B, H, n), mx.float32))
         self.count += n
 
@@ -111,7 +111,7 @@ class HeadTier:
 
     @property
     def needs(self) -> frozenset:
-        return self.scorer.needs | ({"weights"} if self.collecting else frozenset())
+        return self.scorer.needs | ({"weights"} if "seen" in self.meta else frozenset())
 
     def set_scores(self, scores: mx.array) -> None:
         self.meta["score"].set(scores)

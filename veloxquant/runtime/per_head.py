@@ -101,7 +101,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
                                      queries=queries if "queries" in t.scorer.needs else None,
                                      new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
                                      weigh=lambda q, f, where=where: weigh(q, f, where)))
-            if t.collecting:
+            if "seen" in t.meta:
                 t.collect(total[..., where])
     return out.astype(queries.dtype)
 

@@ -12,7 +12,7 @@ from .registry import choices, in_range, stage
 # Budgets the per-model coordinator allocates once, at the end of the prompt, from the
 # attention each token received (runtime/allocation.py); the same four fields on evict and snap.
 LAYER_RULES = ("fixed", "squeeze")
-HEAD_RULES = ("equal", "adakv")
+HEAD_RULES = ("equal", "adakv", "score")
 
 
 def _sinks_below_budget(instance, attribute, value):
@@ -72,6 +72,8 @@ class Evict(_PerHeadRoute):
     strength: float = attrs.field(default=0.0, validator=in_range(0.0, 16.0))
     heads: str = attrs.field(default="equal", validator=choices(*HEAD_RULES))
     alpha: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0))
+    beta: float = attrs.field(default=3.0, validator=in_range(0.0, 1e3))
+    kappa: float = attrs.field(default=10.0, validator=in_range(0.0, 1e3))
 
     @property
     def floor(self) -> int:
