@@ -17,6 +17,7 @@ from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
+from .merging import merged_values
 from .ragged import PAD, Ragged, RaggedBuffer, choose, gather, grown
 from .tier import UNBOUNDED_STEP
 
@@ -151,13 +152,22 @@ class HeadTier:
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
-        idx = mx.argpartition(-priority, kth=budget - 1, axis=2)[:, :, :budget]
-        idx = mx.sort(idx, axis=2)  # older first, so the newest tokens stay at the back
+        order = mx.argpartition(-priority, kth=budget - 1, axis=2)
+        idx = mx.sort(order[:, :, :budget], axis=2)  # older first, so the newest tokens stay at the back
+        merge = getattr(self.route, "merge", "drop")
+        if merge != "drop":  # CaM: the evicted values fold into survivors (runtime/merging.py)
+            keys, values = self.decoded(mx.float32)
+            merged = merged_values(keys, values, self.scores, idx, order[:, :, budget:], self.route.targets,
+                                   merge, offset)
         for bufs in (*self.buffers.values(), self.meta):
             for buf in bufs.values():
                 arr = buf.view()
                 gather = idx.reshape(*idx.shape, *([1] * (arr.ndim - 3)))
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
+        if merge != "drop":
+            stored = [a.dtype for a in self.encoded("v").values() if mx.issubdtype(a.dtype, mx.floating)]
+            for name, arr in self.codecs["v"].encode(merged.astype(stored[0] if stored else mx.float16)).items():
+                self.buffers["v"][name].set(arr)
         self.count = budget
         self.uniform = False
 

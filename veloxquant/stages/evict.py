@@ -74,6 +74,8 @@ class Evict(_PerHeadRoute):
     alpha: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0))
     beta: float = attrs.field(default=3.0, validator=in_range(0.0, 1e3))
     kappa: float = attrs.field(default=10.0, validator=in_range(0.0, 1e3))
+    merge: str = attrs.field(default="drop", validator=choices("drop", "prominence", "sample"))
+    targets: int = attrs.field(default=4, validator=in_range(1, 1 << 10))
 
     @property
     def floor(self) -> int:
@@ -83,6 +85,8 @@ class Evict(_PerHeadRoute):
     def __attrs_post_init__(self):
         if self.sinks + self.recent >= self.budget:
             raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
+        if self.merge != "drop" and self.heads != "equal":
+            raise ValueError(f"merge={self.merge} needs heads=equal (merging into ragged heads is not built)")
 
 
 @stage("snap", "route", needs=("attention",))
