@@ -7,7 +7,7 @@ import pytest
 import veloxquant
 from veloxquant.runtime.allocation import adakv, squeeze
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.ragged import PAD, Ragged, choose, gather
+from veloxquant.runtime.ragged import PAD, Ragged, RaggedBuffer, choose, gather
 
 from conftest import pipeline_recipe, tiny_llama
 
@@ -69,6 +69,10 @@ def test_ragged_layout_pads_flattens_and_chooses():
     padded = lay.pad(flat, fill=PAD)
     assert padded.tolist() == [[[0, 1, 2], [3, PAD, PAD], [4, 5, PAD]]]
     assert lay.flatten(padded).tolist() == flat.tolist()
+    buf = RaggedBuffer(lay, flat, None, fill=PAD)
+    buf.append(mx.array([[[6], [7], [8]]]))  # a decode token for every head: the shared tail
+    assert buf.view().tolist() == [[[0, 1, 2, 6], [3, PAD, PAD, 7], [4, 5, PAD, 8]]]
+    assert buf.nbytes == flat.nbytes + 3 * flat.itemsize
     prio = mx.array([[[5, 1, 4, 3], [0, 9, 8, 7]]], mx.float32)
     lay2, idx = choose(prio, [2, 3])
     assert lay2.lens == [2, 3]
@@ -140,8 +144,10 @@ def test_ragged_attention_equals_each_heads_own_tokens(model, tmp_path):
         np.testing.assert_allclose(got[0, h, 0], want, rtol=2e-3, atol=2e-3)
 
 
-def test_ragged_cache_saves_loads_and_continues_identically(model, tmp_path):
-    recipe = pipeline_recipe(tmp_path, "evict(budget=24, sinks=2, score=mean, heads=adakv, alpha=0.1)", "rag")
+@pytest.mark.parametrize("once", ["true", "false"])  # once: decode tokens wait in the tail when saved
+def test_ragged_cache_saves_loads_and_continues_identically(model, tmp_path, once):
+    recipe = pipeline_recipe(tmp_path, f"evict(budget=24, sinks=2, score=mean, heads=adakv, alpha=0.1, once={once})",
+                             "rag")
     caches = veloxquant.make_prompt_cache(model, recipe)
     toks = tokens()
     drive(model, caches, toks)

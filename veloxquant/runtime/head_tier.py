@@ -18,7 +18,7 @@ from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_values
-from .ragged import PAD, Ragged, RaggedBuffer, choose, gather, grown
+from .ragged import PAD, Ragged, RaggedBuffer, choose, gather
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -209,12 +209,15 @@ class HeadTier:
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        held = (lambda buf: buf.held()) if self.ragged is not None else (lambda buf: buf.view())
-        out = {f"{side}.{name}": held(buf) for side, bufs in self.buffers.items() for name, buf in bufs.items()}
-        out.update({name: held(buf) for name, buf in self.meta.items()})
+        # Ragged: what is held, as held: each head's run, flat [B, 1, sum(lens), ...], and the shared tail.
+        held = (lambda buf: buf.flat) if self.ragged is not None else (lambda buf: buf.view())
+        named = [(f"{side}.{name}", buf) for side, bufs in self.buffers.items() for name, buf in bufs.items()]
+        named += list(self.meta.items())
+        out = {key: held(buf) for key, buf in named}
         out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
-        if self.ragged is not None:  # each head's run, the tail folded in: [B, 1, sum(lens), ...]
-            out["ragged.lens"] = mx.array(grown(self.ragged, self.count - self.ragged.width).lens, mx.int32)
+        if self.ragged is not None:
+            out["ragged.lens"] = mx.array(self.ragged.lens, mx.int32)
+            out.update({f"tail.{key}": buf.tail.view() for key, buf in named if buf.tail.used})
         if self.budgets is not None:
             out["alloc.budgets"] = mx.array(self.budgets, mx.int32)
         return {k: v for k, v in out.items() if v is not None}
@@ -265,9 +268,17 @@ class HeadTier:
             if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
                 return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
             bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
-        self.ragged, self.count = layout, layout.width
+            tail = arrays.get(f"tail.{key}")
+            if tail is not None:
+                bufs[name].tail.append(tail)
+        tails = {b.tail.used for bufs in (*self.buffers.values(), self.meta) for b in bufs.values()}
+        if len(tails) != 1:
+            return f"the tail arrays hold different token counts ({sorted(tails)})"
+        self.ragged, self.count = layout, layout.width + tails.pop()
         pos = self.positions
-        ordered = (pos[..., 1:] > pos[..., :-1]) | ~layout.valid[None, :, 1:]
+        valid = pos < PAD
+        before = mx.cummax(mx.where(valid, pos, -1), axis=-1)  # the newest valid position so far
+        ordered = (pos[..., 1:] > before[..., :-1]) | ~valid[..., 1:]
         if pos.dtype != mx.int32 or not bool(mx.all(ordered).item()):
             return "positions are not increasing int32 per head"
         return None

@@ -83,21 +83,9 @@ class RaggedBuffer:
     def drop_back(self, n: int) -> None:
         raise ValueError("a ragged tier has evicted tokens: it cannot be trimmed")
 
-    def held(self) -> mx.array:
-        """Everything held, flat, with the tail folded into each head's run (what a file stores)."""
-        tail = self.tail.view()
-        if tail is None:
-            return self.flat
-        return grown(self.layout, self.tail.used).flatten(self.view())
-
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes + self.tail.nbytes
-
-
-def grown(layout: Ragged, extra: int) -> Ragged:
-    """The layout once each head's run also holds the `extra` tail tokens."""
-    return Ragged([n + extra for n in layout.lens]) if extra else layout
 
 
 def choose(priority: mx.array, budgets: List[int]):
