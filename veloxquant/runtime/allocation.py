@@ -47,7 +47,7 @@ def decide(caches: List) -> Dict[str, list]:
     if not found:
         return {}
     dists = [_distribution(t.signal(c.offset)) if watches(t.route) else None for c, t in found]  # [H, L]
-    bases = [t.route.budget for _, t in found]
+    bases = [t.budget for _, t in found]  # the route's, at most a sliding window
     squeezed = [i for i, (_, t) in enumerate(found) if t.route.layers == "squeeze" and t.route.strength > 0]
     layer = list(bases)
     if squeezed:

@@ -29,8 +29,12 @@ class HeadTier:
     fusable = False
     granularity = 1
 
-    def __init__(self, plan: TierPlan):
+    def __init__(self, plan: TierPlan, window: Optional[int] = None):
         self.plan = plan
+        # A sliding-window layer (Gemma 3's local layers): no future query sees a token
+        # older than the window, so such tokens go first and the tier never holds more
+        # than the window (a budget above it would hold more than fp16's own cache).
+        self.window = window
         self.route = plan.route
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
         self.scorer = scorers.make(plan.route)
@@ -137,21 +141,35 @@ class HeadTier:
             return [n + self.count - self.ragged.width for n in self.ragged.lens]
         return [self.count] * (self.positions.shape[1] if self.count else 0)
 
+    def head_budgets(self) -> List[int]:
+        """Tokens each head keeps: allocated, or the route's; at most the layer's sliding window."""
+        budgets = self.budgets or [self.route.budget] * len(self.lengths())
+        return [min(b, self.window) for b in budgets] if self.window else budgets
+
     def over(self) -> bool:
         """Some head holds more than its budget."""
         if self.budgets is None:
-            return self.count > self.route.budget
-        return any(n > b for n, b in zip(self.lengths(), self.budgets))
+            return self.count > self.budget
+        return any(n > b for n, b in zip(self.lengths(), self.head_budgets()))
 
-    def keep(self, priority: mx.array, offset: int) -> None:
+    @property
+    def budget(self) -> int:
+        """Tokens kept per head: the route's budget, at most the layer's sliding window."""
+        return min(self.route.budget, self.window) if self.window else self.route.budget
+
+    def keep(self, priority: mx.array, offset: int, budget: Optional[int] = None) -> None:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
         if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
-            return self._keep_ragged(priority, offset)
-        budget = min(self.budgets[0] if self.budgets else self.route.budget, self.count)
+            return self._keep_ragged(priority, offset, budget)
+        budget = min(budget or (self.head_budgets()[0] if self.budgets else self.budget), self.count)
+        if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
+            priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
+        if self.window:  # expired tokens leave first, sinks included: no query sees them again
+            priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
         order = mx.argpartition(-priority, kth=budget - 1, axis=2)
         idx = mx.sort(order[:, :, :budget], axis=2)  # older first, so the newest tokens stay at the back
         merge = getattr(self.route, "merge", "drop")
@@ -171,14 +189,18 @@ class HeadTier:
         self.count = budget
         self.uniform = False
 
-    def _keep_ragged(self, priority: mx.array, offset: int) -> None:
+    def _keep_ragged(self, priority: mx.array, offset: int, cap: Optional[int] = None) -> None:
         """Head h keeps its own budget: the tier's arrays become ragged (flat, no padding held)."""
         pos = self.positions
         valid = pos < PAD
         recent = getattr(self.route, "recent", 0)
         protected = valid & ((pos < self.route.sinks) | (pos >= offset - recent))
-        priority = mx.where(valid, mx.where(protected, mx.inf, priority), -mx.inf)
-        layout, idx = choose(priority, [min(b, n) for b, n in zip(self.budgets, self.lengths())])
+        priority = mx.where(protected, mx.inf, priority)
+        if self.window:  # expired tokens rank below every visible one (unused slots lower still)
+            priority = mx.where(pos < offset - self.window + 1, -1e30, priority)
+        priority = mx.where(valid, priority, -mx.inf)
+        budgets = [min(b, n, cap or b) for b, n in zip(self.head_budgets(), self.lengths())]
+        layout, idx = choose(priority, budgets)
         step = UNBOUNDED_STEP if self.route.once else None
         for bufs in (*self.buffers.values(), self.meta):
             for name, buf in bufs.items():
@@ -191,6 +213,10 @@ class HeadTier:
         # While budgets are open the prompt is held whole: they are decided before any eviction.
         if not self.route.once and not self.collecting and self.over():
             self.keep(self.scorer.priority(self, offset, None), offset)
+        elif self.window and self.count > self.window:
+            # `once` routes append until (and after) their decision; on a sliding layer the
+            # expired tokens are dropped meanwhile, so the tier stays within the window.
+            self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:

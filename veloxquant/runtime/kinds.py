@@ -25,7 +25,7 @@ def kind_of(plan: TierPlan):
 
 def build(plan: TierPlan, layer: LayerPlan, exact: bool):
     if getattr(plan.route, "per_head", False):
-        return HeadTier(plan)
+        return HeadTier(plan, layer.window)
     kind = kind_of(plan)
     if kind is None:
         return Tier(plan, exact)

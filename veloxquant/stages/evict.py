@@ -57,12 +57,15 @@ class Evict(_PerHeadRoute):
     statistics); tau: keyformer's noise temperature; chunk: chunkkv's chunk
     size; rank: curdkv's rank cap; pool: max-pool `mean` scores over that
     many neighbouring tokens (SnapKV's smoothing).
+    shared_heads=true: rank by the score averaged over the layer's kv heads,
+    so every head keeps the same tokens (kvpress's TOVA averages over heads).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     score: str = attrs.field(default="mass", validator=_known_scorer)
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     once: bool = False
+    shared_heads: bool = False
     window: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
     tau: float = attrs.field(default=1.0, validator=in_range(0.0, 1e6))
     chunk: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
