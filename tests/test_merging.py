@@ -43,6 +43,17 @@ def test_several_targets_share_the_merge_and_the_total_is_conserved():
     assert np.all(np.abs(added) <= np.abs(v_gone).sum(axis=2) + 1e-4)
 
 
+def test_blocked_similarity_gives_the_same_merge(monkeypatch):
+    from veloxquant.runtime import merging
+    rng = np.random.default_rng(2)
+    keys, values = (mx.array(rng.standard_normal((1, 2, 50, 8)).astype(np.float32)) for _ in range(2))
+    scores = mx.array(rng.random((1, 2, 50)).astype(np.float32))
+    kept, gone = mx.broadcast_to(mx.arange(10), (1, 2, 10)), mx.broadcast_to(mx.arange(10, 50), (1, 2, 40))
+    whole = merged_values(keys, values, scores, kept, gone, 3, "prominence", 0)
+    monkeypatch.setattr(merging, "BLOCK", 7)
+    assert mx.allclose(whole, merged_values(keys, values, scores, kept, gone, 3, "prominence", 0)).item()
+
+
 def run(model, tmp_path, pipeline, name, n=80):
     caches = veloxquant.make_prompt_cache(model, pipeline_recipe(tmp_path, pipeline, name))
     toks = mx.array(np.random.default_rng(4).integers(0, 500, (1, n)))

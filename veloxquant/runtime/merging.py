@@ -15,6 +15,8 @@ the kept tokens.
 """
 import mlx.core as mx
 
+BLOCK = 256  # evicted tokens whose similarities to the survivors are held at once
+
 
 def _unit(k: mx.array) -> mx.array:
     return k / mx.maximum(mx.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
@@ -32,8 +34,10 @@ def merged_values(keys: mx.array, values: mx.array, scores: mx.array, kept: mx.a
     B, H, b, D = v_kept.shape
     e = gone.shape[2]
     m = min(targets, b)
-    sim = k_gone @ k_kept.swapaxes(-1, -2)  # [B, H, e, b]: evicted x kept, bounded by the budget
-    to = mx.argpartition(-sim, kth=m - 1, axis=-1)[..., :m]  # [B, H, e, m]
+    # The m most similar survivors of each evicted token, BLOCK evicted tokens at a time: the bulk
+    # eviction at the end of a long prompt never holds the whole [heads x evicted x kept] similarity.
+    to = mx.concatenate([mx.argpartition(-(k_gone[:, :, s:s + BLOCK] @ k_kept.swapaxes(-1, -2)), kth=m - 1,
+                                         axis=-1)[..., :m] for s in range(0, e, BLOCK)], axis=2)  # [B, H, e, m]
     a_to = mx.take_along_axis(mx.broadcast_to(a_kept[:, :, None], (B, H, e, b)), to, axis=-1)
     p = mx.clip(a_gone / mx.maximum(mx.mean(a_to, axis=-1), 1e-30), 0.0, 1.0)  # [B, H, e]
     if how == "sample":
