@@ -100,6 +100,8 @@ class LatentTier:
         B, Hq, Lq, D = queries.shape
         # The query heads of a kv head become rows of one matmul, as in partial_attention.
         q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
+        if hasattr(self.sides["k"], "observe"):
+            self.sides["k"].observe(q)  # before the fit: the queries weigh the key allocation (queries=true)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
 
     def decoded(self, dtype):
