@@ -4,7 +4,7 @@ import numpy as np
 
 import veloxquant as vq
 from veloxquant.stages.latent import Latent
-from conftest import tiny_llama
+from conftest import feed, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(5))
 
@@ -33,12 +33,12 @@ def test_a_quiet_direction_the_queries_look_along_gets_the_bits():
 def test_the_tier_gathers_the_prompts_queries_then_frees_them():
     model = tiny_llama()
     caches = vq.make_prompt_cache(model, "kvtc", ["window=32", "sinks=0"])
-    model(TOKENS[:, :150], cache=caches)
+    feed(model, TOKENS[:, :150], caches, 50)  # the tier holds tokens from the second block on: it sees queries
     side = caches[0].tiers[-1].sides["k"]
     assert side.query_moment is not None and side.query_moment.shape == (3, 64, 64)
     assert "qmoment" in caches[0].tiers[-1].arrays()  # counted while held
     caches[0].finish_prompt()
     assert side.query_moment is None and side.widths is not None
     off = vq.make_prompt_cache(model, "kvtc", ["window=32", "sinks=0", "query_weights=false"])
-    model(TOKENS[:, :150], cache=off)
+    feed(model, TOKENS[:, :150], off, 50)
     assert off[0].tiers[-1].sides["k"].query_moment is None
