@@ -36,7 +36,7 @@ def test_the_tier_gathers_the_prompts_queries_then_frees_them():
     feed(model, TOKENS[:, :150], caches, 50)  # the tier holds tokens from the second block on: it sees queries
     side = caches[0].tiers[-1].sides["k"]
     assert side.query_moment is not None and side.query_moment.shape == (3, 64, 64)
-    assert "qmoment" in caches[0].tiers[-1].arrays()  # counted while held
+    assert "k.qmoment" in caches[0].tiers[-1].arrays()  # counted while held
     caches[0].finish_prompt()
     assert side.query_moment is None and side.widths is not None
     off = vq.make_prompt_cache(model, "kvtc", ["window=32", "sinks=0", "query_weights=false"])
