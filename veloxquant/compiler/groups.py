@@ -49,6 +49,9 @@ def assign_groups(layers: Sequence[LayerPlan], pipelines: Sequence[Pipeline]) ->
             members.append(i + len(members))
         for m in members[1:]:
             _check_match(layers[i], layers[m], pipelines[m])
+        if len(members) == 1 and _name(layers[i].tiers[-1]) == "slerp":
+            i += 1  # a slerp layer without a partner shares nothing: a float16 passthrough, no group
+            continue
         for m in members:
             out[m] = attrs.evolve(layers[m], share=Share(group, tuple(members)))
         group, i = group + 1, i + len(members)
@@ -123,6 +126,8 @@ def codec_bits(codec: CodecPlan, head_dim: int, role: Optional[str]) -> float:
     """Bits per element this layer really holds: a reuse layer holds no codes."""
     if role == "reuse" and shares(codec) and hasattr(codec.store, "reuse_bits_per_element"):
         return codec.store.reuse_bits_per_element(head_dim)
+    if role == "anchor" and shares(codec) and hasattr(codec.store, "anchor_bits_per_element"):
+        return codec.store.anchor_bits_per_element(head_dim)
     return codec.bits_per_element(head_dim)
 
 

@@ -51,7 +51,11 @@ class Slerp:
         return int(round(self.start * n_layers))
 
     def bits_per_element(self, head_dim: int) -> float:
-        """A group's anchor (and a lone layer): the direction (or vector) at float16 plus its magnitude."""
+        """A lone layer (outside any pair): its vectors in float16."""
+        return 16.0
+
+    def anchor_bits_per_element(self, head_dim: int) -> float:
+        """A pair's anchor: the shared direction at float16 plus its own magnitude."""
         return 16.0 + 16.0 / head_dim
 
     def reuse_bits_per_element(self, head_dim: int) -> float:
