@@ -78,7 +78,7 @@ class Coordinator:
         self.allocated = False
         for layer, cache in zip(plan.layers, caches):
             cache.coordinator = self
-            for t in shared_tiers(layer):
+            for t in shared_tiers(layer) if layer.share else ():  # slerp layers above `start` share nothing
                 link = Link(self, layer.share.anchor, layer.index, t)
                 if hasattr(cache.tiers[t], "join_group"):
                     cache.tiers[t].join_group(link, layer.share.layers)  # it shares by itself (latent: the basis)
@@ -96,7 +96,7 @@ class Coordinator:
 
     def problems(self) -> List[str]:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
-        out = []
+        out = [p for c in self.caches for t in c.tiers if hasattr(t, "group_problem") for p in [t.group_problem()] if p]
         for link in self.links:
             tier = self.caches[link.layer].tiers[link.tier]
             problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)

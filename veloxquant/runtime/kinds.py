@@ -8,9 +8,10 @@ from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
+from .merged_tier import MergedTier
 from .tier import Tier
 
-KINDS = {"latent": LatentTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
 
 
 def kind_of(plan: TierPlan):
