@@ -36,17 +36,17 @@ def recipe(tmp_path, monkeypatch, llama_model):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_text(0))
     plan = vq.compile_recipe(vq.load_recipe("ratequant"), ModelShape.from_model(llama_model),
-                             [f"corpus={corpus}", "tokens=256", "key_bits=2.5", "window=16"])
+                             [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"])
     meta = binding.calibrate(plan, llama_model, Tokens(), progress=False)
-    return [f"corpus={corpus}", "tokens=256", "key_bits=2.5", "window=16"], meta
+    return [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"], meta
 
 
 def test_calibration_allocates_per_layer_widths_that_the_caches_use(llama_model, recipe):
     sets, meta = recipe
     caches = vq.make_prompt_cache(llama_model, "ratequant", sets)
-    keys = [c.plan.tiers[-1].keys.store for c in caches]
-    widths = [s.width() for s in keys]
-    assert sum(widths) == 10 and set(widths) <= {2, 3, 4}  # mean 2.5 over 4 layers
+    widths = [c.plan.tiers[-1].keys.store.width() for c in caches]
+    v_widths = [c.plan.tiers[-1].values.store.width() for c in caches]
+    assert sum(widths + v_widths) == 20 and set(widths + v_widths) <= {2, 3, 4}  # mean 2.5 over 4 layers, K and V
     tokens = mx.random.randint(0, 500, (1, 96), key=mx.random.key(0))
     exact = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, "fp16"), 32)
     got = feed(llama_model, tokens, caches, 32)
@@ -76,3 +76,13 @@ def test_ratebits_scores_equal_decode_then_attend_and_a_saved_cache_continues(ll
     loaded, _ = load_prompt_cache(str(tmp_path / "c.safetensors"), expect_fingerprint=caches[0].fingerprint)
     a, b = llama_model(tokens[:, 100:], cache=caches), llama_model(tokens[:, 100:], cache=loaded)
     assert float(mx.abs(a - b).max()) == 0.0
+
+
+def test_keys_and_values_share_one_budget():
+    from veloxquant.stages.ratebits import RateBits
+    st = RateBits(target=3.0)
+    curve = np.array([1.0, 0.3, 0.08])
+    fits = {(i, 2, side, st): {"errors": curve * (10 if side == "k" else 1)} for i in range(3) for side in "kv"}
+    got = RateBits.allocate(fits)
+    k, v = ([int(got[(i, 2, side, st)]["bits"][0]) for i in range(3)] for side in "kv")
+    assert sum(k + v) == 18 and k == [4] * 3 and v == [2] * 3  # the keys' errors are 10x: they get the bits

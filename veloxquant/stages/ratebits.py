@@ -5,10 +5,10 @@ this stage's codes at b bits cause in the layer's attention output for the
 model's real queries (keys: the scores move; values: the summed values move),
 D_l(b) = mean ||o - o_b||^2 / mean ||o||^2 over the last queries of the calibration
 text (relative: deeper layers' outputs are larger, not more important).
-`allocate` then picks the widths across layers by dynamic programming:
-minimise sum_l D_l(b_l) with sum_l b_l = round(target * layers) -- the
-measured curves, not RateQuant's fitted alpha * beta^-b proxy. Equal curves
-give equal widths. The widths are artifact arrays, so they enter the plan's
+`allocate` then picks the widths across layers, keys and values together (their
+errors are errors of the same output), by dynamic programming: minimise
+sum D(b) with the widths' mean = target -- the measured curves, not RateQuant's
+fitted alpha * beta^-b proxy. Equal curves give equal widths. The widths are artifact arrays, so they enter the plan's
 fingerprint with its content hash; `bits_per_element` (explain) shows the target.
 """
 from typing import Dict, Tuple
@@ -110,15 +110,20 @@ class RateBits:
 
     @classmethod
     def allocate(cls, fits: Dict[tuple, Dict[str, np.ndarray]]) -> Dict[tuple, Dict[str, np.ndarray]]:
-        """Widths across the layers, one allocation per (tier, side) of the plan."""
+        """Widths across the layers and both sides of each tier together: key and value errors are
+        errors of the same attention output, so bits go where they cut it most (keys, mostly).
+        The mean width over a tier's sites is the mean of their targets."""
         out = {}
-        groups: Dict[tuple, list] = {}
+        groups: Dict[int, list] = {}
         for site in fits:
-            groups.setdefault((site[1], site[2]), []).append(site)
+            groups.setdefault(site[1], []).append(site)
         for sites in groups.values():
-            sites.sort(key=lambda s: s[0])
-            st = sites[0][3]
-            widths = allocate_widths(np.stack([fits[s]["errors"] for s in sites]), st.lo, st.target)
+            sites.sort(key=lambda s: (s[0], s[2]))
+            lo = min(s[3].lo for s in sites)
+            errors = np.full((len(sites), max(s[3].hi for s in sites) - lo + 1), np.inf)
+            for row, s in enumerate(sites):  # a site's own range; widths outside it cost infinity
+                errors[row, s[3].lo - lo:s[3].hi - lo + 1] = fits[s]["errors"]
+            widths = allocate_widths(errors, lo, float(np.mean([s[3].target for s in sites])))
             out.update({s: {**fits[s], "bits": np.array([w], dtype=np.int32)} for s, w in zip(sites, widths)})
         return out
 
