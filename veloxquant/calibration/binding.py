@@ -74,6 +74,11 @@ def _corpus_digest(corpus: str) -> str:
 
 def key_for(plan: Plan, model) -> str:
     cfg = settings(plan)
+    # A stage's own fitter version (changed what it computes) makes its old artifacts stale
+    # without touching other stages' keys (FIT_VERSION does that for every stage).
+    versions = {s.stage_name: s.fit_version for _, _, _, s in calibrated_stages(plan) if getattr(s, "fit_version", 0)}
+    if versions:
+        cfg = {**cfg, "fit_versions": versions}
     return artifact.key_of(artifact.weights_identity(model), unbound(plan).fingerprint,
                            _corpus_digest(cfg["corpus"]), cfg)
 

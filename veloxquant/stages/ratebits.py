@@ -64,6 +64,7 @@ class RateBits:
     _slot: str = ""
 
     calibrated = True
+    fit_version = 2  # 2: one allocation over keys and values (1: each side alone)
     fits_layer = True
     codes = False  # the width is the artifact's: entropy stages cannot know it from the plan
     token_multiple = 1
