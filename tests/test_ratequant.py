@@ -91,3 +91,14 @@ def test_keys_and_values_share_one_budget():
     got = RateBits.allocate(fits)
     k, v = ([int(got[(i, 2, side, st)]["bits"][0]) for i in range(3)] for side in "kv")
     assert sum(k + v) == 18 and k == [4] * 3 and v == [2] * 3  # the keys' errors are 10x: they get the bits
+
+
+def test_a_sliding_window_limits_the_keys_the_errors_are_measured_over():
+    from veloxquant.stages.ratebits import RateBits
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((1, 256, 64)).astype(np.float32), rng.standard_normal((1, 256, 64)).astype(np.float32)
+    q = rng.standard_normal((3, 64, 64)).astype(np.float32)  # every 4th position's query, 3 query heads
+    layer = {"k": k, "v": v, "q": q}
+    fit = lambda w: RateBits().fit(k, q, layer, "k", w)["errors"]
+    assert np.array_equal(fit(None), fit(256)) and not np.allclose(fit(None), fit(16))
+    assert np.all(np.diff(fit(None)) < 0)  # more bits, less error

@@ -121,7 +121,7 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
         i, t, side, stage = site
         x, q = _in_stage_domain(plan, site, samples[i])
         if getattr(stage, "fits_layer", False):  # measures attention outputs: needs the layer's raw q, k, v too
-            fitted[site] = stage.fit(x, q, samples[i], side[0])
+            fitted[site] = stage.fit(x, q, samples[i], side[0], plan.layers[i].window)
         else:  # keys are fitted with the real queries too: what matters is the error q.(k - k^)
             fitted[site] = stage.fit(x, q if side[0] == "k" else None)
     for cls in {type(s) for _, _, _, s in sites if hasattr(s, "allocate")}:

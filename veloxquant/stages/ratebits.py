@@ -11,7 +11,7 @@ sum D(b) with the widths' mean = target -- the measured curves, not RateQuant's
 fitted alpha * beta^-b proxy. Equal curves give equal widths. The widths are artifact arrays, so they enter the plan's
 fingerprint with its content hash; `bits_per_element` (explain) shows the target.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import attrs
 import mlx.core as mx
@@ -64,7 +64,7 @@ class RateBits:
     _slot: str = ""
 
     calibrated = True
-    fit_version = 2  # 2: one allocation over keys and values (1: each side alone)
+    fit_version = 3  # 3: sliding windows masked; 2: one allocation over keys and values (1: each side alone)
     fits_layer = True
     codes = False  # the width is the artifact's: entropy stages cannot know it from the plan
     token_multiple = 1
@@ -82,15 +82,19 @@ class RateBits:
         return f"{head_dim} channels of {bad[0]} bits do not fill 32-bit words" if bad else ""
 
     # --- calibration -----------------------------------------------------
-    def fit(self, x: np.ndarray, q: np.ndarray, layer: Dict[str, np.ndarray], side: str) -> Dict[str, np.ndarray]:
+    def fit(self, x: np.ndarray, q: np.ndarray, layer: Dict[str, np.ndarray], side: str,
+            window: Optional[int] = None) -> Dict[str, np.ndarray]:
         """D_l(b) for b = lo..hi: attention-output error of the last QUERIES real queries.
-        `x`, `q`: the samples in this stage's domain; `layer`: the raw q, k, v; `side`: "k" or "v"."""
+        `x`, `q`: the samples in this stage's domain; `layer`: the raw q, k, v; `side`: "k" or "v";
+        `window`: the layer's sliding window (its queries see only that many keys)."""
         k, v, qr = layer["k"], layer["v"], layer["q"]  # raw: the exact attention
         H, N, D = k.shape
         rep = qr.shape[0] // H
         n = min(QUERIES, qr.shape[1])
         pos = (np.arange(qr.shape[1]) * QUERY_STRIDE)[-n:]  # the positions of the queries collect.py kept
         mask = np.arange(N)[None] <= pos[:, None]
+        if window:
+            mask &= np.arange(N)[None] > pos[:, None] - window
         scale = D ** -0.5
         qh = qr[:, -n:].reshape(H, rep * n, D)
         qs = q[:, -n:].reshape(H, rep * n, D)  # the same queries in this stage's domain (keys)
