@@ -45,7 +45,7 @@ def _calibrate(model, recipe):
 
 
 def test_missing_artifact_is_a_clear_error_and_calibrate_makes_it(llama_model, setup):
-    recipe, _, _ = setup
+    recipe, _, tmp = setup
     with pytest.raises(CalibrationError, match=r"needs a calibration artifact.*veloxquant calibrate spec"):
         vq.make_prompt_cache(llama_model, recipe)
     meta = _calibrate(llama_model, recipe)
@@ -56,7 +56,9 @@ def test_missing_artifact_is_a_clear_error_and_calibrate_makes_it(llama_model, s
     tokens = mx.random.randint(0, 500, (1, 64), key=mx.random.key(0))
     exact = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, "fp16"), 32)
     got = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, recipe), 32)
-    two_bit = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, "turboquant_mse", ["bits=2"]), 32)
+    plain = tmp / "tq2.yaml"  # TurboQuant's codes alone: the built-in also keeps sinks and a window in fp16
+    plain.write_text("veloxquant: 1\nname: tq2\npipeline: rotation | lloydmax(bits=2)\n")
+    two_bit = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, str(plain)), 32)
     # a random model's keys are isotropic (nothing for PCA to find): about as good as 2-bit TurboQuant
     assert float(mx.mean(mx.abs(got - exact))) < 1.5 * float(mx.mean(mx.abs(two_bit - exact)))
     assert any("artifact: " in line and meta["key"] in line for line in calibration_lines(caches[0].plan_root,

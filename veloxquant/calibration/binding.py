@@ -10,7 +10,15 @@ from ..errors import VeloxError
 from . import artifact
 from .artifact import CalibrationError
 
-Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v", stage)
+Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v" or "k.r0" (a residual stage), stage)
+
+
+def _calibrated(codec) -> List[Tuple[str, object]]:
+    """("", store) and ("rJ", residual J's stage) of a codec's calibrated stages."""
+    if codec is None:
+        return []
+    found = [("", codec.store)] + [(f"r{j}", r.inner) for j, r in enumerate(codec.residuals)]
+    return [(where, s) for where, s in found if getattr(s, "calibrated", False)]
 
 
 def calibrated_stages(plan: Plan) -> List[Site]:
@@ -18,8 +26,7 @@ def calibrated_stages(plan: Plan) -> List[Site]:
     for layer in plan.layers:
         for t, tier in enumerate(layer.tiers):
             for side, codec in (("k", tier.keys), ("v", tier.values)):
-                if codec is not None and getattr(codec.store, "calibrated", False):
-                    out.append((layer.index, t, side, codec.store))
+                out += [(layer.index, t, f"{side}.{where}" if where else side, s) for where, s in _calibrated(codec)]
     return out
 
 
@@ -42,6 +49,10 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
             for side, codec in (("keys", tier.keys), ("values", tier.values)):
                 if codec is not None and getattr(codec.store, "calibrated", False):
                     codec = attrs.evolve(codec, store=fn(layer.index, t, side[0], codec.store))
+                if codec is not None and any(getattr(r.inner, "calibrated", False) for r in codec.residuals):
+                    codec = attrs.evolve(codec, residuals=tuple(
+                        attrs.evolve(r, inner=fn(layer.index, t, f"{side[0]}.r{j}", r.inner))
+                        if getattr(r.inner, "calibrated", False) else r for j, r in enumerate(codec.residuals)))
                 sides[side] = codec
             tiers.append(attrs.evolve(tier, **sides))
         layers.append(attrs.evolve(layer, tiers=tuple(tiers)))
@@ -63,6 +74,11 @@ def _corpus_digest(corpus: str) -> str:
 
 def key_for(plan: Plan, model) -> str:
     cfg = settings(plan)
+    # A stage's own fitter version (changed what it computes) makes its old artifacts stale
+    # without touching other stages' keys (FIT_VERSION does that for every stage).
+    versions = {s.stage_name: s.fit_version for _, _, _, s in calibrated_stages(plan) if getattr(s, "fit_version", 0)}
+    if versions:
+        cfg = {**cfg, "fit_versions": versions}
     return artifact.key_of(artifact.weights_identity(model), unbound(plan).fingerprint,
                            _corpus_digest(cfg["corpus"]), cfg)
 
@@ -100,10 +116,19 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     arrays: Dict[str, np.ndarray] = {}
     from tqdm import tqdm
     import sys
-    for i, t, side, stage in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
-        # keys are fitted with the real queries too: what matters is the error q.(k - k^)
-        seen = samples[i]["q"] if side == "k" else None
-        for name, arr in stage.fit(samples[i][side], seen).items():
+    fitted: Dict[Site, Dict[str, np.ndarray]] = {}
+    for site in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
+        i, t, side, stage = site
+        x, q = _in_stage_domain(plan, site, samples[i])
+        if getattr(stage, "fits_layer", False):  # measures attention outputs: needs the layer's raw q, k, v too
+            fitted[site] = stage.fit(x, q, samples[i], side[0], plan.layers[i].window)
+        else:  # keys are fitted with the real queries too: what matters is the error q.(k - k^)
+            fitted[site] = stage.fit(x, q if side[0] == "k" else None)
+    for cls in {type(s) for _, _, _, s in sites if hasattr(s, "allocate")}:
+        # decisions across layers (RateQuant's bits): the stage class sees every site's fit at once
+        fitted.update(cls.allocate({site: a for site, a in fitted.items() if type(site[3]) is cls}))
+    for (i, t, side, _), found in fitted.items():
+        for name, arr in found.items():
             arrays[f"{i}.{t}.{side}.{name}"] = arr
     key = key_for(plan, model)
     meta = {"recipe": plan.recipe, "model": model_name, "weights": artifact.weights_identity(model),
@@ -112,6 +137,27 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
             "seconds": round(time.perf_counter() - start, 2)}
     path = artifact.save(key, arrays, meta)
     return {**artifact.find(key), "path": str(path)}
+
+
+def _in_stage_domain(plan: Plan, site: Site, layer: Dict[str, np.ndarray]):
+    """The samples as the calibrated stage sees them: through the codec's transforms (unrope by
+    position, rotations; queries through the orthogonal ones) and, for a residual stage, minus
+    what the stages before it reconstruct. Samples are positions 0.. in order (collect.py)."""
+    import mlx.core as mx
+    from ..runtime.codec import Codec
+    i, t, side, _ = site
+    tier = plan.layers[i].tiers[t]
+    codec = tier.keys if side[0] == "k" else tier.values
+    x, q = mx.array(layer[side[0]])[None], mx.array(layer["q"])[None]
+    for tr in codec.transforms:
+        x = tr.forward(x, 0) if getattr(tr, "positional", False) else tr.forward(x)
+        if hasattr(tr, "query"):
+            q = tr.query(q)
+    if "." in side:  # residual j: what the store and residuals before it leave
+        j = int(side.split(".r")[1])
+        before = Codec(attrs.evolve(codec, transforms=(), residuals=codec.residuals[:j], entropy=()))
+        x = x.astype(mx.float32) - before.decode(before.encode_ops(x), mx.float32)
+    return np.array(x[0].astype(mx.float32)), np.array(q[0].astype(mx.float32))
 
 
 def needs_artifact(ref: str) -> bool:

@@ -1,0 +1,100 @@
+"""Score error of key codecs on a real model's keys and queries, against the sketch theory.
+
+    python -m veloxquant.bench.key_score_error --model gemma3 --tokens 1024
+
+For the last --queries queries of a corpus prompt, per layer: the key norm, the
+norm of the keys' mean (the offset every token shares), the scaled query norm,
+then for each key pipeline the RMS error of its scaled scores (from codes, as
+attention computes them) and the relative error of the attention output
+(values exact). A 1-bit sketch's score error grows with ||q|| ||k|| (QJL:
+sqrt(pi/2m) ||q|| ||k||), so with the shared offset; `groupmean(64) | residual(...)`
+codes what is left of each 64-token group's mean.
+"""
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
+             "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"
+             "rotation | groupmean(64) | residual(rabitq);rotation | lloydmax(bits=2) | residual(qjl(factor=1.0));"
+             "rotation | groupmean(64) | residual(lloydmax(bits=2)) | residual(qjl(factor=1.0))")
+
+
+def _capture(model, ids, layers, group):
+    """(queries, keys, values, scale, window, first position) per layer; keys cut to whole groups."""
+    from ..runtime.make import make_prompt_cache
+    caches = make_prompt_cache(model, "fp16")
+    seen = {}
+    for i in layers:
+        def attend(queries, scale, mask=None, sinks=None, observe=True, _i=i, _orig=caches[i].attend):
+            seen.setdefault(_i, []).append((queries, scale))
+            return _orig(queries, scale, mask, sinks, observe)
+        caches[i].attend = attend
+    x = mx.array(ids)[None]
+    for s in range(0, x.shape[1], 256):
+        model(x[:, s:s + 256], cache=caches)
+    out = {}
+    for i in layers:
+        k, v = caches[i].tiers[0].decoded(mx.float32)
+        cut = k.shape[2] % group
+        q = mx.concatenate([a for a, _ in seen[i]], axis=2).astype(mx.float32)
+        out[i] = (q, k[:, :, cut:], v[:, :, cut:], seen[i][0][1], caches[i].plan.window,
+                  caches[i].tiers[0].start + cut)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="key_score_error", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="mlx-lm model folder or 'gemma3' (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--queries", type=int, default=64)
+    ap.add_argument("--layers", help="comma-separated (default: six spread over the model)")
+    ap.add_argument("--pipelines", default=PIPELINES, help="key pipelines separated by ';'")
+    args = ap.parse_args(argv)
+    from ..compiler import ModelShape, compile_recipe
+    from ..data.corpus import austen_text
+    from ..models import load_model
+    from ..models.default import default_model_path, gemma3_model_path
+    from ..recipe import load_recipe
+    from ..runtime.codec import Codec
+    path = gemma3_model_path() if args.model == "gemma3" else (args.model or default_model_path())
+    model, tok = load_model(path, dtype=mx.float32)
+    shape = ModelShape.from_model(model)
+    n = shape.n_layers
+    layers = ([int(x) for x in args.layers.split(",")] if args.layers
+              else sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1}))
+    data = _capture(model, tok.encode(austen_text())[: args.tokens], layers, 64)
+    tmp = Path(tempfile.mkdtemp())
+    N, NQ = args.tokens, args.queries
+    for i in layers:
+        q, k, v, scale, window, first = data[i]
+        B, Hq, _, D = q.shape
+        H, L = k.shape[1], k.shape[2]
+        qq = q[:, :, -NQ:].reshape(B, H, Hq // H * NQ, D) * scale
+        qpos, kpos = mx.arange(N - NQ, N), mx.arange(first, first + L)
+        mask = kpos[None] <= qpos[:, None]
+        if window:
+            mask = mask & (kpos[None] > qpos[:, None] - window)
+        mask = mx.tile(mask, (Hq // H, 1))
+        exact = qq @ k.swapaxes(-1, -2)
+        ref = mx.softmax(mx.where(mask, exact, -mx.inf), -1) @ v
+        norm = lambda a: float(mx.mean(mx.sqrt(mx.sum(a * a, -1))))
+        print(f"layer {i} (window {window}, {L} keys, head_dim {D}): |k| {norm(k):.1f}  "
+              f"|mean k| {norm(mx.mean(k, axis=2, keepdims=True)):.1f}  |q|*scale {norm(qq):.2f}")
+        for p in args.pipelines.split(";"):
+            (tmp / "r.yaml").write_text(f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n"
+                                        "    values: fp16\n")
+            codec = Codec(compile_recipe(load_recipe(str(tmp / "r.yaml")), shape).layers[i].tiers[-1].keys)
+            est = codec.scores(qq, codec.encode(k))
+            err = float(mx.sqrt(mx.sum(mx.where(mask, est - exact, 0) ** 2) / mx.sum(mask) / B / H))
+            out = mx.softmax(mx.where(mask, est, -mx.inf), -1) @ v
+            rel = float(mx.mean(mx.sqrt(mx.sum((out - ref) ** 2, -1) / mx.sum(ref * ref, -1))))
+            print(f"    {p:78s} score err {err:6.3f}  output rel err {rel:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
