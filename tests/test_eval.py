@@ -159,8 +159,11 @@ def test_evaluate_then_compare(llama_model, tmp_path):
     cfg = EvalConfig(windows=2, prefix=96, score_tokens=32, prefill_chunk=32, score_chunk=8, fidelity_windows=1,
                      passkey_lengths=(400,), passkey_depths=(0.2, 0.7), passkey_trials=1, passkey_max_tokens=3)
     rows = expand(["kivi[window=32]", "streaming_llm[window=60]"], [4])
-    result = evaluate(llama_model, tok, rows, SENTENCES * 4, cfg, {"model": "tiny-llama"}, progress=False)
+    seen = []  # partial results: the rows so far, after each row
+    result = evaluate(llama_model, tok, rows, SENTENCES * 4, cfg, {"model": "tiny-llama"}, progress=False,
+                      on_row=lambda done: seen.append([r["name"] for r in done]))
     names = [r["name"] for r in result["rows"]]
+    assert seen == [names[:i] for i in range(1, len(names) + 1)]
     assert names == ["fp16", "kivi[window=32]", "streaming_llm[window=60]", "mlx-q4"]
     fp16, kivi, stream, q4 = result["rows"]
     assert fp16["delta_ppl_pct"] == 0 and fp16["fidelity"]["mean"] == pytest.approx(1, abs=1e-6)

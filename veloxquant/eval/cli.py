@@ -106,7 +106,10 @@ def cmd_eval(args) -> int:
         from .distributed import evaluate_distributed
         result = evaluate_distributed(args.model, rows, text, cfg, meta, args.ray, progress=not args.no_progress)
     else:
-        result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress)
+        # Rows measured so far survive an interrupted run: OUT.partial.json after each row.
+        partial = (lambda done: Path(args.json + ".partial.json").write_text(
+            json.dumps({"partial": True, **meta, "rows": done}, indent=1) + "\n")) if args.json else None
+        result = evaluate(model, tokenizer, rows, text, cfg, meta, progress=not args.no_progress, on_row=partial)
     result["total_wall_s"] = time.perf_counter() - started  # with model and corpus loading
     md = report.markdown([result])
     print(md, end="")
@@ -114,6 +117,7 @@ def cmd_eval(args) -> int:
         Path(args.md).write_text(md)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.json + ".partial.json").unlink(missing_ok=True)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.png:
         report.plot([result], args.png)

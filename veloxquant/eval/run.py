@@ -8,7 +8,7 @@ import math
 import platform
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import attrs
 import mlx.core as mx
@@ -32,11 +32,13 @@ def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Opti
 
 
 def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
-             meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None) -> Dict:
+             meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None,
+             on_row: Optional[Callable[[List[Dict]], None]] = None) -> Dict:
     """Measure every row; rows[0] must be the fp16 baseline.
 
     `only`: report just these rows (every row still takes part in the fidelity
-    pass); how eval/distributed.py splits one evaluation into Ray tasks."""
+    pass); how eval/distributed.py splits one evaluation into Ray tasks.
+    `on_row`: called with the rows measured so far after each row (partial results)."""
     from ..runtime import uninstall
     t_start = time.perf_counter()
     shape = ModelShape.from_model(model)
@@ -101,6 +103,8 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             elif fid_error and fid_wins:
                 r["fidelity_error"] = fid_error
             out_rows.append(r)
+            if on_row is not None:
+                on_row(out_rows)
     finally:
         bar.close()
         uninstall(model)
