@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..compiler.plan import TierPlan
 from .attention import Partial, partial_from_scores
 from .latent_side import BASIS, LatentSide, PlainSide
+from .tier import expire_front
 
 
 class LatentTier:
@@ -29,7 +30,6 @@ class LatentTier:
     fusable = False
     sixteen_bit = False
     drops = False
-    attends = True  # answers its own partial: TieredCache.attend asks it, never decodes it
 
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
@@ -97,6 +97,13 @@ class LatentTier:
         # The query heads of a kv head become rows of one matmul, as in partial_attention.
         q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
+
+    def answer(self, queries: mx.array, scale: float, mask=None):
+        """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        return lambda: self.partial(queries, scale, mask)
+
+    def expire(self, oldest_visible: int) -> None:
+        expire_front(self, oldest_visible)
 
     def decoded(self, dtype):
         return self.sides["k"].decoded(dtype), self.sides["v"].decoded(dtype)

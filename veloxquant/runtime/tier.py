@@ -5,6 +5,7 @@ import mlx.core as mx
 
 from ..compiler.plan import TierPlan
 from ..kernels import dispatch
+from . import code_attention, fused
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
@@ -80,6 +81,29 @@ class Tier:
         if side not in self._views:
             self._views[side] = {name: buf.view() for name, buf in self.buffers[side].items()}
         return self._views[side]
+
+    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None):
+        """The tier-kind protocol's attention method: a callable answering this tier's partial
+        (out, lse) from its own storage, or None (decode me: the cache attends over my values).
+
+        `mask`: None when every held token is visible to every query. Plain affine codes go to
+        the fused kernel where a verified one takes the call; codecs that score their codes
+        answer from them (runtime/code_attention.py)."""
+        if mask is None and self.fusable:
+            found = fused.kernel_answer(self, queries, scale)
+            if found is not None:
+                return found
+        if code_attention.applies(self, queries.shape[2]):
+            return lambda: code_attention.tier_partial(self, queries, scale, mask)
+        return None
+
+    def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """What overflows this tier's route now, removed and decoded, with its start; or None."""
+        n = self.route.spill(self.count, self.plan.chunk)
+        return self.take_front(n, dtype) if n else None
+
+    def expire(self, oldest_visible: int) -> None:
+        expire_front(self, oldest_visible)
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
         if self.sixteen_bit:  # the stored arrays themselves (a cast only if dtypes differ)
@@ -194,6 +218,13 @@ class Tier:
                 if count and not codec.fitted:
                     return f"missing the fitted arrays {side}.fit.*"
         return None
+
+
+def expire_front(tier, oldest_visible: int) -> None:
+    """Sliding-window layers: forget the tokens no future query can see, in whole granules."""
+    n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
+    if tier.count and n > 0:
+        tier.drop_front(n)
 
 
 def decoded_run(tiers: List["Tier"], dtype) -> Tuple[mx.array, mx.array]:
