@@ -5,6 +5,7 @@ A new block of tokens is placed in the tiers at once (so the block attends to
 itself exactly); overflow moves on between tiers lazily, when the cache is
 next touched ("settling"), so a block never loses its own context mid-chunk.
 """
+from operator import attrgetter
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -21,6 +22,9 @@ from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
 
 
+_start = attrgetter("start")
+
+
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
     return b if a is None else a if b is None else min(a, b)
 
@@ -35,6 +39,8 @@ class TieredCache(_BaseCache):
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
         self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
+        self.windows = [_min(plan.window, h) for h in self.horizons]  # how far back each tier's tokens are seen
+        self._unwindowed = all(w is None for w in self.windows)
         self._tail_layouts = {}  # (query shape, dtype, dense tier count) -> reduce_tail's verdict on their layout
         self.offset = 0  # positions seen: RoPE offsets, never the count held
         self.dtype = mx.float16
@@ -51,7 +57,7 @@ class TieredCache(_BaseCache):
 
     def __deepcopy__(self, memo):
         # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
-        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons",
+        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
                                                 "_tail_layouts"))
 
     # --- mlx-lm protocol ------------------------------------------------
@@ -87,17 +93,25 @@ class TieredCache(_BaseCache):
         if self.per_head:
             self.scale_seen = scale
             return per_head.attend(self, self.held(), queries, scale, first_q, observe)
-        held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        held = [t for t in self.tiers if t.count and not t.drops]
+        if len(held) > 1:
+            held.sort(key=_start)
         if self.saliency is not None:
             return self.saliency.attend(held, queries, scale, first_q, observe)
         # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
         # (runtime/tier.py: Tier.answer); the cache only merges.
+        if len(held) == 1 and not self._needs_mask(held[0], first_q, Lq):
+            answer = held[0].answer(queries, scale)
+            if answer is None:  # one tier, every token visible, decoded (fp16): straight to SDPA
+                k, v = held[0].decoded(queries.dtype)
+                return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+            return merge_partials([answer()]).astype(queries.dtype)
         needs = [self._needs_mask(t, first_q, Lq) for t in held]
         answered = [t.answer(queries, scale, self._tier_mask(t, first_q, Lq) if n else None)
                     for t, n in zip(held, needs)]
         rest = [t for t, a in zip(held, answered) if a is None]
         if len(rest) == len(held):
-            return self._dense(held, queries, scale, first_q)
+            return self._dense(held, queries, scale, first_q, needs)
         answers = [a for a in answered if a is not None]
         if len(answers) == 1 and rest and getattr(answers[0], "folds_tail", False) \
                 and not any(n for n, a in zip(needs, answered) if a is None):
@@ -113,6 +127,8 @@ class TieredCache(_BaseCache):
         """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode)."""
         if self.per_head:
             return None if N == 1 else "causal"  # unused: attend() masks by per-head positions
+        if N == 1 and self._unwindowed and window_size is None:
+            return None  # one query, and every token held is older than it and within no window
         self._settle()
         window = window_size or self.plan.window
         held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]
@@ -237,22 +253,22 @@ class TieredCache(_BaseCache):
         return spans
 
     def _window(self, tier: Tier) -> Optional[int]:
-        return _min(self.plan.window, self.horizons[self.tiers.index(tier)])
+        return self.windows[self.tiers.index(tier)]
 
     def _needs_mask(self, tier: Tier, first_q: int, Lq: int) -> bool:
-        window = self._window(tier)
-        newer_than_query = tier.end - 1 > first_q
-        outside_window = window is not None and (first_q + Lq - 1) - tier.start >= window
-        return newer_than_query or outside_window
+        if tier.start + tier.count - 1 > first_q:
+            return True  # holds tokens newer than the first query
+        window = self.windows[self.tiers.index(tier)] if len(self.tiers) > 1 else self.windows[0]
+        return window is not None and (first_q + Lq - 1) - tier.start >= window
 
     def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
         return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
 
-    def _dense(self, held: List[Tier], queries, scale, first_q):
-        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory)."""
+    def _dense(self, held: List[Tier], queries, scale, first_q, needs: List[bool]):
+        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory).
+        `needs`: which tiers a mask must cover (`_needs_mask`)."""
         Lq = queries.shape[2]
         k, v = decoded_run(held, queries.dtype)
-        needs = [self._needs_mask(t, first_q, Lq) for t in held]
         if not any(needs):
             mask = None
         elif self._causal_ok(held, first_q + Lq):

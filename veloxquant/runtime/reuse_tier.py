@@ -11,6 +11,7 @@ import mlx.core as mx
 from ..compiler.groups import shares
 from ..compiler.plan import CodecPlan, TierPlan
 from ..stages.bitpack import unpack
+from . import code_attention
 from .buffer import Buffer
 from .copying import copy_sharing
 from .tier import UNBOUNDED_STEP, Tier
@@ -63,6 +64,7 @@ class ReuseTier(Tier):
                 # The last tier is unbounded (checked by the compiler): grow in steps, like Tier.
                 self.buffers[side] = {name: Buffer(max(1, UNBOUNDED_STEP // per_unit))
                                       for name, per_unit in self.codecs[side].units().items()}
+        self.codes_attend = code_attention.applies(self, 1)  # asked again: the codecs changed
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.count == 0:

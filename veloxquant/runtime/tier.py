@@ -36,6 +36,7 @@ class Tier:
         self.sixteen_bit = not plan.drops and all(
             c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
             for c in (plan.keys, plan.values))
+        self.codes_attend = False
         self.start = 0  # position of the oldest token held
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
@@ -46,6 +47,8 @@ class Tier:
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
             return
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        # The key codec scores its codes (runtime/code_attention.py): decided once, asked every step.
+        self.codes_attend = code_attention.applies(self, 1)
         self.buffers = {}
         for side, codec in self.codecs.items():
             bounded = plan.route is not None and plan.route.bounded
@@ -93,7 +96,7 @@ class Tier:
             found = fused.kernel_answer(self, queries, scale)
             if found is not None:
                 return found
-        if code_attention.applies(self, queries.shape[2]):
+        if self.codes_attend and queries.shape[2] <= code_attention.CODES_MAX_QUERIES:
             return lambda: code_attention.tier_partial(self, queries, scale, mask)
         return None
 
@@ -107,7 +110,8 @@ class Tier:
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
         if self.sixteen_bit:  # the stored arrays themselves (a cast only if dtypes differ)
-            return tuple(self.buffers[side]["x"].view().astype(dtype) for side in ("k", "v"))
+            k, v = self.buffers["k"]["x"].view(), self.buffers["v"]["x"].view()
+            return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
         return self.decoded_side("k", dtype), self.decoded_side("v", dtype)
 
     def decoded_side(self, side: str, dtype, length: Optional[int] = None, offset: int = 0) -> mx.array:
