@@ -76,13 +76,11 @@ def test_cpu_dispatcher_keeps_the_reference(model):
     assert fused.kernel_answer(tier, q, 0.125) is None
 
 
-@pytest.mark.parametrize("recipe", [
-    "kivi", "kivi_sink", "age_tiered",
-    pytest.param("cachegen", marks=pytest.mark.xfail(
-        strict=True, reason="per-token codes spill one token at a time, so the tier grows in 256-token steps and "
-                            "its view is a slice: MLX copies the whole tier before each launch (docs/kernels.md)")),
-])
+@pytest.mark.parametrize("recipe", AFFINE_BUILTINS)
 def test_kernel_tiers_are_row_contiguous(model, recipe, kernel_on_cpu):
+    """A window before a kernel-read tier spills whole chunks (compiler: KERNEL_SPILL), so the tier
+    holds exact buffers: per-token spills (cachegen's per-token codes) used to grow it a token per
+    step in a step-grown buffer, whose sliced view MLX copied whole before every launch."""
     caches = _decode(model, recipe)
     for c in caches:
         for t in c.tiers:

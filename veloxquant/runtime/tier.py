@@ -18,8 +18,7 @@ EXACT_MIN_CHUNK = 16  # tokens; tiers fed chunks at least this long may grow exa
 
 def fusable(plan: TierPlan) -> bool:
     """K and V are plain affine codes: the fused attention kernels read them."""
-    return not plan.drops and all(
-        not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (plan.keys, plan.values))
+    return plan.plain_affine
 
 
 class Tier:
