@@ -14,7 +14,7 @@ from veloxquant.bench.e2e import random_llama
 from veloxquant.kernels import cuda, dispatch, reference
 from veloxquant.runtime import fused, make_prompt_cache, uninstall
 
-AFFINE_BUILTINS = ["kivi", "kivi_sink", "cachegen", "age_tiered"]
+AFFINE_BUILTINS = ["kivi", "kivi_sink", "cachegen", "age_tiered", "xquant"]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def kernel_on_cpu(monkeypatch):
     served = []
     real = fused.kernel_answer
 
-    def counted(tier, queries, scale):
-        answer = real(tier, queries, scale)
+    def counted(tier, queries, scale, encoded=None):
+        answer = real(tier, queries, scale, encoded)
         if queries.shape[2] == 1:
             served.append((id(tier), answer is not None))
         return answer
@@ -61,7 +61,7 @@ def _decode(model, recipe, steps=3):
 @pytest.mark.parametrize("recipe", AFFINE_BUILTINS)
 def test_every_affine_tier_is_served_by_the_kernel_at_decode(model, recipe, kernel_on_cpu):
     caches = _decode(model, recipe)
-    coded = {id(t) for c in caches for t in c.tiers if t.fusable and t.count}
+    coded = {id(t) for c in caches for t in c.tiers if (t.fusable or getattr(t, "kernel_reads", False)) and t.count}
     assert coded, "the recipe should hold affine-coded tokens after 400"
     asked = {tid for tid, _ in kernel_on_cpu}
     assert coded <= asked, "a coded tier was never offered to the kernel at decode"
@@ -84,5 +84,5 @@ def test_kernel_tiers_are_row_contiguous(model, recipe, kernel_on_cpu):
     caches = _decode(model, recipe)
     for c in caches:
         for t in c.tiers:
-            if t.fusable and t.count:
+            if (t.fusable or getattr(t, "kernel_reads", False)) and t.count:
                 assert all(b.step is None for bufs in t.buffers.values() for b in bufs.values()), t.plan.name

@@ -26,9 +26,11 @@ class KernelAnswer:
         return self.run(self.queries, self.k_enc, self.v_enc, tail)
 
 
-def kernel_answer(tier, queries: mx.array, scale: float) -> Optional[KernelAnswer]:
-    """The kernel's answer for this (unmasked, plain affine) tier, or None where no verified kernel applies."""
-    k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+def kernel_answer(tier, queries: mx.array, scale: float, encoded=None) -> Optional[KernelAnswer]:
+    """The kernel's answer for this (unmasked, plain affine) tier, or None where no verified kernel applies.
+    `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default."""
+    encoded = encoded or tier.encoded
+    k_enc, v_enc = encoded("k"), encoded("v")
     # Decided once per (tier length, query shape): every layer asks again each step.
     key = (tier.count, queries.shape, queries.dtype, scale)
     if tier.launch_key != key:
