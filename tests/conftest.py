@@ -1,3 +1,20 @@
+# The README's test command gets the CPU speed the `veloxquant` command gets: where a
+# system OpenBLAS is installed and MLX would use its bundled reference BLAS (~30x slower
+# float32 matmuls), pytest starts again once with OpenBLAS preloaded (veloxquant/blas.py;
+# VELOXQUANT_NO_OPENBLAS=1 keeps the bundled BLAS, whose float32 error the tolerances cover).
+from veloxquant import blas as _blas
+
+
+def pytest_configure(config):
+    # pytest has redirected stdout/stderr to capture files by now: give the new process
+    # the terminal back first (if nothing is started, capturing simply resumes).
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    _blas.maybe_reexec(["test"])
+    if capture is not None:
+        capture.resume_global_capture()
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma3_text, llama

@@ -110,6 +110,18 @@ def test_fidelity_fp16_vs_itself_is_one(llama_model):
     assert s["min"] == per_layer["mlx-q2"][s["min_layer"]] <= s["mean"]
 
 
+def test_fidelity_feeds_attention_to_caches_that_learn_from_it(llama_model):
+    """Saliency routing (zipcache) and per-head bit allocation (adakv_bits) need the
+    prefill's attention: the fidelity pass must route it to them, not refuse."""
+    rows = [parse_row("fp16"), parse_row("adakv_bits[window=16,group=16,sinks=0]"),
+            parse_row("zipcache[window=64,chunk=64,sinks=0]")]
+    per_layer = fidelity.measure(llama_model, rows[0], rows, random_windows(1, 129), prefix=96,
+                                 prefill_chunk=32, score_chunk=8)
+    for name in ("adakv_bits[window=16,group=16,sinks=0]", "zipcache[window=64,chunk=64,sinks=0]"):
+        assert len(per_layer[name]) == len(llama_model.layers)
+        assert all(0.5 < c < 1 - 1e-6 for c in per_layer[name])
+
+
 # --- passkey --------------------------------------------------------------------
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])

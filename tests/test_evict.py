@@ -265,3 +265,43 @@ def test_recent_window_before_eviction_tier_masks_by_position(llama_model, tmp_p
     got = feed(model, tokens, veloxquant.make_prompt_cache(
         model, recipe(tmp_path, "recent(16) >> evict(budget=64, sinks=2, score=proxy)")), 7)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_sliding_window_layers_never_hold_more_than_the_window(name):
+    """A budget above a local layer's window keeps only what a query can still see:
+    such a layer holds at most the window, and what it holds matches fp16's output."""
+    from conftest import tiny_gemma3
+    model = tiny_gemma3(window=32)
+    tokens = mx.array(np.random.default_rng(9).integers(0, 500, (1, 120)))
+    fp16 = veloxquant.make_prompt_cache(model, "fp16")
+    cache = veloxquant.make_prompt_cache(model, name, ["budget=64", "sinks=2"] if name != "snapkv" else ["budget=64"])
+    want = feed(model, tokens, fp16, 16)
+    got = feed(model, tokens, cache, 16)
+    sliding = [i for i, c in enumerate(cache) if c.plan.window]
+    assert sliding
+    for c in cache:
+        c.finish_prompt()  # SnapKV decides at the prompt's end
+        c.state  # settles: a prefill chunk is cut back to the budget on the next step
+    for i in sliding:
+        held = sum(t.count for t in cache[i].tiers if getattr(t, "per_head", False))
+        assert held <= 32
+        assert cache[i].nbytes <= 1.5 * fp16[i].nbytes  # positions and scores ride along
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-3) if name == "snapkv" else None
+
+
+def test_shared_heads_keep_one_token_set_per_layer(llama_model, tmp_path):
+    """shared_heads=true ranks by the score averaged over kv heads (kvpress's TOVA):
+    every head keeps the same positions; without it heads keep their own."""
+    tokens = mx.array(np.random.default_rng(4).integers(0, 500, (1, 90)))
+    held = {}
+    for shared in (False, True):
+        cache = veloxquant.make_prompt_cache(llama_model, recipe(
+            tmp_path, f"evict(budget=24, sinks=2, score=current, shared_heads={str(shared).lower()})"))
+        feed(llama_model, tokens, cache, 8)
+        cache[0].state  # settle
+        tier = next(t for t in cache[0].tiers if getattr(t, "per_head", False))
+        held[shared] = np.array(tier.positions)
+        assert held[shared].shape[-1] == 24
+    assert (held[True] == held[True][:, :1]).all()
+    assert not (held[False] == held[False][:, :1]).all()

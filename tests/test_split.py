@@ -85,3 +85,34 @@ def test_split_misuse_is_located(tmp_path):
         compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=nuq(bits=4), lo=fp16)"), SMOLLM2_135M)
     with pytest.raises(RecipeError, match="must be between 0 and 1"):
         compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=fp16, lo=fp16, fraction=1.5)"), SMOLLM2_135M)
+
+
+def test_split_by_queries_weighs_spread_by_the_queries_channels():
+    """by=queries ranks channels by variance x mean q²: a wide channel no query reads
+    loses its hi slot to a narrower one the queries weigh heavily."""
+    x = _x(4)
+    var = mx.var(x[:, :, :32], axis=2)  # first chunk's per-channel variance [1, 3, 64]
+    widest = mx.argmax(var, axis=-1)  # per head
+    q2 = mx.ones(var.shape)
+    q2 = mx.put_along_axis(q2, widest[..., None], mx.zeros((1, 3, 1)), axis=-1)  # no query reads it
+    split = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="queries")
+    plain = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="variance")
+    from veloxquant.stages.bitpack import unpack
+    chosen = unpack(split.encode(x, q2)["mask"], 1, 64)[:, :, 0]
+    before = unpack(plain.encode(x)["mask"], 1, 64)[:, :, 0]
+    assert mx.all(mx.take_along_axis(before, widest[..., None], axis=-1) == 1).item()
+    assert mx.all(mx.take_along_axis(chosen, widest[..., None], axis=-1) == 0).item()
+    assert mx.array_equal(unpack(split.encode(x)["mask"], 1, 64), unpack(plain.encode(x)["mask"], 1, 64)).item()
+
+
+def test_split_by_queries_needs_the_hook_and_runs(llama_model, tmp_path):
+    r = _recipe(tmp_path, "sink(4) >> recent(32)\n>> keys: split(hi=affine(bits=4, group=32, axis=channel), "
+                          "lo=affine(bits=2, group=32, axis=channel), by=queries)\n   values: affine(bits=2, group=32)")
+    assert "attention" in compile_recipe(r, SMOLLM2_135M).layers[0].needs
+    plain = compile_recipe(load_recipe("kitty"), SMOLLM2_135M)
+    assert "attention" not in plain.layers[0].needs  # by=variance needs no hook
+    with pytest.raises(RecipeError, match="needs the attention hook"):
+        vq.make_prompt_cache(llama_model, r, use_hook=False)
+    caches = vq.make_prompt_cache(llama_model, r)
+    out = feed(llama_model, mx.random.randint(0, 500, (1, 160), key=mx.random.key(5)), caches, 32)
+    assert mx.all(mx.isfinite(out)).item() and caches[0].tiers[2].count > 0

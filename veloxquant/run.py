@@ -30,7 +30,15 @@ def cache_report(caches) -> Dict[str, object]:
         "attention": "by tiers (hook)" if caches and caches[0].attended else "decoded K/V (no hook)",
         # calibration artifacts are constants shared by the model's caches: beside the cache, not in it
         "calibration_bytes": calibration_bytes(caches),
+        **allocated_budgets(caches),
     }
+
+
+def allocated_budgets(caches) -> Dict[str, object]:
+    """Budgets the coordinator chose at the end of the prompt (squeeze, adakv): per layer, per kv head."""
+    coordinator = getattr(caches[0], "coordinator", None) if caches else None
+    chosen = getattr(coordinator, "budgets", None)
+    return {"budgets": chosen} if chosen else {}
 
 
 def calibration_bytes(caches) -> int:

@@ -144,6 +144,9 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             when = "once, at the end of the prompt" if t.route.once else "every step"
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
                        f"+{8 + extra} bytes/token/head of positions and scores")
+            from ..runtime.allocation import rule
+            if rule(t.route):
+                out.append(f"    budgets decided once at the end of the prompt by the coordinator: {rule(t.route)}")
     return out
 
 

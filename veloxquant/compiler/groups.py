@@ -1,11 +1,14 @@
 """Cross-layer groups: adjacent layers that share what the anchor layer holds.
 
-A layer whose last tier stores with `xquant(layers=N)` (XQuant: the anchor's codes)
+A layer whose last tier stores with `xquant(layers=N)` (XQuant: the anchor's codes),
+`slerp(layers=2)` (MiniCache: the anchor's directions)
 or `latent(layers=N)` with N > 1 (xKV: the anchor's basis) joins a group: the
 first layer of a run of such layers is the anchor, the next N-1 reuse what it
 holds. A group never reaches over a layer without such a store, and its layers
 must hold the same tokens the same way (same shape, same tiers) and no sliding
-window, or the reuse layers would ask for what the anchor never made or freed.
+window, or the reuse layers would ask for what the anchor never made or freed
+(slerp's pairs may slide: both layers of a pair have one window and drop the
+same tokens in the same step; a group never spans two windows).
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -34,37 +37,46 @@ def shared_tiers(layer: LayerPlan) -> List[int]:
 
 
 def assign_groups(layers: Sequence[LayerPlan], pipelines: Sequence[Pipeline]) -> Tuple[LayerPlan, ...]:
-    sizes = [_group_size(layer, pipe) for layer, pipe in zip(layers, pipelines)]
+    sizes = [_group_size(layer, pipe, len(layers)) for layer, pipe in zip(layers, pipelines)]
     out, group, i = list(layers), 0, 0
     while i < len(layers):
         if sizes[i] is None:
             i += 1
             continue
         members = [i]
-        while len(members) < sizes[i] and i + len(members) < len(layers) and sizes[i + len(members)] is not None:
+        while (len(members) < sizes[i] and i + len(members) < len(layers) and sizes[i + len(members)] is not None
+               and layers[i + len(members)].window == layers[i].window):  # slerp pairs: one window per group
             members.append(i + len(members))
         for m in members[1:]:
             _check_match(layers[i], layers[m], pipelines[m])
+        if len(members) == 1 and _name(layers[i].tiers[-1]) == "slerp":
+            i += 1  # a slerp layer without a partner shares nothing: a float16 passthrough, no group
+            continue
         for m in members:
             out[m] = attrs.evolve(layers[m], share=Share(group, tuple(members)))
         group, i = group + 1, i + len(members)
     return tuple(out)
 
 
-def _group_size(layer: LayerPlan, pipeline: Pipeline) -> Optional[int]:
-    """`layers` of this layer's shared stores, after checking where they stand; None without them."""
+def _group_size(layer: LayerPlan, pipeline: Pipeline, n_layers: int) -> Optional[int]:
+    """`layers` of this layer's shared stores, after checking where they stand; None without them
+    (or above the store's first shared layer: slerp's `start`, MiniCache's depth)."""
     where = shared_tiers(layer)
     if not where:
         return None
     last = len(layer.tiers) - 1
     tier = layer.tiers[where[0]]
+    if any(layer.index < c.store.first_layer(n_layers) for c in (tier.keys, tier.values)
+           if shares(c) and hasattr(c.store, "first_layer")):
+        return None
     name = _name(tier)
     pos = _stage_pos(pipeline, name)
     if where != [last] or tier.route is not None:
         raise RecipeError(f"{name} stores are shared across layers for as long as the cache lives, so {name} must "
                           "stand in the last tier, which keeps every token that reaches it", pos,
                           f"e.g. recent(128) >> keys: {name}(...) values: {name}(...)")
-    if layer.window is not None:
+    if layer.window is not None and not any(getattr(c.store, "expires_together", False)
+                                            for c in (tier.keys, tier.values) if shares(c)):
         raise RecipeError(f"layer {layer.index} has a sliding window of {layer.window} tokens, so it frees old "
                           f"tokens that {name} layers share across layers", pos,
                           "give sliding layers another pipeline: layers: {sliding: {pipeline: ...}}")
@@ -114,6 +126,8 @@ def codec_bits(codec: CodecPlan, head_dim: int, role: Optional[str]) -> float:
     """Bits per element this layer really holds: a reuse layer holds no codes."""
     if role == "reuse" and shares(codec) and hasattr(codec.store, "reuse_bits_per_element"):
         return codec.store.reuse_bits_per_element(head_dim)
+    if role == "anchor" and shares(codec) and hasattr(codec.store, "anchor_bits_per_element"):
+        return codec.store.anchor_bits_per_element(head_dim)
     return codec.bits_per_element(head_dim)
 
 
@@ -134,7 +148,11 @@ def render_groups(plan: Plan) -> List[str]:
                      f"  (bits/elem in the shared tier: {costs})")
     if not lines:
         return []
-    if _name(plan.layers[next(i for i, l in enumerate(plan.layers) if l.share)].tiers[-1]) != STAGE:
+    name = _name(plan.layers[next(i for i, l in enumerate(plan.layers) if l.share)].tiers[-1])
+    if name == "slerp":
+        return ["", "cross-layer groups (slerp: the anchor holds one direction per token for the pair and its own "
+                    "magnitudes; the reuse layer holds its magnitudes and its unmerged tokens):"] + lines
+    if name != STAGE:
         return ["", "cross-layer groups (latent: the anchor fits and holds one basis from the keys of every layer "
                     "of its group; each layer holds its own latents on it):"] + lines
     return ["", "cross-layer groups (xquant: the anchor holds the codes; reuse layers hold their own "

@@ -8,7 +8,7 @@ from ..errors import Location, RecipeError, brief, nearest
 from ..recipe import Recipe
 from ..recipe.ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
 from ..recipe.params import Schedule, coerce, parse_set
-from ..stages import REGISTRY
+from ..stages import REGISTRY, needs_of
 from .bind import bind_positions
 from .groups import assign_groups
 
@@ -54,9 +54,9 @@ def _lower_layer(index: int, pipeline: Pipeline, params: Dict[str, Any], recipe:
     raw = [_lower_tier(t, params, recipe, index, shape, head_dim) for t in pipeline.tiers]
     _check_stores(raw, pipeline.tiers, shape.n_kv_heads[index], head_dim)
     tiers = _check_order(raw, pipeline.tiers)
-    needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers for s in _stages_of(t)))
+    needs = frozenset().union(*(needs_of(s) for t in tiers for s in _stages_of(t)))
     if "attention" in needs and not hook:
-        stage = next(s for t in tiers for s in _stages_of(t) if "attention" in REGISTRY[s.stage_name].needs)
+        stage = next(s for t in tiers for s in _stages_of(t) if "attention" in needs_of(s))
         raise RecipeError(f"stage '{stage.stage_name}' scores tokens by real attention, which needs the attention hook",
                           pipeline.tiers[0].pos, "keep the hook installed: the default of veloxquant.make_prompt_cache; "
                           "on the command line, drop --no-hook")

@@ -5,7 +5,7 @@ from typing import Any, Dict
 import attrs
 
 from ..errors import VeloxError
-from ..stages import REGISTRY
+from ..stages import REGISTRY, needs_of
 from .plan import CodecPlan, LayerPlan, Plan, Share, TierPlan
 from .shape import ModelShape
 
@@ -42,7 +42,7 @@ def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
             keys = _codec(td["keys"]) if td["keys"] else None
             values = _codec(td["values"]) if td["values"] else None
             tiers.append(TierPlan(route, keys, values, td["chunk"]))
-        needs = frozenset().union(*(REGISTRY[s.stage_name].needs for t in tiers
+        needs = frozenset().union(*(needs_of(s) for t in tiers
                                     for s in ([t.route] if t.route else []) + ([t.keys.store] if t.keys else [])))
         share = Share(ld["share"]["group"], tuple(ld["share"]["layers"])) if ld.get("share") else None
         layers.append(LayerPlan(ld["layer"], ld["kv_heads"], ld["head_dim"], ld["window"], tuple(tiers), needs, share))

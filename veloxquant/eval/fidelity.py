@@ -59,8 +59,10 @@ class Tee:
             if self.recording:
                 self.sums[i] = self.sums[i] + mx.sum(cosine(out, shadow_attend(s, queries, scale)))
                 self.counts[i] += out.size // out.shape[-1]
-            elif getattr(s, "per_head", False):
-                s.attend(queries, scale=scale)  # eviction scorers must see the prefill queries too
+            elif getattr(s, "scored", False):
+                # Caches that learn from attention (eviction scorers, saliency routing,
+                # per-head bit allocation) must see the prefill queries too.
+                s.attend(queries, scale=scale)
         return out
 
     def finish_prompt(self):

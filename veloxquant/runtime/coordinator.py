@@ -1,4 +1,5 @@
-"""The coordinator shared by one model's layer caches: cross-layer groups.
+"""The coordinator shared by one model's layer caches: cross-layer groups, and
+budgets allocated across layers and heads (runtime/allocation.py).
 
 The compiler puts layers in groups (LayerPlan.share). Here each reuse layer's
 shared tier is linked to its anchor: an ordinary tier becomes a ReuseTier whose
@@ -16,6 +17,7 @@ import mlx.core as mx
 from ..compiler.groups import shared_tiers
 from ..compiler.plan import Plan
 from ..errors import VeloxError
+from .allocation import allocates, decide
 from .reuse_tier import ReuseTier
 
 TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"
@@ -72,9 +74,11 @@ class Coordinator:
     def __init__(self, plan: Plan, caches: List):
         self.caches = caches
         self.links: List[Link] = []
+        self.budgets: dict = {}  # what `allocate` chose: per-layer budgets and per-head lists
+        self.allocated = False
         for layer, cache in zip(plan.layers, caches):
             cache.coordinator = self
-            for t in shared_tiers(layer):
+            for t in shared_tiers(layer) if layer.share else ():  # slerp layers above `start` share nothing
                 link = Link(self, layer.share.anchor, layer.index, t)
                 if hasattr(cache.tiers[t], "join_group"):
                     cache.tiers[t].join_group(link, layer.share.layers)  # it shares by itself (latent: the basis)
@@ -82,9 +86,17 @@ class Coordinator:
                     cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
                     self.links.append(link)
 
+    def allocate(self) -> None:
+        """Once, when the prompt ends (the first layer to learn it calls): every layer has seen every
+        prompt query, so budgets across layers and heads are decided from all of their attention."""
+        if self.allocated:
+            return
+        self.allocated = True
+        self.budgets = decide(self.caches)
+
     def problems(self) -> List[str]:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
-        out = []
+        out = [p for c in self.caches for t in c.tiers if hasattr(t, "group_problem") for p in [t.group_problem()] if p]
         for link in self.links:
             tier = self.caches[link.layer].tiers[link.tier]
             problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)
@@ -94,7 +106,7 @@ class Coordinator:
 
 
 def link_groups(plan: Plan, caches: List) -> Optional[Coordinator]:
-    """One coordinator for the model when its plan has cross-layer groups."""
-    if not any(layer.share for layer in plan.layers):
+    """One coordinator for the model when its plan has cross-layer groups or allocated budgets."""
+    if not any(layer.share or any(allocates(t.route) for t in layer.tiers) for layer in plan.layers):
         return None
     return Coordinator(plan, caches)

@@ -3,7 +3,9 @@
 Every array's axis 2 counts tokens, so evicting is one gather per array.
 Heads hold equally many tokens but at different positions: `pos` [B, H, L]
 says which, and masks are built from it. Positions and scores are real
-memory and count in nbytes.
+memory and count in nbytes. Once the coordinator gives heads unequal budgets
+(Ada-KV), the first eviction makes the tier ragged (runtime/ragged.py): each
+head's tokens held flat, no padding; the arrays below are then padded views.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -14,6 +16,9 @@ from . import scorers
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
+from .allocation import allocates, watches
+from .merging import merged_values
+from .ragged import PAD, Ragged, RaggedBuffer, choose, gather
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -24,8 +29,12 @@ class HeadTier:
     fusable = False
     granularity = 1
 
-    def __init__(self, plan: TierPlan):
+    def __init__(self, plan: TierPlan, window: Optional[int] = None):
         self.plan = plan
+        # A sliding-window layer (Gemma 3's local layers): no future query sees a token
+        # older than the window, so such tokens go first and the tier never holds more
+        # than the window (a budget above it would hold more than fp16's own cache).
+        self.window = window
         self.route = plan.route
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
         self.scorer = scorers.make(plan.route)
@@ -40,6 +49,13 @@ class HeadTier:
         # Until the first eviction every head holds the same run [first, first + count):
         # attention can then use SDPA's "causal" instead of a per-head mask array.
         self.uniform, self.first = True, 0
+        self.ragged: Optional[Ragged] = None  # per-head lengths, once heads keep different counts
+        self.budgets: Optional[List[int]] = None  # per kv head, once the coordinator allocated them
+        # Budgets allocated at the end of the prompt (squeeze, adakv) are read from the attention
+        # each token received, collected here until the coordinator has decided.
+        self.collecting = allocates(plan.route)  # budgets still open: the prompt is held whole until decided
+        if watches(plan.route):
+            self.meta["seen"] = Buffer(step)
 
     def __deepcopy__(self, memo):
         return copy_sharing(self, memo, shared=("plan", "route"))
@@ -61,7 +77,14 @@ class HeadTier:
 
     @property
     def end(self) -> int:
-        return int(mx.max(self.positions).item()) + 1 if self.count else 0
+        if not self.count:
+            return 0
+        pos = self.positions
+        return int(mx.max(mx.where(pos < PAD, pos, -1)).item()) + 1
+
+    @property
+    def can_rewind(self) -> bool:
+        return self.ragged is None
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         B, H, n, _ = keys.shape
@@ -75,6 +98,8 @@ class HeadTier:
         self.meta["score"].append(self.scorer.initial(keys))
         for name, trailing in self.scorer.token_state.items():
             self.meta[name].append(mx.zeros((B, H, n, *trailing), mx.float32))
+        if "seen" in self.meta:
+            self.meta["seen"].append(mx.zeros((B, H, n), mx.float32))
         self.count += n
 
     def encoded(self, side: str) -> Dict[str, mx.array]:
@@ -89,30 +114,109 @@ class HeadTier:
         """Scorers are fed until a `once` route has decided (then tokens are only appended)."""
         return not (self.route.once and self.decided)
 
+    @property
+    def needs(self) -> frozenset:
+        return self.scorer.needs | ({"weights"} if "seen" in self.meta else frozenset())
+
     def set_scores(self, scores: mx.array) -> None:
         self.meta["score"].set(scores)
 
-    def keep(self, priority: mx.array, offset: int) -> None:
+    # --- budgets the coordinator allocates (runtime/allocation.py) -----------
+    def collect(self, received: mx.array) -> None:
+        self.meta["seen"].set(self.meta["seen"].view() + received)
+
+    def signal(self, offset: int) -> mx.array:
+        """[B, H, L]: attention each held token received per query that could see it (0 for unused slots)."""
+        pos = self.positions
+        mean = self.meta["seen"].view() / mx.maximum(offset - pos, 1).astype(mx.float32)
+        return mx.where(pos < PAD, mean, 0.0)
+
+    def allocate(self, budgets: List[int]) -> None:
+        self.budgets = [int(b) for b in budgets]
+        self.collecting = False
+        self.meta.pop("seen", None)  # only held to make the decision
+
+    def lengths(self) -> List[int]:
+        if self.ragged is not None:
+            return [n + self.count - self.ragged.width for n in self.ragged.lens]
+        return [self.count] * (self.positions.shape[1] if self.count else 0)
+
+    def head_budgets(self) -> List[int]:
+        """Tokens each head keeps: allocated, or the route's; at most the layer's sliding window."""
+        budgets = self.budgets or [self.route.budget] * len(self.lengths())
+        return [min(b, self.window) for b in budgets] if self.window else budgets
+
+    def over(self) -> bool:
+        """Some head holds more than its budget."""
+        if self.budgets is None:
+            return self.count > self.budget
+        return any(n > b for n, b in zip(self.lengths(), self.head_budgets()))
+
+    @property
+    def budget(self) -> int:
+        """Tokens kept per head: the route's budget, at most the layer's sliding window."""
+        return min(self.route.budget, self.window) if self.window else self.route.budget
+
+    def keep(self, priority: mx.array, offset: int, budget: Optional[int] = None) -> None:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
-        budget = self.route.budget
+        if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
+            return self._keep_ragged(priority, offset, budget)
+        budget = min(budget or (self.head_budgets()[0] if self.budgets else self.budget), self.count)
+        if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
+            priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
         recent = getattr(self.route, "recent", 0)
         protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
-        idx = mx.argpartition(-priority, kth=budget - 1, axis=2)[:, :, :budget]
-        idx = mx.sort(idx, axis=2)  # older first, so the newest tokens stay at the back
+        if self.window:  # expired tokens leave first, sinks included: no query sees them again
+            priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
+        order = mx.argpartition(-priority, kth=budget - 1, axis=2)
+        idx = mx.sort(order[:, :, :budget], axis=2)  # older first, so the newest tokens stay at the back
+        merge = getattr(self.route, "merge", "drop")
+        if merge != "drop":  # CaM: the evicted values fold into survivors (runtime/merging.py)
+            keys, values = self.decoded(mx.float32)
+            merged = merged_values(keys, values, self.scores, idx, order[:, :, budget:], self.route.targets,
+                                   merge, offset)
         for bufs in (*self.buffers.values(), self.meta):
             for buf in bufs.values():
                 arr = buf.view()
                 gather = idx.reshape(*idx.shape, *([1] * (arr.ndim - 3)))
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
+        if merge != "drop":
+            stored = [a.dtype for a in self.encoded("v").values() if mx.issubdtype(a.dtype, mx.floating)]
+            for name, arr in self.codecs["v"].encode(merged.astype(stored[0] if stored else mx.float16)).items():
+                self.buffers["v"][name].set(arr)
         self.count = budget
         self.uniform = False
 
+    def _keep_ragged(self, priority: mx.array, offset: int, cap: Optional[int] = None) -> None:
+        """Head h keeps its own budget: the tier's arrays become ragged (flat, no padding held)."""
+        pos = self.positions
+        valid = pos < PAD
+        recent = getattr(self.route, "recent", 0)
+        protected = valid & ((pos < self.route.sinks) | (pos >= offset - recent))
+        priority = mx.where(protected, mx.inf, priority)
+        if self.window:  # expired tokens rank below every visible one (unused slots lower still)
+            priority = mx.where(pos < offset - self.window + 1, -1e30, priority)
+        priority = mx.where(valid, priority, -mx.inf)
+        budgets = [min(b, n, cap or b) for b, n in zip(self.head_budgets(), self.lengths())]
+        layout, idx = choose(priority, budgets)
+        step = UNBOUNDED_STEP if self.route.once else None
+        for bufs in (*self.buffers.values(), self.meta):
+            for name, buf in bufs.items():
+                fill = PAD if bufs is self.meta and name == "pos" else None
+                bufs[name] = RaggedBuffer(layout, gather(buf.view(), idx), step, fill)
+        self.ragged, self.count, self.uniform = layout, layout.width, False
+
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
-        if not self.route.once and self.count > self.route.budget:
+        # While budgets are open the prompt is held whole: they are decided before any eviction.
+        if not self.route.once and not self.collecting and self.over():
             self.keep(self.scorer.priority(self, offset, None), offset)
+        elif self.window and self.count > self.window:
+            # `once` routes append until (and after) their decision; on a sliding layer the
+            # expired tokens are dropped meanwhile, so the tier stays within the window.
+            self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:
@@ -138,9 +242,17 @@ class HeadTier:
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items() for name, buf in bufs.items()}
-        out.update({name: buf.view() for name, buf in self.meta.items()})
+        # Ragged: what is held, as held: each head's run, flat [B, 1, sum(lens), ...], and the shared tail.
+        held = (lambda buf: buf.flat) if self.ragged is not None else (lambda buf: buf.view())
+        named = [(f"{side}.{name}", buf) for side, bufs in self.buffers.items() for name, buf in bufs.items()]
+        named += list(self.meta.items())
+        out = {key: held(buf) for key, buf in named}
         out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
+        if self.ragged is not None:
+            out["ragged.lens"] = mx.array(self.ragged.lens, mx.int32)
+            out.update({f"tail.{key}": buf.tail.view() for key, buf in named if buf.tail.used})
+        if self.budgets is not None:
+            out["alloc.budgets"] = mx.array(self.budgets, mx.int32)
         return {k: v for k, v in out.items() if v is not None}
 
     def expected_names(self) -> List[str]:
@@ -151,6 +263,12 @@ class HeadTier:
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
         self.scorer.load({k[len("scorer."):]: v for k, v in arrays.items() if k.startswith("scorer.")})
+        self.collecting = False  # a saved prompt is over: its budgets were allocated (or are fixed)
+        self.meta.pop("seen", None)
+        if "alloc.budgets" in arrays:
+            self.budgets = [int(b) for b in arrays["alloc.budgets"].tolist()]
+        if "ragged.lens" in arrays:
+            return self._restore_ragged(arrays)
         for key in self.expected_names():
             side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
             buf = self.buffers[side][name] if side else self.meta[name]  # residual arrays: "k.r0.idx"
@@ -165,5 +283,35 @@ class HeadTier:
             buf.set(arr)
         pos = self.positions
         if count and (pos.dtype != mx.int32 or bool(mx.any(pos[..., 1:] <= pos[..., :-1]).item())):
+            return "positions are not increasing int32 per head"
+        return None
+
+    def _restore_ragged(self, arrays: Dict[str, mx.array]) -> Optional[str]:
+        lens = arrays["ragged.lens"].tolist()
+        if not lens or min(lens) < 1:
+            return f"ragged.lens {lens} gives a kv head no tokens"
+        layout = Ragged(lens)
+        step = UNBOUNDED_STEP if self.route.once else None
+        for key in self.expected_names():
+            side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
+            bufs = self.buffers[side] if side else self.meta
+            arr = arrays.get(key)
+            if arr is None:
+                return f"missing array {key}"
+            if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
+                return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
+            bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
+            tail = arrays.get(f"tail.{key}")
+            if tail is not None:
+                bufs[name].tail.append(tail)
+        tails = {b.tail.used for bufs in (*self.buffers.values(), self.meta) for b in bufs.values()}
+        if len(tails) != 1:
+            return f"the tail arrays hold different token counts ({sorted(tails)})"
+        self.ragged, self.count = layout, layout.width + tails.pop()
+        pos = self.positions
+        valid = pos < PAD
+        before = mx.cummax(mx.where(valid, pos, -1), axis=-1)  # the newest valid position so far
+        ordered = (pos[..., 1:] > before[..., :-1]) | ~valid[..., 1:]
+        if pos.dtype != mx.int32 or not bool(mx.all(ordered).item()):
             return "positions are not increasing int32 per head"
         return None

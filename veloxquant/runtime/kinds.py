@@ -8,9 +8,10 @@ from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
+from .merged_tier import MergedTier
 from .tier import Tier
 
-KINDS = {"latent": LatentTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
 
 
 def kind_of(plan: TierPlan):
@@ -25,7 +26,7 @@ def kind_of(plan: TierPlan):
 
 def build(plan: TierPlan, layer: LayerPlan, exact: bool):
     if getattr(plan.route, "per_head", False):
-        return HeadTier(plan)
+        return HeadTier(plan, layer.window)
     kind = kind_of(plan)
     if kind is None:
         return Tier(plan, exact)

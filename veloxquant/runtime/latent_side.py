@@ -75,6 +75,7 @@ class LatentSide:
         self.buffers: Dict[str, Buffer] = {}
         self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
         self.shared = getattr(self.store, "layers", 1) > 1
+        self.query_moment = None  # keys with queries=true: Σ qᵀq [H, D, D] of the prompt's queries, until the fit
 
     def append(self, x: mx.array) -> None:
         if self.widths is None:
@@ -89,11 +90,24 @@ class LatentSide:
         x = self.staged.view()
         if self.widths is not None or x is None:
             return
-        fitted = basis if basis is not None else self.store.fit(x)
+        fitted = basis if basis is not None else self.store.fit(x, *self._moment())
         self._set_basis(fitted)
         self._set_basis({**fitted, **self.store.stats(self._project(x))})  # quant=gauss: latent scales
         self.staged.set(None)
         self.append(x)
+
+    def observe(self, q: mx.array) -> None:
+        """Queries q [B, H, R, D] that attend before the fit: their second moment weighs the allocation."""
+        if not getattr(self.store, "queries", False) or self.widths is not None:
+            return
+        H, D = q.shape[1], q.shape[-1]
+        qh = q.astype(mx.float32).swapaxes(0, 1).reshape(H, -1, D)
+        moment = qh.swapaxes(-1, -2) @ qh
+        self.query_moment = moment if self.query_moment is None else self.query_moment + moment
+
+    def _moment(self):
+        moment, self.query_moment = self.query_moment, None  # freed with the fp16 copy
+        return () if moment is None else (moment,)
 
     def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
         self.fitted = dict(fitted)  # as given: a group's members hold the anchor's arrays themselves
@@ -173,12 +187,16 @@ class LatentSide:
     def arrays(self) -> Dict[str, mx.array]:
         out = {n: b.view() for n, b in self._live().items() if b.view() is not None}
         out.update(self._own())
+        if self.query_moment is not None:  # until the fit (a saved cache is fitted first: never saved)
+            out["qmoment"] = self.query_moment
         return out
 
     @property
     def nbytes(self) -> int:
-        """Allocated buffers (growth slack is real memory) plus the basis this layer holds."""
-        return sum(b.nbytes for b in self._live().values()) + sum(a.nbytes for a in self._own().values())
+        """Allocated buffers (growth slack is real memory) plus the basis this layer holds (and, until
+        the fit, the queries' second moment)."""
+        return sum(a.nbytes for a in self.arrays().values()) + sum(
+            b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None)
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
         if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis

@@ -19,8 +19,11 @@ import mlx.core as mx
 
 from ..compiler.plan import TierPlan
 from .attention import Partial, partial_from_scores
+from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide
 from .tier import expire_front
+
+SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
 
 class LatentTier:
@@ -34,7 +37,8 @@ class LatentTier:
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
         self.launch_key, self.launch = None, None
-        self.sides = {side: (LatentSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads, head_dim)
+        self.sides = {side: (SIDES[getattr(codec.store, "side", "latent")] if hasattr(codec.store, "tier_kind")
+                             else PlainSide)(codec, n_kv_heads, head_dim)
                       for side, codec in (("k", plan.keys), ("v", plan.values))}
         self.start = self.count = 0
 
@@ -96,6 +100,8 @@ class LatentTier:
         B, Hq, Lq, D = queries.shape
         # The query heads of a kv head become rows of one matmul, as in partial_attention.
         q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
+        if hasattr(self.sides["k"], "observe"):
+            self.sides["k"].observe(q)  # before the fit: the queries weigh the key allocation (queries=true)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
 
     def answer(self, queries: mx.array, scale: float, mask=None):
@@ -111,6 +117,9 @@ class LatentTier:
     def drop_front(self, n: int) -> None:
         """Sliding-window expiry: the oldest latents leave; the basis stays."""
         for s in self.sides.values():
+            if hasattr(s, "drop"):  # sides holding tokens in more than one order (amc's tiers)
+                s.drop(n, True)
+                continue
             for name, per_unit in s.units().items():
                 s._live()[name].drop_front(n // per_unit)
         self.start += n
@@ -118,6 +127,9 @@ class LatentTier:
 
     def drop_back(self, n: int) -> None:
         for s in self.sides.values():
+            if hasattr(s, "drop"):
+                s.drop(n, False)
+                continue
             for name, per_unit in s.units().items():
                 s._live()[name].drop_back(n // per_unit)
         self.count -= n

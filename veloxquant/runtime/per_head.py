@@ -39,8 +39,8 @@ def _gather(cache, held: List, dtype):
 def _mask(cache, held, kpos, first_q: int, Lq: int) -> Optional[mx.array]:
     """Per-kv-head mask, or None when every held key is visible to every query."""
     windows = [cache._window(t) for t in held]
-    if Lq == 1 and all(w is None for w in windows):
-        return None  # decode: everything held is older than the one query
+    if Lq == 1 and all(w is None for w in windows) and not any(getattr(t, "ragged", None) for t in held):
+        return None  # decode: everything held is older than the one query (no unused ragged slots)
     masks, at = [], 0
     for t, window in zip(held, windows):
         masks.append(position_mask(kpos[:, :, at:at + t.count], first_q, Lq, window))
@@ -74,9 +74,9 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     """The layer's attention over everything held; feeds each listening scorer what it declared."""
     Lq, Hq = queries.shape[2], queries.shape[1]
     listeners = [(t, i) for i, t in enumerate(held) if observe and t.scorer is not None and t.listening]
-    needs = set().union(*(t.scorer.needs for t, _ in listeners))
+    needs = set().union(*(t.needs for t, _ in listeners))  # the scorer's, plus weights while budgets are open
     live = "weights" in needs
-    rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.scorer.needs] or [1])
+    rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.needs] or [1])
     blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
     k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
     mask = _mask(cache, held, kpos, first_q, Lq)
@@ -101,22 +101,28 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
                                      queries=queries if "queries" in t.scorer.needs else None,
                                      new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
                                      weigh=lambda q, f, where=where: weigh(q, f, where)))
+            if "seen" in t.meta:
+                t.collect(total[..., where])
     return out.astype(queries.dtype)
 
 
 def finish_prompt(cache) -> None:
-    """End of the prompt: `once` tiers (SnapKV, evict(once=true)) rank with what they saw and decide, once."""
+    """End of the prompt: budgets across layers and heads are allocated (once, for the model), then
+    `once` tiers (SnapKV, evict(once=true)) rank with what they saw and decide, once."""
+    coordinator = getattr(cache, "coordinator", None)
+    if coordinator is not None:
+        coordinator.allocate()
     pending = [t for t in cache.tiers if t.scorer is not None and t.route.once and not t.decided]
     if not pending:
         return
     cache._settle()
     held = cache.held()
     weigh = None
-    if any(t.count > t.route.budget for t in pending):
+    if any(t.over() for t in pending):
         k, _, kpos, slices = _gather(cache, held, mx.float32)
         weigh = _weigher(cache, held, k, kpos, cache.scale_seen)
     for t in pending:
-        if t.count > t.route.budget:
+        if t.over():
             where = slices[held.index(t)]
             t.keep(t.scorer.priority(t, cache.offset, lambda q, f, where=where: weigh(q, f, where)), cache.offset)
         t.decided = True

@@ -27,9 +27,10 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
         raise VeloxError("save_prompt_cache takes the caches made by veloxquant.make_prompt_cache")
     arrays: Dict[str, mx.array] = {}
     layers = []
-    for i, cache in enumerate(caches):
+    for cache in caches:  # all layers first: a later layer can still change an earlier one (MiniCache's pairs)
         cache.finish_prompt()  # a saved prompt is over: prompt-time eviction (SnapKV) decides first
         cache._settle()
+    for i, cache in enumerate(caches):
         tiers = []
         for t, tier in enumerate(cache.tiers):
             # Tiers whose codecs have entropy stages save their codes entropy-coded.

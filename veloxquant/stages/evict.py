@@ -7,7 +7,12 @@ the approximation other libraries ship, so the two can be compared.
 """
 import attrs
 
-from .registry import in_range, stage
+from .registry import choices, in_range, stage
+
+# Budgets the per-model coordinator allocates once, at the end of the prompt, from the
+# attention each token received (runtime/allocation.py); the same four fields on evict and snap.
+LAYER_RULES = ("fixed", "squeeze")
+HEAD_RULES = ("equal", "adakv", "score")
 
 
 def _sinks_below_budget(instance, attribute, value):
@@ -52,21 +57,39 @@ class Evict(_PerHeadRoute):
     statistics); tau: keyformer's noise temperature; chunk: chunkkv's chunk
     size; rank: curdkv's rank cap; pool: max-pool `mean` scores over that
     many neighbouring tokens (SnapKV's smoothing).
+    shared_heads=true: rank by the score averaged over the layer's kv heads,
+    so every head keeps the same tokens (kvpress's TOVA averages over heads).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     score: str = attrs.field(default="mass", validator=_known_scorer)
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     once: bool = False
+    shared_heads: bool = False
     window: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
     tau: float = attrs.field(default=1.0, validator=in_range(0.0, 1e6))
     chunk: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
     rank: int = attrs.field(default=16, validator=in_range(1, 1 << 16))
     pool: int = attrs.field(default=1, validator=in_range(1, 1 << 10))
+    layers: str = attrs.field(default="fixed", validator=choices(*LAYER_RULES))
+    strength: float = attrs.field(default=0.0, validator=in_range(0.0, 16.0))
+    heads: str = attrs.field(default="equal", validator=choices(*HEAD_RULES))
+    alpha: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0))
+    beta: float = attrs.field(default=3.0, validator=in_range(0.0, 1e3))
+    kappa: float = attrs.field(default=10.0, validator=in_range(0.0, 1e3))
+    merge: str = attrs.field(default="drop", validator=choices("drop", "prominence", "sample"))
+    targets: int = attrs.field(default=4, validator=in_range(1, 1 << 10))
+
+    @property
+    def floor(self) -> int:
+        """The smallest budget an allocation may give a head: its protected tokens and one more."""
+        return self.sinks + self.recent + 1
 
     def __attrs_post_init__(self):
         if self.sinks + self.recent >= self.budget:
             raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
+        if self.merge != "drop" and self.heads != "equal":
+            raise ValueError(f"merge={self.merge} needs heads=equal (merging into ragged heads is not built)")
 
 
 @stage("snap", "route", needs=("attention",))
@@ -77,14 +100,23 @@ class Snap(_PerHeadRoute):
     The last `window` prompt queries vote (their attention, max-pooled over
     `pool` neighbouring tokens); the window itself and the first `sinks`
     positions are always kept; later tokens are appended and never evicted.
+    layers, strength, heads, alpha: budget allocation, as for `evict`.
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     window: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
     pool: int = attrs.field(default=7, validator=in_range(1, 1 << 10))
     sinks: int = attrs.field(default=0, validator=[in_range(0, 1 << 20), _sinks_below_budget])
+    layers: str = attrs.field(default="fixed", validator=choices(*LAYER_RULES))
+    strength: float = attrs.field(default=0.0, validator=in_range(0.0, 16.0))
+    heads: str = attrs.field(default="equal", validator=choices(*HEAD_RULES))
+    alpha: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0))
 
     once = True
     score = "window"
+
+    @property
+    def floor(self) -> int:
+        return max(self.window + self.sinks, 1)
 
     def __attrs_post_init__(self):
         if self.window + self.sinks > self.budget:

@@ -62,6 +62,7 @@ class Latent:
     center: bool = False
     quant: str = attrs.field(default="minmax", validator=one_of("minmax", "gauss"))
     layers: int = attrs.field(default=1, validator=in_range(1, 8))
+    queries: bool = False  # budget mode, keys: weigh each component by the prompt's queries along it
 
     codes = True  # integer codes an entropy stage may code (the c<b>.codes arrays)
     tier_kind = "latent"  # held by runtime/latent_tier.py
@@ -107,11 +108,12 @@ class Latent:
                    for n, b in ((hi, self.hi_bits), (self.rank - hi, self.lo_bits))) / head_dim
 
     # --- the basis ----------------------------------------------------------------
-    def widths(self, spectra: np.ndarray) -> np.ndarray:
-        """Width of each component from the energies [groups, channels] (descending per group)."""
+    def widths(self, spectra: np.ndarray, weights=None) -> np.ndarray:
+        """Width of each component from the energies [groups, channels] (descending per group);
+        `weights` [groups, channels]: what an error along each component costs (the queries' energy)."""
         n = spectra.shape[1]
         if self.budget:
-            variances = spectra.mean(axis=0)
+            variances = (spectra if weights is None else spectra * weights).mean(axis=0)
             if self.rank:
                 variances = variances[:self.rank]
             w = allocate(variances, self.budget, parse_choices(self.choices), self.beta)
@@ -125,8 +127,12 @@ class Latent:
         hi = math.ceil(self.hi_fraction * r)
         return np.array([self.hi_bits] * hi + [self.lo_bits] * (r - hi) + [0] * (n - r), np.int64)
 
-    def fit(self, x: mx.array) -> Dict[str, mx.array]:
-        """{"basis" [G, hg*D, r], "mean" [G, hg*D], "widths" [r] uint8} from vectors x [B, H, L, D]."""
+    def fit(self, x: mx.array, query_moment=None) -> Dict[str, mx.array]:
+        """{"basis" [G, hg*D, r], "mean" [G, hg*D], "widths" [r] uint8} from vectors x [B, H, L, D].
+
+        `query_moment` [H, D, D] (keys, with queries=true): the second moment of the queries that
+        attended during the prompt. A key error e along component p costs (q·e)² in the logits, so
+        the allocator weighs component i by E[(q·p_i)²] (SpectralQuant's calibrated weighting)."""
         B, H, L, D = x.shape
         hg = self.heads_per_group(H)
         X = np.array(x.astype(mx.float32), dtype=np.float64)
@@ -135,7 +141,13 @@ class Latent:
         Xc = X - mean[:, None]
         evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(B * L, 1))
         evals, evecs = evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
-        w = self.widths(evals)
+        weights = None
+        if self.queries and query_moment is not None:
+            Sq = np.array(query_moment, dtype=np.float64).reshape(H // hg, hg, D, D)
+            P = evecs.reshape(H // hg, hg, D, hg * D)  # each head's rows of a group's components
+            weights = np.einsum("ghdc,ghde,ghec->gc", P, Sq, P)
+            weights = np.maximum(weights / np.maximum(weights.mean(axis=1, keepdims=True), 1e-30), 1e-6)
+        w = self.widths(evals, weights)
         keep = np.flatnonzero(w)
         return {"basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
                 "mean": mx.array(mean.astype(np.float16)), "widths": mx.array(w[keep].astype(np.uint8))}

@@ -33,6 +33,12 @@ class StageInfo:
 REGISTRY: Dict[str, StageInfo] = {}
 
 
+def needs_of(instance) -> FrozenSet[str]:
+    """What a stage instance needs: its stage's declared needs, plus what its parameters
+    ask for (`split(by=queries)` needs attention; `split(by=variance)` does not)."""
+    return REGISTRY[instance.stage_name].needs | frozenset(getattr(instance, "runtime_needs", ()))
+
+
 def stage(name: str, family: str, needs: Tuple[str, ...] = ()):
     """Class decorator: register an attrs class as the stage `name`."""
     assert family in FAMILIES, family

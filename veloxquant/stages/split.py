@@ -2,13 +2,15 @@
 
 Each group of `chunk` tokens of one head sends its `fraction` of channels with
 the largest spread (`by=variance` over the chunk's tokens: Kitty; `by=range`:
-max - min) through the `hi` store and the rest through `lo`; `by=list` sends
+max - min; `by=queries`: variance weighted by the real queries' mean square
+per channel, each channel's share of the score error q.(k - k'), which the
+attention hook gathers while tokens wait in the fp16 window) through the `hi` store and the rest through `lo`; `by=list` sends
 the fixed `channels` ("3,17,42") through `hi` (CompositeQuantizer). A chosen
 split is recorded per chunk as a bit mask (uint32 words, counted in the
 bytes); a listed one costs nothing. Decoding scatters both parts back, so
 q·k = q_hi·k_hi + q_lo·k_lo exactly: the two branches' scores add.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import attrs
 import mlx.core as mx
@@ -29,11 +31,19 @@ class Split:
     hi: object = attrs.field(default=None)
     lo: object = attrs.field(default=None)
     fraction: float = attrs.field(default=0.25, validator=_fraction)
-    by: str = attrs.field(default="variance", validator=choices("variance", "range", "list"))
+    by: str = attrs.field(default="variance", validator=choices("variance", "range", "queries", "list"))
     channels: str = attrs.field(default="")
     chunk: int = attrs.field(default=32, validator=in_range(1, 1 << 12))
 
     codes = False  # its integer codes live in the branches (entropy stages do not reach them)
+
+    @property
+    def scored(self):
+        return "channels" if self.by == "queries" else False  # the cache hands encode() per-channel q²
+
+    @property
+    def runtime_needs(self):
+        return ("attention",) if self.by == "queries" else ()
 
     @property
     def token_multiple(self) -> int:
@@ -78,15 +88,18 @@ class Split:
         return ""
 
     # --- which channels go where -------------------------------------------
-    def _order(self, x: mx.array) -> Tuple[mx.array, mx.array]:
-        """(order [B, H, G, D]: hi channels then lo channels, each ascending; mask words or None)."""
+    def _order(self, x: mx.array, q2: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+        """(order [B, H, G, D]: hi channels then lo channels, each ascending; mask words or None).
+        `q2` [B, H, D]: mean squared query per channel (by=queries; None before any query)."""
         B, H, L, D = x.shape
         if self.by == "list":
             listed = set(self.listed())
             order = mx.array(list(self.listed()) + [c for c in range(D) if c not in listed])
             return mx.broadcast_to(order, (B, H, 1, D)), None
         g = x.astype(mx.float32).reshape(B, H, L // self.token_multiple, self.token_multiple, D)
-        spread = mx.var(g, axis=3) if self.by == "variance" else mx.max(g, axis=3) - mx.min(g, axis=3)
+        spread = mx.max(g, axis=3) - mx.min(g, axis=3) if self.by == "range" else mx.var(g, axis=3)
+        if q2 is not None:
+            spread = spread * q2[:, :, None, :]
         top = mx.argpartition(-spread, kth=self.n_hi(D) - 1, axis=-1)[..., :self.n_hi(D)]
         mask = mx.put_along_axis(mx.zeros(spread.shape, dtype=mx.uint32), top, mx.array(1, dtype=mx.uint32), axis=-1)
         return self._order_of(mask), pack(mask, 1)
@@ -100,10 +113,10 @@ class Split:
         B, H, G, D = order.shape
         return mx.broadcast_to(order[:, :, :, None, :], (B, H, G, L // G, D)).reshape(B, H, L, D)
 
-    def encode(self, x: mx.array) -> Dict[str, mx.array]:
+    def encode(self, x: mx.array, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
         D = x.shape[-1]
         h = self.n_hi(D)
-        order, mask = self._order(x)
+        order, mask = self._order(x, scores if self.by == "queries" else None)
         moved = mx.take_along_axis(x, self._per_token(order, x.shape[2]), axis=-1)
         out = {f"hi.{k}": v for k, v in self.hi.encode(moved[..., :h]).items()}
         out.update({f"lo.{k}": v for k, v in self.lo.encode(moved[..., h:]).items()})

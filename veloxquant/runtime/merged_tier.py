@@ -1,0 +1,281 @@
+"""The merged tier kind (MiniCache): a pair of layers holds one direction per token.
+
+The anchor layer's tier stages what reaches it in float16 (attended exactly)
+until the reuse layer of its group -- run later in the same step by mlx-lm --
+receives the same tokens. Then the pair merges them (stages/slerp.py): the
+anchor holds the shared directions and its magnitudes, the reuse layer only
+its magnitudes, plus its own float16 vectors for the tokens kept unmerged.
+The anchor's float16 copy is freed; nothing else is held.
+
+Attention reads the shared direction array itself, from both layers, never
+copied and never rebuilt: scores mag·(q·dir), output (Σ a·mag·dir); the reuse
+layer's unmerged tokens are scored from its own vectors. `decoded` (K/V rebuilt
+as mag·dir) is the reference path, used only without the attention hook.
+Groups come from the cross-layer coordinator (runtime/coordinator.py), as
+xquant's and xKV's do; a slerp layer outside a group is a float16 passthrough.
+"""
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..compiler.plan import TierPlan
+from ..errors import VeloxError
+from .attention import Partial, partial_from_scores
+from .buffer import Buffer
+from .latent_side import PlainSide
+
+OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
+HINT = "feed every layer of the model in order (mlx-lm does) and trim all layers together"
+
+
+class MergedSide:
+    """K or V of one layer under `slerp`: its role's buffers, and attention from them."""
+
+    def __init__(self, plan, n_kv_heads: int, head_dim: int):
+        self.store, self.role = plan.store, None
+        self.tier, self.name = None, None  # attributes, not a closure: a deep copy re-points them at the copy
+        self.bufs = {n: Buffer(None) for n in ("dir", "mag", "x", "flag", "ret")}  # x: float16, unmerged yet
+        self._idx = None  # positions of the reuse layer's unmerged tokens (host), until the buffers change
+        self.pending = 0  # anchor: staged tokens its window expired before the reuse layer merged them
+
+    def peer(self) -> "MergedSide":
+        """The anchor layer's side (for a reuse layer)."""
+        return self.tier._anchor().sides[self.name]
+
+    def view(self, name: str) -> Optional[mx.array]:
+        return self.bufs[name].view()
+
+    @property
+    def merged(self) -> int:
+        return self.bufs["mag"].used
+
+    @property
+    def staged(self) -> int:
+        return self.bufs["x"].used - self.pending
+
+    def _x(self) -> mx.array:
+        """The staged float16 tokens still in the window."""
+        return self.view("x")[:, :, self.pending:]
+
+    def append(self, x: mx.array) -> None:
+        if self.role != "reuse":
+            self.bufs["x"].append(x.astype(mx.float16))
+            return
+        mag, flag, ret = self.peer().merge_front(x)
+        self.bufs["mag"].append(mag)
+        self.bufs["flag"].append(flag)
+        if ret is not None:
+            self.bufs["ret"].append(ret)
+        self._idx = None
+
+    def merge_front(self, b: mx.array):
+        """Anchor: merge its oldest staged tokens with the reuse layer's b; returns the reuse layer's arrays."""
+        staged, n = self.view("x"), b.shape[2]
+        if staged is None or staged.shape[2] < n:
+            raise VeloxError(f"a slerp reuse layer got {n} tokens its anchor has not staged "
+                             f"({0 if staged is None else staged.shape[2]}); {HINT}")
+        a = staged[:, :, :n]
+        e, ma, mb, distance = self.store.merge(a, b)
+        keep = distance > self.store.threshold  # [n]: too far apart to share a direction
+        e = mx.where(keep[:, None], a.astype(mx.float32) / mx.maximum(ma, 1e-12), e)  # the anchor stays exact there
+        self.bufs["x"].drop_front(n)
+        self.bufs["dir"].append(e.astype(mx.float16))
+        self.bufs["mag"].append(ma.astype(mx.float16))
+        gone, self.pending = min(self.pending, n), self.pending - min(self.pending, n)
+        if gone:  # expired here already; the reuse layer drops its part when its own window moves
+            self.bufs["dir"].drop_front(gone)
+            self.bufs["mag"].drop_front(gone)
+        kept = np.flatnonzero(np.array(keep))
+        ret = mx.contiguous(b[:, :, mx.array(kept)].astype(mx.float16)) if len(kept) else None
+        mb = mx.where(keep[:, None], 0.0, mb)  # unmerged tokens are scored from `ret` alone
+        return mb.astype(mx.float16), keep.astype(mx.uint8).reshape(1, 1, n, 1), ret
+
+    # --- attention ---------------------------------------------------------------------
+    def _direction(self) -> mx.array:
+        """The shared directions of the merged tokens: the anchor's array (a slice for the reuse layer)."""
+        if self.role == "anchor":
+            return self.view("dir")
+        skip = self.tier.start - self.tier._anchor().start  # a sliding pair: the anchor expires first
+        return self.peer().view("dir")[:, :, skip:skip + self.merged]
+
+    def _kept(self) -> Optional[mx.array]:
+        if self.role != "reuse" or self.bufs["ret"].used == 0:
+            return None
+        if self._idx is None:
+            self._idx = mx.array(np.flatnonzero(np.array(self.view("flag")).ravel()).astype(np.int32))
+        return self._idx
+
+    def scores(self, q: mx.array) -> mx.array:
+        """q [B, H, R, D] (scaled, float32) -> q·k for every held token [B, H, R, L]."""
+        parts = []
+        if self.merged:
+            s = (q @ self._direction().astype(mx.float32).swapaxes(-1, -2)) * \
+                self.view("mag").astype(mx.float32).swapaxes(-1, -2)
+            idx = self._kept()
+            if idx is not None:
+                B, H, R, _ = s.shape
+                own = q @ self.view("ret").astype(mx.float32).swapaxes(-1, -2)
+                s = mx.put_along_axis(s, mx.broadcast_to(idx, (B, H, R, idx.size)), own, axis=-1)
+            parts.append(s)
+        if self.staged:
+            parts.append(q @ self._x().astype(mx.float32).swapaxes(-1, -2))
+        return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+    def combine(self, weights: mx.array) -> mx.array:
+        """weights [B, H, R, L] -> Σ weight·v [B, H, R, D]."""
+        L, out = self.merged, 0
+        if L:
+            w = weights[..., :L]
+            out = (w * self.view("mag").astype(mx.float32).swapaxes(-1, -2)) @ self._direction().astype(mx.float32)
+            idx = self._kept()
+            if idx is not None:
+                out = out + mx.take(w, idx, axis=-1) @ self.view("ret").astype(mx.float32)
+        if self.staged:
+            out = out + weights[..., L:] @ self._x().astype(mx.float32)
+        return out
+
+    def decoded(self, dtype) -> mx.array:
+        """The reference path: the vectors rebuilt as mag·dir (the unmerged ones as held)."""
+        parts = []
+        if self.merged:
+            x = self.view("mag").astype(mx.float32) * self._direction().astype(mx.float32)
+            idx = self._kept()
+            if idx is not None:
+                ret = self.view("ret").astype(mx.float32)
+                x = mx.put_along_axis(x, mx.broadcast_to(idx[:, None], ret.shape), ret, axis=2)
+            parts.append(x)
+        if self.staged:
+            parts.append(self._x().astype(mx.float32))
+        return (mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]).astype(dtype)
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def drop(self, n: int, front: bool) -> None:
+        if not front:
+            if self.role is not None and n:
+                raise VeloxError(f"the newest tokens of a slerp pair cannot be dropped from one layer; {HINT}")
+            self.bufs["x"].drop_back(n)
+            return
+        # Sliding-window expiry: both layers of a pair drop the same oldest tokens in the same step.
+        merged = min(n, self.merged)
+        if self.role == "reuse" and merged:
+            gone = int(np.array(self.view("flag")[:, :, :merged]).sum())
+            if gone:
+                self.bufs["ret"].drop_front(gone)
+            self._idx = None
+        for name in ("dir", "mag", "flag"):
+            if self.bufs[name].used:
+                self.bufs[name].drop_front(merged)
+        if n > merged and self.role == "anchor":
+            self.pending += n - merged  # the reuse layer has yet to merge them: they leave with that merge
+        elif n > merged:
+            self.bufs["x"].drop_front(n - merged)
+
+    def arrays(self) -> Dict[str, mx.array]:
+        return {n: self.view(n) for n in OWN[self.role] if self.view(n) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bufs[n].nbytes for n in OWN[self.role])
+
+    def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
+        for name in OWN[self.role]:
+            self.bufs[name].set(arrays.get(name))
+        self._idx, self.pending = None, 0
+        held = self.merged + self.bufs["x"].used
+        if held != count or (self.role == "reuse" and self.bufs["ret"].used != int(
+                np.array(self.view("flag")).sum() if self.merged else 0)):
+            return f"array mag/x/ret of a slerp {self.role or 'lone'} layer does not hold {count} tokens"
+        return None
+
+
+class MergedTier:
+    """Behind the tier protocol (runtime/tier.py), like the latent tier: place, hold, answer a partial."""
+    can_rewind = False  # a merged pair cannot give one layer's tokens back
+    fusable = sixteen_bit = drops = False
+    attends = True
+    granularity = 1
+
+    def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
+        self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
+        self.launch_key, self.launch, self.link = None, None, None
+        self.sides = {side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads, head_dim)
+                      for side, codec in (("k", plan.keys), ("v", plan.values))}
+        self.start = self.count = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+    def join_group(self, link, layers) -> None:
+        """Called by the cross-layer coordinator: the anchor holds the directions, the others read them."""
+        if len(layers) < 2:
+            return  # a group of one: a float16 passthrough
+        self.link = link
+        for name, s in self.sides.items():
+            if isinstance(s, MergedSide):
+                s.role = "anchor" if link.layer == link.anchor else "reuse"
+                s.tier, s.name = self, name
+
+    def _anchor(self) -> "MergedTier":
+        return self.link.cache(self.link.anchor).tiers[self.link.tier]
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        if self.count == 0:
+            self.start = start
+        self.sides["k"].append(keys)
+        self.sides["v"].append(values)
+        self.count += keys.shape[2]
+
+    def group_problem(self) -> Optional[str]:
+        """A reuse layer must hold exactly the merged tokens of its anchor (a saved file that does not add up)."""
+        if self.link is None or self.link.layer == self.link.anchor:
+            return None
+        for name, s in self.sides.items():
+            if isinstance(s, MergedSide) and (self._anchor().start != self.start
+                                              or s.peer().merged < s.merged):
+                return (f"layer {self.link.layer} holds {s.merged} merged {name} tokens from {self.start}, its "
+                        f"anchor layer {self.link.anchor} directions for {s.peer().merged} from {self._anchor().start}")
+        return None
+
+    def partial(self, queries: mx.array, scale: float, mask=None) -> Partial:
+        B, Hq, Lq, D = queries.shape
+        q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
+        return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
+
+    def decoded(self, dtype):
+        return self.sides["k"].decoded(dtype), self.sides["v"].decoded(dtype)
+
+    def _drop(self, n: int, front: bool) -> None:
+        for s in self.sides.values():
+            if isinstance(s, MergedSide):
+                s.drop(n, front)
+            else:
+                for b in s.buffers.values():
+                    (b.drop_front if front else b.drop_back)(n)
+        self.start += n if front else 0
+        self.count -= n
+
+    def drop_front(self, n: int) -> None:
+        self._drop(n, True)
+
+    def drop_back(self, n: int) -> None:
+        self._drop(n, False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sides.values())
+
+    def arrays(self) -> Dict[str, mx.array]:
+        return {f"{side}.{name}": a for side, s in self.sides.items() for name, a in s.arrays().items()}
+
+    def expected_names(self) -> List[str]:
+        return list(self.arrays())
+
+    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
+        self.start, self.count = start, count
+        for side, s in self.sides.items():
+            problem = s.restore({k[2:]: v for k, v in arrays.items() if k.startswith(f"{side}.")}, count)
+            if problem:
+                return f"{side}.{problem[len('array '):]}" if problem.startswith("array ") else problem
+        return None

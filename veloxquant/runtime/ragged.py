@@ -1,0 +1,111 @@
+"""Ragged per-head storage: kv heads that keep different numbers of tokens.
+
+Ada-KV and NestedKV give each kv head its own budget. Padding every head to the
+longest would hold (and count) memory no token uses, so a ragged tier holds each
+array flat: head h's tokens are the run [off[h], off[h] + lens[h]) of one token
+axis ([B, 1, N, ...] with N = sum(lens); axis 2 still counts tokens, so the
+generic Buffer holds it). Attention needs a [B, H, W, ...] view: `pad` gathers
+one for the step (a transient, never held) whose unused slots repeat a head's
+last token and carry position PAD, which every query's position mask hides.
+Tokens appended after the layout was fixed (decode steps) go to a uniform tail
+that every head shares, so an append is not a re-gather.
+"""
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .buffer import Buffer
+
+PAD = 1 << 30  # position of an unused slot: after every query, so masked out
+
+
+class Ragged:
+    """Per-head lengths and the index arrays that pad and flatten by them."""
+
+    def __init__(self, lens: List[int]):
+        if min(lens) < 1:
+            raise ValueError(f"every kv head must hold a token, got lengths {lens}")
+        self.lens = [int(n) for n in lens]
+        self.width = max(self.lens)
+        lens_np = np.array(self.lens)
+        off = np.concatenate([[0], np.cumsum(lens_np)[:-1]])
+        j = np.arange(self.width)
+        self.valid = mx.array(j[None, :] < lens_np[:, None])  # [H, W]
+        self.pad_idx = mx.array((off[:, None] + np.minimum(j[None, :], lens_np[:, None] - 1)).reshape(-1))
+        self.sel = mx.array(np.concatenate([h * self.width + np.arange(n) for h, n in enumerate(self.lens)]))
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.lens))
+
+    def pad(self, flat: mx.array, fill=None) -> mx.array:
+        """[B, 1, N, ...] -> [B, H, W, ...]; unused slots hold `fill` where given (positions: PAD)."""
+        B, H = flat.shape[0], len(self.lens)
+        out = mx.take(flat, self.pad_idx, axis=2).reshape(B, H, self.width, *flat.shape[3:])
+        if fill is None:
+            return out
+        valid = self.valid.reshape(1, H, self.width, *([1] * (flat.ndim - 3)))
+        return mx.where(valid, out, mx.array(fill, out.dtype))
+
+    def flatten(self, padded: mx.array) -> mx.array:
+        """[B, H, W, ...] -> [B, 1, N, ...]: the used slots, head after head."""
+        B, H, W = padded.shape[:3]
+        return mx.take(padded.reshape(B, 1, H * W, *padded.shape[3:]), self.sel, axis=2)
+
+
+class RaggedBuffer:
+    """One array of a ragged tier: the flat ragged part plus the shared uniform tail.
+    Speaks Buffer's protocol (view / append / set / nbytes) in padded terms."""
+
+    def __init__(self, layout: Ragged, flat: mx.array, step: Optional[int], fill=None):
+        self.layout, self.flat, self.fill = layout, flat, fill
+        self.tail = Buffer(step)
+
+    @property
+    def used(self) -> int:
+        return self.layout.width + self.tail.used
+
+    def view(self) -> mx.array:
+        padded = self.layout.pad(self.flat, self.fill)
+        tail = self.tail.view()
+        return padded if tail is None else mx.concatenate([padded, tail], axis=2)
+
+    def append(self, x: mx.array) -> None:
+        self.tail.append(x)
+
+    def set(self, padded: mx.array) -> None:
+        """A padded view with changed values (scores) goes back into the flat part and the tail."""
+        W = self.layout.width
+        self.flat = self.layout.flatten(padded[:, :, :W])
+        self.tail.set(padded[:, :, W:] if padded.shape[2] > W else None)
+
+    def drop_back(self, n: int) -> None:
+        raise ValueError("a ragged tier has evicted tokens: it cannot be trimmed")
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes + self.tail.nbytes
+
+
+def choose(priority: mx.array, budgets: List[int]):
+    """Each head h keeps its `budgets[h]` highest-priority slots of a padded view [B, H, W], in
+    slot order: (the new layout, indices [B, N] into the view flattened to [B, H*W])."""
+    B, H, W = priority.shape
+    most = max(budgets)
+    order = mx.argsort(-priority, axis=2)[:, :, :most].astype(mx.int32)
+    j = mx.arange(most, dtype=mx.int32)
+    chosen = j[None, :] < mx.array(budgets, dtype=mx.int32)[:, None]  # [H, most]
+    order = mx.sort(mx.where(chosen, order, W + j), axis=2)  # the chosen first, older first
+    layout = Ragged(budgets)
+    src = mx.arange(H, dtype=mx.int32)[:, None] * W + order
+    return layout, layout.flatten(src)[:, 0]
+
+
+def gather(padded: mx.array, idx: mx.array) -> mx.array:
+    """The slots `idx` [B, N] of a padded array [B, H, W, ...], flat: [B, 1, N, ...]."""
+    B, H, W = padded.shape[:3]
+    rest = padded.shape[3:]
+    flat = padded.reshape(B, H * W, *rest)
+    out = mx.take_along_axis(flat, idx.reshape(B, -1, *([1] * len(rest))), axis=1)
+    return out.reshape(B, 1, idx.shape[1], *rest)
