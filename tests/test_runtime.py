@@ -175,23 +175,20 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
     """The kernel path (here the kernel contract's MLX reference) merged by log-sum-exp
     with the fp16 window gives the same logits as decoding everything into one SDPA."""
     from veloxquant.kernels import reference
-    from veloxquant.runtime.cache import TieredCache
+    from veloxquant.runtime import fused
     sets = ["window=32", "bits=8"]
     dense = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
 
-    def reference_kernel(self, tier, queries, scale, first_q):
-        if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
-            return None
-        k, v = tier.encoded("k"), tier.encoded("v")
+    def reference_launcher(tier, queries, k_enc, v_enc, scale):
         specs = tier.plan.keys.store, tier.plan.values.store
 
-        def call(tail=None):  # the launch's contract: a partial, or the whole answer with dense tiers
+        def run(q, k, v, tail=None):  # the launch's contract: a partial, or the whole answer with dense tiers
             if tail is None:
-                return reference.affine_partial_attention(queries, k, v, *specs, scale)
-            return reference.attention_with_tail(queries, k, v, *specs, scale, tail)
-        return call
+                return reference.affine_partial_attention(q, k, v, *specs, scale)
+            return reference.attention_with_tail(q, k, v, *specs, scale, tail)
+        return run
 
-    monkeypatch.setattr(TieredCache, "_kernel", reference_kernel)
+    monkeypatch.setattr(fused, "_launcher", reference_launcher)
     merged = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
     assert maxdiff(dense, merged) < 1e-3
 

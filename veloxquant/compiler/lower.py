@@ -11,6 +11,8 @@ from ..recipe.params import Schedule, coerce, parse_set
 from ..stages import REGISTRY, needs_of
 from .bind import bind_positions
 from .groups import assign_groups
+
+KERNEL_SPILL = 32  # tokens a window hands at once to a kernel-read tier: its buffers stay exact (docs/kernels.md)
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
 from .shape import ModelShape
 from .selectors import select_layers
@@ -193,6 +195,8 @@ def _check_order(tiers: List[TierPlan], ast_tiers) -> List[TierPlan]:
                 raise RecipeError("a sink tier holds single tokens; give it a per-token codec", node.pos)
         nxt = tiers[i + 1] if not last else None
         chunk = math.lcm(multiple, _multiple(nxt) if nxt is not None else 1)
+        if nxt is not None and nxt.plain_affine and tier.route is not None and tier.route.stage_name == "recent":
+            chunk = math.lcm(chunk, KERNEL_SPILL)  # the kernel's tier then holds exact buffers (docs/kernels.md)
         out.append(_with_impl(attrs.evolve(tier, chunk=chunk)))
     return out
 

@@ -63,6 +63,13 @@ class TierPlan:
     def drops(self) -> bool:
         return self.keys is None
 
+    @property
+    def plain_affine(self) -> bool:
+        """K and V are plain affine codes (xquant's are, in their anchor layer; reuse layers read
+        the anchor's): the fused decode kernels read this tier (runtime/tier.py, reuse_tier.py)."""
+        return not self.drops and all(not c.transforms and not c.residuals and c.store.stage_name in
+                                      ("affine", "xquant") for c in (self.keys, self.values))
+
     def to_dict(self) -> Dict[str, Any]:
         return {"route": stage_dict(self.route) if self.route is not None else None,
                 "keys": self.keys.to_dict() if self.keys else None,

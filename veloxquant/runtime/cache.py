@@ -5,6 +5,7 @@ A new block of tokens is placed in the tiers at once (so the block attends to
 itself exactly); overflow moves on between tiers lazily, when the cache is
 next touched ("settling"), so a block never loses its own context mid-chunk.
 """
+from operator import attrgetter
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -13,14 +14,15 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from ..kernels import cuda, dispatch
-from . import code_attention, hook, kinds, per_head, trimming
+from . import fused, hook, kinds, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
-from .head_tier import HeadTier
 from .saliency import Saliency
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
+
+
+_start = attrgetter("start")
 
 
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -31,12 +33,14 @@ class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
         self.tiers = [kinds.build(t, plan, self._fed_in_chunks(i)) for i, t in enumerate(plan.tiers)]
-        self.per_head = any(isinstance(t, HeadTier) for t in self.tiers)  # heads keep different tokens
+        self.per_head = any(getattr(t, "per_head", False) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
         self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
+        self.windows = [_min(plan.window, h) for h in self.horizons]  # how far back each tier's tokens are seen
+        self._unwindowed = all(w is None for w in self.windows)
         self._tail_layouts = {}  # (query shape, dtype, dense tier count) -> reduce_tail's verdict on their layout
         self.offset = 0  # positions seen: RoPE offsets, never the count held
         self.dtype = mx.float16
@@ -53,7 +57,7 @@ class TieredCache(_BaseCache):
 
     def __deepcopy__(self, memo):
         # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
-        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons",
+        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
                                                 "_tail_layouts"))
 
     # --- mlx-lm protocol ------------------------------------------------
@@ -89,30 +93,33 @@ class TieredCache(_BaseCache):
         if self.per_head:
             self.scale_seen = scale
             return per_head.attend(self, self.held(), queries, scale, first_q, observe)
-        held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
+        held = [t for t in self.tiers if t.count and not t.drops]
+        if len(held) > 1:
+            held.sort(key=_start)
         if self.saliency is not None:
             return self.saliency.attend(held, queries, scale, first_q, observe)
-        # Tiers that answer their own partial from what they hold (latents) are never decoded here.
-        own = [t.partial(queries, scale, self._tier_mask(t, first_q, Lq) if self._needs_mask(t, first_q, Lq)
-                         else None) for t in held if getattr(t, "attends", False)]
-        held = [t for t in held if not getattr(t, "attends", False)]
-        fused = [self._kernel(t, queries, scale, first_q) for t in held]
-        coded = [not call and code_attention.applies(t, Lq) for t, call in zip(held, fused)]
-        if not own and not any(fused) and not any(coded):
-            return self._dense(held, queries, scale, first_q)
-        # Kernel-backed tiers and tiers whose codecs score their codes attend from their
-        # codes. The others are either folded into the kernel's reduce (16-bit, unmasked)
-        # or decoded and attended as one partial, and the partials merge exactly.
-        rest = [t for t, call, c in zip(held, fused, coded) if not call and not c]
-        calls = [call for call in fused if call]
-        tail = self._tail(rest, queries, first_q) if len(calls) == 1 and not own and not any(coded) else None
-        if tail:
-            return calls[0](tail)  # the kernel's reduce also attends over the dense tiers
-        parts = own + [call() for call in calls]
-        parts += [code_attention.tier_partial(t, queries, scale, self._tier_mask(t, first_q, Lq)
-                                              if self._needs_mask(t, first_q, Lq) else None)
-                  for t, c in zip(held, coded) if c]
-        if rest:
+        # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
+        # (runtime/tier.py: Tier.answer); the cache only merges.
+        if len(held) == 1 and not self._needs_mask(held[0], first_q, Lq):
+            answer = held[0].answer(queries, scale)
+            if answer is None:  # one tier, every token visible, decoded (fp16): straight to SDPA
+                k, v = held[0].decoded(queries.dtype)
+                return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+            return merge_partials([answer()]).astype(queries.dtype)
+        needs = [self._needs_mask(t, first_q, Lq) for t in held]
+        answered = [t.answer(queries, scale, self._tier_mask(t, first_q, Lq) if n else None)
+                    for t, n in zip(held, needs)]
+        rest = [t for t, a in zip(held, answered) if a is None]
+        if len(rest) == len(held):
+            return self._dense(held, queries, scale, first_q, needs)
+        answers = [a for a in answered if a is not None]
+        if len(answers) == 1 and rest and getattr(answers[0], "folds_tail", False) \
+                and not any(n for n, a in zip(needs, answered) if a is None):
+            tail = fused.tail(rest, queries, self.dtype, self._tail_layouts)
+            if tail:
+                return answers[0](tail)  # the kernel's reduce also attends over the 16-bit tiers
+        parts = [a() for a in answers]
+        if rest:  # decoded together: one partial
             parts.append(self._partial(rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
 
@@ -120,6 +127,8 @@ class TieredCache(_BaseCache):
         """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode)."""
         if self.per_head:
             return None if N == 1 else "causal"  # unused: attend() masks by per-head positions
+        if N == 1 and self._unwindowed and window_size is None:
+            return None  # one query, and every token held is older than it and within no window
         self._settle()
         window = window_size or self.plan.window
         held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]
@@ -199,24 +208,16 @@ class TieredCache(_BaseCache):
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue
-            if isinstance(tier, HeadTier):
-                tier.evict(self.offset)
-                continue
-            spill = tier.route.spill(tier.count, tier.plan.chunk)
-            if spill:
-                k, v, start = tier.take_front(spill, self.dtype)
-                self._place(i + 1, k, v, start)
+            moved = tier.spill(self.offset, self.dtype)
+            if moved:
+                self._place(i + 1, *moved)
         if self.plan.window:
             self._expire(self.offset - self.plan.window + 1)
 
     def _expire(self, oldest_visible: int) -> None:
         """Sliding-window layers: forget tokens no future query can see."""
         for tier in self.tiers:
-            if isinstance(tier, HeadTier):
-                continue  # heads differ: their old tokens are masked, never dropped
-            n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
-            if tier.count and n > 0:
-                tier.drop_front(n)
+            tier.expire(oldest_visible)
 
     # --- attention helpers --------------------------------------------------
     def _ranges(self) -> List[Tuple[int, int]]:
@@ -252,22 +253,22 @@ class TieredCache(_BaseCache):
         return spans
 
     def _window(self, tier: Tier) -> Optional[int]:
-        return _min(self.plan.window, self.horizons[self.tiers.index(tier)])
+        return self.windows[self.tiers.index(tier)]
 
     def _needs_mask(self, tier: Tier, first_q: int, Lq: int) -> bool:
-        window = self._window(tier)
-        newer_than_query = tier.end - 1 > first_q
-        outside_window = window is not None and (first_q + Lq - 1) - tier.start >= window
-        return newer_than_query or outside_window
+        if tier.start + tier.count - 1 > first_q:
+            return True  # holds tokens newer than the first query
+        window = self.windows[self.tiers.index(tier)] if len(self.tiers) > 1 else self.windows[0]
+        return window is not None and (first_q + Lq - 1) - tier.start >= window
 
     def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
         return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
 
-    def _dense(self, held: List[Tier], queries, scale, first_q):
-        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory)."""
+    def _dense(self, held: List[Tier], queries, scale, first_q, needs: List[bool]):
+        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory).
+        `needs`: which tiers a mask must cover (`_needs_mask`)."""
         Lq = queries.shape[2]
         k, v = decoded_run(held, queries.dtype)
-        needs = [self._needs_mask(t, first_q, Lq) for t in held]
         if not any(needs):
             mask = None
         elif self._causal_ok(held, first_q + Lq):
@@ -280,41 +281,6 @@ class TieredCache(_BaseCache):
         """The string mask "causal" (fused SDPA, no mask array) is exact for these keys."""
         contiguous = sum(t.count for t in held) == held[-1].end - held[0].start
         return contiguous and held[-1].end == end and all(self._window(t) is None for t in held)
-
-    def _kernel(self, tier: Tier, queries, scale, first_q):
-        """A fused attention call for this tier, or None where no verified kernel applies."""
-        if not tier.fusable or self._needs_mask(tier, first_q, queries.shape[2]):
-            return None
-        k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
-        # Decided once per (tier length, query shape): every layer asks again each step.
-        key = (tier.count, tuple(queries.shape), queries.dtype, scale)
-        if tier.launch_key != key:
-            tier.launch_key, tier.launch = key, self._launcher(tier, queries, k_enc, v_enc, scale)
-        run = tier.launch
-        return None if run is None else (lambda tail=None: run(queries, k_enc, v_enc, tail))
-
-    def _tail(self, rest: List[Tier], queries, first_q):
-        """The 16-bit tiers as (k, v) views for the kernel's reduce to attend over, or
-        None where it cannot (a mask applies, other codecs, too many tokens)."""
-        Lq = queries.shape[2]
-        if not rest or not all(t.sixteen_bit and not self._needs_mask(t, first_q, Lq) for t in rest):
-            return None
-        if sum(t.count for t in rest) > cuda.TAIL_MAX:
-            return None
-        tail = [t.decoded(self.dtype) for t in rest]
-        # The dense tiers' heads, head_dim and dtype are the model's: their layout, once checked for
-        # a query shape, holds for the cache's life (only the token count above changes).
-        key = (tuple(queries.shape), self.dtype, len(rest))
-        if key not in self._tail_layouts:
-            self._tail_layouts[key] = cuda.tail_unsupported(key[0], tail)
-        return None if self._tail_layouts[key] else tail
-
-    @staticmethod
-    def _launcher(tier: Tier, queries, k_enc, v_enc, scale):
-        k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
-        if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
-            return None
-        return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
 
     def _partial(self, tiers: List[Tier], queries, scale, first_q):
         """One partial over the decoded tokens of `tiers` (any order: masks go by position)."""

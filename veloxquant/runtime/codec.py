@@ -57,6 +57,8 @@ class Codec:
         return new
 
     def encode(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
+        if self.trivial:  # fp16 / identity: at most a cast (every decode step of every layer)
+            return self.store.encode(x)
         if x.shape[2] <= COMPILED_BLOCK and self.compilable:
             return _compiled_encode(self.plan)(x)
         return self.encode_ops(x, start, scores)

@@ -228,6 +228,13 @@ class HeadTier:
     def drop_front(self, n: int) -> None:
         pass  # sliding-window expiry: heads differ, so old tokens are masked, not dropped
 
+    def expire(self, oldest_visible: int) -> None:
+        pass  # the same: masked by per-head positions (runtime/per_head.py), never dropped
+
+    def spill(self, offset: int, dtype) -> None:
+        """Settling evicts by score (every-step routes); nothing moves on to another tier."""
+        self.evict(offset)
+
     @property
     def nbytes(self) -> int:
         held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())

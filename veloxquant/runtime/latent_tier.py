@@ -21,6 +21,7 @@ from ..compiler.plan import TierPlan
 from .attention import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide
+from .tier import expire_front
 
 SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
@@ -32,7 +33,6 @@ class LatentTier:
     fusable = False
     sixteen_bit = False
     drops = False
-    attends = True  # answers its own partial: TieredCache.attend asks it, never decodes it
 
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
@@ -103,6 +103,13 @@ class LatentTier:
         if hasattr(self.sides["k"], "observe"):
             self.sides["k"].observe(q)  # before the fit: the queries weigh the key allocation (queries=true)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
+
+    def answer(self, queries: mx.array, scale: float, mask=None):
+        """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        return lambda: self.partial(queries, scale, mask)
+
+    def expire(self, oldest_visible: int) -> None:
+        expire_front(self, oldest_visible)
 
     def decoded(self, dtype):
         return self.sides["k"].decoded(dtype), self.sides["v"].decoded(dtype)

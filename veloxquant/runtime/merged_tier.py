@@ -24,6 +24,7 @@ from ..errors import VeloxError
 from .attention import Partial, partial_from_scores
 from .buffer import Buffer
 from .latent_side import PlainSide
+from .tier import expire_front
 
 OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
 HINT = "feed every layer of the model in order (mlx-lm does) and trim all layers together"
@@ -193,7 +194,6 @@ class MergedTier:
     """Behind the tier protocol (runtime/tier.py), like the latent tier: place, hold, answer a partial."""
     can_rewind = False  # a merged pair cannot give one layer's tokens back
     fusable = sixteen_bit = drops = False
-    attends = True
     granularity = 1
 
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
@@ -237,6 +237,13 @@ class MergedTier:
                 return (f"layer {self.link.layer} holds {s.merged} merged {name} tokens from {self.start}, its "
                         f"anchor layer {self.link.anchor} directions for {s.peer().merged} from {self._anchor().start}")
         return None
+
+    def answer(self, queries: mx.array, scale: float, mask=None):
+        """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        return lambda: self.partial(queries, scale, mask)
+
+    def expire(self, oldest_visible: int) -> None:
+        expire_front(self, oldest_visible)
 
     def partial(self, queries: mx.array, scale: float, mask=None) -> Partial:
         B, Hq, Lq, D = queries.shape

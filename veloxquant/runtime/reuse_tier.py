@@ -11,6 +11,7 @@ import mlx.core as mx
 from ..compiler.groups import shares
 from ..compiler.plan import CodecPlan, TierPlan
 from ..stages.bitpack import unpack
+from . import code_attention, fused
 from .buffer import Buffer
 from .copying import copy_sharing
 from .tier import UNBOUNDED_STEP, Tier
@@ -52,17 +53,37 @@ class ReuseCodec:
 
 
 class ReuseTier(Tier):
-    fusable = False  # no fused kernel reads codes from another layer yet
+    fusable = False  # its own arrays are not a whole affine encoding: see answer()
 
     def __init__(self, plan: TierPlan, link, head_dim: int):
         super().__init__(plan)
+        self._fusable = False  # no dequant kernel: decoding goes through ReuseCodec
         self.link, self.head_dim = link, head_dim  # link: coordinator.Link, the way to the anchor's codes
         for side, codec in (("k", plan.keys), ("v", plan.values)):
             if shares(codec):
                 self.codecs[side] = ReuseCodec(codec, link, side)
-                # The last tier is unbounded (checked by the compiler): grow in steps, like Tier.
-                self.buffers[side] = {name: Buffer(max(1, UNBOUNDED_STEP // per_unit))
+                # The last tier is unbounded (checked by the compiler): grow in steps, like Tier; exactly
+                # where the kernel reads the arrays (whole chunks arrive, compiler.lower.KERNEL_SPILL).
+                step = lambda u: None if plan.plain_affine and not codec.store.residual_bits else max(1, UNBOUNDED_STEP // u)
+                self.buffers[side] = {name: Buffer(step(per_unit))
                                       for name, per_unit in self.codecs[side].units().items()}
+        self.codes_attend = code_attention.applies(self, 1)  # asked again: the codecs changed
+        # Without a residual, value = anchor code x own scale + own zero: exactly an affine encoding
+        # whose codes are the anchor's, which the fused kernel reads as they are (no copy).
+        self.kernel_reads = plan.plain_affine and all(
+            isinstance(c, ReuseCodec) and not c.store.residual_bits for c in self.codecs.values())
+
+    def answer(self, queries: mx.array, scale: float, mask=None):
+        if mask is None and self.kernel_reads:
+            found = fused.kernel_answer(self, queries, scale, self._kernel_encoded)
+            if found is not None:
+                return found
+        return super().answer(queries, scale, mask)
+
+    def _kernel_encoded(self, side: str) -> Dict[str, mx.array]:
+        own = self.encoded(side)
+        return {"codes": self.codecs[side].codes_of(self.start, self.end), "scales": own["scales"],
+                "zeros": own["zeros"]}
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.count == 0:

@@ -5,6 +5,7 @@ import mlx.core as mx
 
 from ..compiler.plan import TierPlan
 from ..kernels import dispatch
+from . import code_attention, fused
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
@@ -17,8 +18,7 @@ EXACT_MIN_CHUNK = 16  # tokens; tiers fed chunks at least this long may grow exa
 
 def fusable(plan: TierPlan) -> bool:
     """K and V are plain affine codes: the fused attention kernels read them."""
-    return not plan.drops and all(
-        not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (plan.keys, plan.values))
+    return plan.plain_affine
 
 
 class Tier:
@@ -35,6 +35,7 @@ class Tier:
         self.sixteen_bit = not plan.drops and all(
             c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
             for c in (plan.keys, plan.values))
+        self.codes_attend = False
         self.start = 0  # position of the oldest token held
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
@@ -45,6 +46,8 @@ class Tier:
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
             return
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        # The key codec scores its codes (runtime/code_attention.py): decided once, asked every step.
+        self.codes_attend = code_attention.applies(self, 1)
         self.buffers = {}
         for side, codec in self.codecs.items():
             bounded = plan.route is not None and plan.route.bounded
@@ -81,9 +84,33 @@ class Tier:
             self._views[side] = {name: buf.view() for name, buf in self.buffers[side].items()}
         return self._views[side]
 
+    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None):
+        """The tier-kind protocol's attention method: a callable answering this tier's partial
+        (out, lse) from its own storage, or None (decode me: the cache attends over my values).
+
+        `mask`: None when every held token is visible to every query. Plain affine codes go to
+        the fused kernel where a verified one takes the call; codecs that score their codes
+        answer from them (runtime/code_attention.py)."""
+        if mask is None and self.fusable:
+            found = fused.kernel_answer(self, queries, scale)
+            if found is not None:
+                return found
+        if self.codes_attend and queries.shape[2] <= code_attention.CODES_MAX_QUERIES:
+            return lambda: code_attention.tier_partial(self, queries, scale, mask)
+        return None
+
+    def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """What overflows this tier's route now, removed and decoded, with its start; or None."""
+        n = self.route.spill(self.count, self.plan.chunk)
+        return self.take_front(n, dtype) if n else None
+
+    def expire(self, oldest_visible: int) -> None:
+        expire_front(self, oldest_visible)
+
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
         if self.sixteen_bit:  # the stored arrays themselves (a cast only if dtypes differ)
-            return tuple(self.buffers[side]["x"].view().astype(dtype) for side in ("k", "v"))
+            k, v = self.buffers["k"]["x"].view(), self.buffers["v"]["x"].view()
+            return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
         return self.decoded_side("k", dtype), self.decoded_side("v", dtype)
 
     def decoded_side(self, side: str, dtype, length: Optional[int] = None, offset: int = 0) -> mx.array:
@@ -194,6 +221,13 @@ class Tier:
                 if count and not codec.fitted:
                     return f"missing the fitted arrays {side}.fit.*"
         return None
+
+
+def expire_front(tier, oldest_visible: int) -> None:
+    """Sliding-window layers: forget the tokens no future query can see, in whole granules."""
+    n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
+    if tier.count and n > 0:
+        tier.drop_front(n)
 
 
 def decoded_run(tiers: List["Tier"], dtype) -> Tuple[mx.array, mx.array]:

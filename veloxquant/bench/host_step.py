@@ -1,0 +1,90 @@
+"""The host's share of one decode step, per cache: MLX ops built and Python time.
+
+    python -m veloxquant.bench.host_step --context 2048 --layers 8 --heads 32/8 --head-dim 128
+
+Runs on any backend (the CPU included): the graph a decode step builds does
+not depend on where it is evaluated. For mlx-lm's KVCache and each recipe,
+after a prefill and a warm-up, it counts the primitives of one step's graph
+(`mx.export_to_dot`, from the sampled token back to the evaluated arrays) and
+times `model(token)` (graph building only, evaluated after each step),
+interleaving the caches round by round so machine noise hits them alike.
+Reported: ops and build µs per step and per layer, and the build time as a
+ratio to mlx-lm's KVCache (the fp16 recipe's target: <= 1.0).
+"""
+import argparse
+import io
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+from ..eval.feed import prefill
+from ..runtime import make_prompt_cache
+from .e2e import random_llama
+
+
+def step_ops(model, cache, y: mx.array) -> int:
+    """Primitives in one decode step's graph (evaluated arrays are its leaves)."""
+    out = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+    f = io.StringIO()
+    mx.export_to_dot(f, out)
+    mx.eval(out)
+    return f.getvalue().count("shape=rectangle")
+
+
+def build_us(model, cache, y: mx.array, n: int) -> float:
+    """Median µs of building one step's graph (each step is evaluated before the next)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        logits = model(y, cache=cache)
+        out = mx.argmax(logits[:, -1:], axis=-1)
+        times.append(time.perf_counter() - t0)
+        mx.eval(out)
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.host_step", description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", default="32/8")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--recipes", default="fp16,kivi")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache and round")
+    ap.add_argument("--dtype", default="float16")
+    args = ap.parse_args(argv)
+    heads, kv_heads = map(int, args.heads.split("/"))
+    mx.random.seed(0)
+    model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    prompt = mx.random.randint(0, args.vocab, (1, args.context))
+    rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
+    for r in filter(None, args.recipes.split(",")):
+        rows[r] = make_prompt_cache(model, r)  # installs the hook (KVCache falls through it: one getattr)
+    y = mx.array([[1]])
+    ops = {}
+    for label, cache in rows.items():
+        prefill(model, prompt, cache, 2048)
+        build_us(model, cache, y, 4)  # warm: first-use work
+        ops[label] = step_ops(model, cache, y)
+    samples = {label: [] for label in rows}
+    for _ in range(args.rounds):
+        for label, cache in rows.items():
+            samples[label].append(build_us(model, cache, y, args.steps))
+    base = statistics.median(samples["mlx-lm KVCache"])
+    print(f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
+          f"device {mx.default_device()}; {args.rounds} interleaved rounds x {args.steps} steps, medians")
+    print("| cache | ops/step | ops/layer | build µs/step | build µs/layer | range µs/step | vs KVCache |")
+    print("|---|---|---|---|---|---|---|")
+    for label, s in samples.items():
+        med = statistics.median(s)
+        print(f"| {label} | {ops[label]} | {ops[label] / args.layers:.1f} | {med:.0f} | {med / args.layers:.1f} "
+              f"| {min(s):.0f}–{max(s):.0f} | {med / base:.2f}× |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""A plain affine tier's attention by the fused CUDA kernel (kernels/cuda.py).
+
+`kernel_answer` is what `Tier.answer` returns where a verified kernel takes
+the call: the partial from the tier's codes, and where the layer's other tiers
+are 16-bit and visible to every query, the final output with those tiers
+folded into the kernel's reduce (`reduce_tail`: two launches for the layer).
+The launch parameters are resolved once per (tier length, query shape) and
+kept on the tier; a decode step only calls them.
+"""
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..kernels import cuda, dispatch
+
+
+class KernelAnswer:
+    """A tier's answer from the kernel: `()` -> partial (out f32, lse), `(tail)` -> final output."""
+    __slots__ = ("run", "queries", "k_enc", "v_enc")
+    folds_tail = True  # TieredCache hands it the layer's 16-bit tiers when they are all it has besides
+
+    def __init__(self, run, queries, k_enc, v_enc):
+        self.run, self.queries, self.k_enc, self.v_enc = run, queries, k_enc, v_enc
+
+    def __call__(self, tail=None):
+        return self.run(self.queries, self.k_enc, self.v_enc, tail)
+
+
+def kernel_answer(tier, queries: mx.array, scale: float, encoded=None) -> Optional[KernelAnswer]:
+    """The kernel's answer for this (unmasked, plain affine) tier, or None where no verified kernel applies.
+    `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default."""
+    encoded = encoded or tier.encoded
+    k_enc, v_enc = encoded("k"), encoded("v")
+    # Decided once per (tier length, query shape): every layer asks again each step.
+    key = (tier.count, queries.shape, queries.dtype, scale)
+    if tier.launch_key != key:
+        tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale)
+    return None if tier.launch is None else KernelAnswer(tier.launch, queries, k_enc, v_enc)
+
+
+def _launcher(tier, queries, k_enc, v_enc, scale):
+    k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
+    if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
+        return None
+    return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
+
+
+def tail(rest: List, queries: mx.array, dtype, layouts: dict):
+    """The 16-bit tiers `rest` (every token visible to every query: the caller checked) as
+    (k, v) views for the kernel's reduce, or None where it cannot fold them.
+
+    `layouts`: the cache's verdicts per (query shape, dtype, tier count): the dense tiers'
+    heads, head_dim and dtype are the model's, so a layout checked once holds for the
+    cache's life (only the token count changes, checked here every call)."""
+    if not all(t.sixteen_bit for t in rest) or sum(t.count for t in rest) > cuda.TAIL_MAX:
+        return None
+    views = [t.decoded(dtype) for t in rest]
+    key = (queries.shape, dtype, len(rest))
+    if key not in layouts:
+        layouts[key] = cuda.tail_unsupported(tuple(key[0]), views)
+    return None if layouts[key] else views
