@@ -21,7 +21,6 @@ from .saliency import Saliency
 from .scoring import position_mask
 from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
 
-
 _start = attrgetter("start")
 
 
@@ -56,7 +55,9 @@ class TieredCache(_BaseCache):
         self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
 
     def __deepcopy__(self, memo):
-        # Frozen plan, dtype and layout verdicts are shared; tiers, arrays and the coordinator are copied.
+        # Copies start settled, MiniCache partners too (a copy and an original read later continue
+        # alike); frozen plan, dtype and layout verdicts are shared, tiers/arrays/coordinator copied.
+        self._settle() or [t.settle_group() for t in self.tiers if hasattr(t, "settle_group")]
         return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
                                                 "_tail_layouts"))
 

@@ -198,7 +198,7 @@ class MergedTier:
 
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
-        self.launch_key, self.launch, self.link = None, None, None
+        self.launch_key, self.launch, self.link, self.group = None, None, None, ()
         self.sides = {side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads, head_dim)
                       for side, codec in (("k", plan.keys), ("v", plan.values))}
         self.start = self.count = 0
@@ -211,7 +211,7 @@ class MergedTier:
         """Called by the cross-layer coordinator: the anchor holds the directions, the others read them."""
         if len(layers) < 2:
             return  # a group of one: a float16 passthrough
-        self.link = link
+        self.link, self.group = link, tuple(layers)
         for name, s in self.sides.items():
             if isinstance(s, MergedSide):
                 s.role = "anchor" if link.layer == link.anchor else "reuse"
@@ -269,11 +269,20 @@ class MergedTier:
     def drop_back(self, n: int) -> None:
         self._drop(n, False)
 
+    def settle_group(self) -> None:
+        """An anchor's arrays change when its partner merges the tokens both have staged (on the
+        partner's settle): settle the partners first, so what is read (state, nbytes) is final."""
+        if self.link is not None and self.link.layer == self.link.anchor:
+            for layer in self.group:  # the anchor first: partners merge only what it has staged
+                self.link.cache(layer)._settle()
+
     @property
     def nbytes(self) -> int:
+        self.settle_group()
         return sum(s.nbytes for s in self.sides.values())
 
     def arrays(self) -> Dict[str, mx.array]:
+        self.settle_group()
         return {f"{side}.{name}": a for side, s in self.sides.items() for name, a in s.arrays().items()}
 
     def expected_names(self) -> List[str]:
