@@ -12,9 +12,10 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .scorers import Seen
-from .scoring import attend_with_weights, attention_weights, expand_heads, position_mask, received, received_blocked
+from .scoring import attend_blocked, block_size, expand_heads, position_mask
 
-SCORE_BLOCK = 128  # queries whose explicit softmax weights are held at once while scoring
+SCORE_BLOCK = 128  # at most this many queries' explicit softmax weights are held at once
+SCORE_BYTES = 16 * 2 ** 20  # and at most this many bytes of them (long contexts get shorter blocks)
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
@@ -63,11 +64,22 @@ def _causal(cache, held: List, end: int) -> bool:
 
 def _weigher(cache, held: List, k: mx.array, kpos: mx.array, scale: float):
     """weigh(queries, first_q, where) -> attention received [B, Hkv, L], summed over the queries and the
-    group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed)."""
+    group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed),
+    a block of queries at a time."""
     def weigh(queries: mx.array, first_q: int, where: slice) -> mx.array:
-        w = attention_weights(queries, k, scale, _mask(cache, held, kpos, first_q, queries.shape[2]))
-        return received(w)[0][..., where]
+        _, total, _ = attend_blocked(queries, k, None, scale, _masker(cache, held, kpos, first_q),
+                                     _block(queries, k))
+        return total[..., where]
     return weigh
+
+
+def _masker(cache, held: List, kpos: mx.array, first_q: int):
+    """mask_for(s, n): the mask of the n queries from first_q + s, built for that block alone."""
+    return lambda s, n: _mask(cache, held, kpos, first_q + s, n)
+
+
+def _block(queries: mx.array, keys: mx.array) -> int:
+    return block_size(queries.shape[1], keys.shape[2], SCORE_BLOCK, SCORE_BYTES)
 
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
@@ -77,20 +89,19 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     needs = set().union(*(t.scorer.needs for t, _ in listeners))
     live = "weights" in needs
     rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.scorer.needs] or [1])
-    blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
-    k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
-    mask = _mask(cache, held, kpos, first_q, Lq)
-    sdpa_mask = None  # what fused SDPA gets: the mask array, or "causal" while heads agree
-    if mask is not None:
-        sdpa_mask = "causal" if _causal(cache, held, first_q + Lq) else expand_heads(mask, Hq)
+    k, v, kpos, slices = _gather(cache, held, mx.float32 if live else queries.dtype)
     total = tail = None
-    if live and not blocked:
-        out, w = attend_with_weights(queries, k, v, scale, mask)
-        total, tail = received(w, rows)
-    else:
-        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
-        if live:
-            total, tail = received_blocked(queries, k, scale, mask, SCORE_BLOCK, rows)
+    if live:  # explicit softmax, a block of queries at a time
+        out, total, tail = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, first_q),
+                                          _block(queries, k), rows)
+    elif Lq > 1 and not _causal(cache, held, first_q + Lq):
+        # heads differ: a per-head mask, built and applied a block of queries at a time
+        out, _, _ = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, first_q),
+                                   _block(queries, k), weigh=False)
+    else:  # fused SDPA: "causal" while heads agree; one query needs a mask only for windows
+        mask = "causal" if Lq > 1 else _mask(cache, held, kpos, first_q, Lq)
+        out = mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=mask if mask is None or isinstance(mask, str) else expand_heads(mask, Hq))
     if listeners:
         weigh = _weigher(cache, held, k.astype(mx.float32), kpos, scale)
         for t, i in listeners:
