@@ -144,6 +144,8 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             when = "once, at the end of the prompt" if t.route.once else "every step"
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
                        f"+{8 + extra} bytes/token/head of positions and scores")
+            if getattr(t.route, "explain_decode", None):
+                out.append(f"    {t.route.explain_decode()}")
     return out
 
 

@@ -8,9 +8,11 @@ from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
+from .sparse_tier import SparseDecodeTier
 from .tier import Tier
 
 KINDS = {"latent": LatentTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan)
 
 
 def kind_of(plan: TierPlan):
@@ -25,7 +27,7 @@ def kind_of(plan: TierPlan):
 
 def build(plan: TierPlan, layer: LayerPlan, exact: bool):
     if getattr(plan.route, "per_head", False):
-        return HeadTier(plan)
+        return HEAD_KINDS.get(getattr(plan.route, "tier_kind", None), HeadTier)(plan)
     kind = kind_of(plan)
     if kind is None:
         return Tier(plan, exact)

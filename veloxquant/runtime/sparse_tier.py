@@ -1,0 +1,117 @@
+"""A per-head eviction tier that also selects at decode: RocketKV's stage 2.
+
+After the prompt's one eviction (SnapKV), every held token stays; each decode
+step the real query chooses which of them get exact attention (`pick`), as
+Hybrid Sparse Attention does: the query's `channels` largest channels (|q|
+summed over the GQA group) read per-page max/min key summaries (Quest-style
+upper bounds on q.k over a page of `page` held slots) to keep the best pages,
+then the same channels of those pages' keys (SparQ-style partial dot
+products) keep the `tokens` best tokens. The newest page always competes
+first. Summaries are kept current as tokens append (only the last page
+changes) and are real arrays: in `arrays()` and `nbytes`.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .head_tier import HeadTier
+
+SUMMARIES = ("pages.kmax", "pages.kmin")
+
+
+class SparseDecodeTier(HeadTier):
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.summary: Dict[str, Optional[mx.array]] = {name: None for name in SUMMARIES}
+        self.summarised = 0  # slots covered by the summaries' full pages
+
+    # --- summaries ------------------------------------------------------
+    def _summarise(self) -> None:
+        """Bring the summaries up to date: pages from the first one not yet full are recomputed."""
+        page = self.route.page
+        p0 = self.summarised // page
+        # Every encoded array counts tokens on axis 2: decode only the pages that change.
+        keys = self.codecs["k"].decode({n: a[:, :, p0 * page:] for n, a in self.encoded("k").items()}, mx.float32)
+        n = keys.shape[2]
+        pad = -n % page
+        if pad:
+            edge = mx.broadcast_to(keys[:, :, -1:], (*keys.shape[:2], pad, keys.shape[3]))
+            keys = mx.concatenate([keys, edge], axis=2)  # a repeated key changes neither max nor min
+        B, H, _, D = keys.shape
+        pages = keys.reshape(B, H, -1, page, D)
+        for name, new in (("pages.kmax", mx.max(pages, axis=3)), ("pages.kmin", mx.min(pages, axis=3))):
+            old = self.summary[name]
+            self.summary[name] = new if old is None or p0 == 0 else mx.concatenate([old[:, :, :p0], new], axis=2)
+        self.summarised = self.count // page * page
+
+    def keep(self, priority: mx.array, offset: int) -> None:
+        super().keep(priority, offset)
+        self.summarised = 0  # slots were re-gathered: every page changes
+        if self.route.tokens:
+            self._summarise()
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        super().append(keys, values, start)
+        if self.decided and self.route.tokens:
+            self._summarise()
+
+    def drop_back(self, n: int) -> None:
+        super().drop_back(n)
+        self.summarised = 0
+        if self.decided and self.route.tokens and self.count:
+            self._summarise()
+
+    # --- stage 2 ----------------------------------------------------------
+    def pick(self, queries: mx.array, dtype) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
+        """(keys, values, positions) of the `tokens` held tokens each kv head attends to exactly, or
+        None (attend to all): before the prompt's decision, or while few tokens are held."""
+        route = self.route
+        n_pages = -(-2 * route.tokens // route.page) + 1  # twice the tokens, plus the newest page
+        if not (self.decided and route.tokens) or self.count <= n_pages * route.page:
+            return None
+        k, v = self.decoded(dtype)
+        B, Hq, _, D = queries.shape
+        Hkv = k.shape[1]
+        q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, D)
+        r = min(route.channels, D)
+        ch = mx.argpartition(-mx.sum(mx.abs(q), axis=2), kth=r - 1, axis=-1)[..., :r]  # [B, Hkv, r]
+        qr = mx.take_along_axis(q, ch[:, :, None], axis=-1)  # [B, Hkv, rep, r]
+
+        def channels(x):  # [B, Hkv, n, D] -> [B, Hkv, n, r]
+            return mx.take_along_axis(x, ch[:, :, None], axis=-1)
+        upper = mx.maximum(qr[:, :, :, None] * channels(self.summary["pages.kmax"])[:, :, None],
+                           qr[:, :, :, None] * channels(self.summary["pages.kmin"])[:, :, None])
+        page_score = mx.max(mx.sum(upper, axis=-1), axis=2)  # [B, Hkv, P]: best bound over the group
+        newest = mx.arange(page_score.shape[2]) == page_score.shape[2] - 1
+        page_score = mx.where(newest, mx.inf, page_score)
+        best = mx.argpartition(-page_score, kth=n_pages - 1, axis=-1)[..., :n_pages]
+        slots = (best[..., None] * route.page + mx.arange(route.page)).reshape(B, Hkv, -1)
+        valid = slots < self.count  # the newest page may be partly empty
+        slots = mx.minimum(slots, self.count - 1)
+        kr = channels(mx.take_along_axis(k, slots[..., None], axis=2).astype(mx.float32))
+        approx = mx.max(qr @ kr.swapaxes(-1, -2), axis=2)  # [B, Hkv, S]
+        approx = mx.where(valid, approx, -mx.inf)
+        chosen = mx.take_along_axis(slots, mx.argpartition(-approx, kth=route.tokens - 1, axis=-1)
+                                    [..., :route.tokens], axis=-1)
+        return tuple(mx.take_along_axis(x, chosen.reshape(*chosen.shape, *([1] * (x.ndim - 3))), axis=2)
+                     for x in (k, v, self.positions))
+
+    # --- bytes and persistence ---------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(a.nbytes for a in self.summary.values() if a is not None)
+
+    def arrays(self) -> Dict[str, mx.array]:
+        out = super().arrays()
+        out.update({name: a for name, a in self.summary.items() if a is not None})
+        return out
+
+    def expected_names(self) -> List[str]:
+        return super().expected_names()  # summaries are rebuilt from the keys when absent
+
+    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
+        error = super().restore(start, count, arrays)
+        if error is None and count and self.route.tokens:
+            self.summarised = 0
+            self._summarise()
+        return error
