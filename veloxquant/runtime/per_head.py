@@ -33,14 +33,18 @@ def _gather(cache, held: List, dtype, queries: Optional[mx.array] = None):
     for t in held:
         picked = t.pick(queries, dtype) if queries is not None and hasattr(t, "pick") else None
         parts.append(picked or (*t.decoded(dtype), None))
-    k, v = (mx.concatenate([p[i] for p in parts], axis=2) for i in (0, 1))
+    k, v = (_joined([p[i] for p in parts]) for i in (0, 1))
     B, H = k.shape[:2]
-    kpos = mx.concatenate([_positions(t, B, H) if p[2] is None else p[2] for t, p in zip(held, parts)], axis=2)
+    kpos = _joined([_positions(t, B, H) if p[2] is None else p[2] for t, p in zip(held, parts)])
     slices, at = [], 0
     for p in parts:
         slices.append(slice(at, at + p[0].shape[2]))
         at += p[0].shape[2]
     return k, v, kpos, slices
+
+
+def _joined(arrays: List[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)  # decode: no op for one tier
 
 
 def _mask(cache, held, kpos, slices, first_q: int, Lq: int) -> Optional[mx.array]:

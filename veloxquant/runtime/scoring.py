@@ -32,20 +32,12 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float, mask: Opt
     `mask` is per kv head, [B, Hkv, Lq, L] (True = may attend)."""
     B, Hq, Lq, D = queries.shape
     Hkv = keys.shape[1]
-    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Lq, D) * scale
-    scores = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    # The group's query heads become rows of one matmul per kv head (no broadcast keys).
+    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv * Lq, D) * scale
+    scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, Hkv, Hq // Hkv, Lq, -1)
     if mask is not None:
         scores = mx.where(mask[:, :, None], scores, -mx.inf)
     return mx.softmax(scores, axis=-1, precise=True)
-
-
-def attend_with_weights(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                        mask: Optional[mx.array]) -> Tuple[mx.array, mx.array]:
-    """(output [B, Hq, Lq, D] float32, weights [B, Hkv, rep, Lq, L])."""
-    B, Hq, Lq, _ = queries.shape
-    w = attention_weights(queries, keys, scale, mask)
-    out = w @ values.astype(mx.float32)[:, :, None]
-    return out.reshape(B, Hq, Lq, -1), w
 
 
 def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array], scale: float, mask_for: Callable,
@@ -67,7 +59,8 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
             q = mx.depends(q, [a for a in (outs[-1] if outs else None, total) if a is not None])
         w = attention_weights(q, keys, scale, mask_for(s, n))
         if values is not None:
-            outs.append((w @ values.astype(mx.float32)[:, :, None]).reshape(B, Hq, n, -1))
+            rows_w = w.reshape(B, w.shape[1], -1, w.shape[-1])  # [B, Hkv, rep * n, L]: no broadcast values
+            outs.append((rows_w @ values.astype(mx.float32)).reshape(B, Hq, n, -1))
         if weigh:
             t, tail = received(w, rows)
             total = t if total is None else total + t
