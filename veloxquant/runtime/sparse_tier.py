@@ -7,8 +7,9 @@ summed over the GQA group) read per-page max/min key summaries (Quest-style
 upper bounds on q.k over a page of `page` held slots) to keep the best pages,
 then the same channels of those pages' keys (SparQ-style partial dot
 products) keep the `tokens` best tokens. The newest page always competes
-first. Summaries are kept current as tokens append (only the last page
-changes) and are real arrays: in `arrays()` and `nbytes`.
+first. Only full pages are summarised, when they fill (the newest, partial
+page needs no bound), and the summaries are real arrays: in `arrays()` and
+`nbytes`.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -27,26 +28,25 @@ class SparseDecodeTier(HeadTier):
 
     # --- summaries ------------------------------------------------------
     def _summarise(self) -> None:
-        """Bring the summaries up to date: pages from the first one not yet full are recomputed."""
+        """Summarise the pages filled since the last call. Only full pages are summarised: the newest,
+        partial page is always attended to, so it needs no bound (decode refreshes once per page)."""
         page = self.route.page
-        p0 = self.summarised // page
-        # Every encoded array counts tokens on axis 2: decode only the pages that change.
-        keys = self.codecs["k"].decode({n: a[:, :, p0 * page:] for n, a in self.encoded("k").items()}, mx.float32)
-        n = keys.shape[2]
-        pad = -n % page
-        if pad:
-            edge = mx.broadcast_to(keys[:, :, -1:], (*keys.shape[:2], pad, keys.shape[3]))
-            keys = mx.concatenate([keys, edge], axis=2)  # a repeated key changes neither max nor min
+        p0, p1 = self.summarised // page, self.count // page
+        if p1 == p0:
+            return
+        # Every encoded array counts tokens on axis 2: decode only the pages that changed.
+        enc = {n: a[:, :, p0 * page:p1 * page] for n, a in self.encoded("k").items()}
+        keys = self.codecs["k"].decode(enc, mx.float32)
         B, H, _, D = keys.shape
-        pages = keys.reshape(B, H, -1, page, D)
+        pages = keys.reshape(B, H, p1 - p0, page, D)
         for name, new in (("pages.kmax", mx.max(pages, axis=3)), ("pages.kmin", mx.min(pages, axis=3))):
             old = self.summary[name]
             self.summary[name] = new if old is None or p0 == 0 else mx.concatenate([old[:, :, :p0], new], axis=2)
-        self.summarised = self.count // page * page
+        self.summarised = p1 * page
 
     def keep(self, priority: mx.array, offset: int) -> None:
         super().keep(priority, offset)
-        self.summarised = 0  # slots were re-gathered: every page changes
+        self.summarised, self.summary = 0, {name: None for name in SUMMARIES}  # slots were re-gathered
         if self.route.tokens:
             self._summarise()
 
@@ -57,8 +57,8 @@ class SparseDecodeTier(HeadTier):
 
     def drop_back(self, n: int) -> None:
         super().drop_back(n)
-        self.summarised = 0
-        if self.decided and self.route.tokens and self.count:
+        self.summarised, self.summary = 0, {name: None for name in SUMMARIES}
+        if self.decided and self.route.tokens:
             self._summarise()
 
     # --- stage 2 ----------------------------------------------------------
@@ -81,9 +81,11 @@ class SparseDecodeTier(HeadTier):
             return mx.take_along_axis(x, ch[:, :, None], axis=-1)
         upper = mx.maximum(qr[:, :, :, None] * channels(self.summary["pages.kmax"])[:, :, None],
                            qr[:, :, :, None] * channels(self.summary["pages.kmin"])[:, :, None])
-        page_score = mx.max(mx.sum(upper, axis=-1), axis=2)  # [B, Hkv, P]: best bound over the group
-        newest = mx.arange(page_score.shape[2]) == page_score.shape[2] - 1
-        page_score = mx.where(newest, mx.inf, page_score)
+        page_score = mx.max(mx.sum(upper, axis=-1), axis=2)  # [B, Hkv, full pages]: best bound over the group
+        if self.count % route.page:  # the newest, partial page has no summary: it always competes
+            page_score = mx.concatenate([page_score, mx.full((B, Hkv, 1), mx.inf)], axis=2)
+        else:
+            page_score = mx.where(mx.arange(page_score.shape[2]) == page_score.shape[2] - 1, mx.inf, page_score)
         best = mx.argpartition(-page_score, kth=n_pages - 1, axis=-1)[..., :n_pages]
         slots = (best[..., None] * route.page + mx.arange(route.page)).reshape(B, Hkv, -1)
         valid = slots < self.count  # the newest page may be partly empty
@@ -111,7 +113,7 @@ class SparseDecodeTier(HeadTier):
 
     def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
         error = super().restore(start, count, arrays)
-        if error is None and count and self.route.tokens:
-            self.summarised = 0
+        if error is None and self.route.tokens:
+            self.summarised, self.summary = 0, {name: None for name in SUMMARIES}
             self._summarise()
         return error
