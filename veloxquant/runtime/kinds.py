@@ -2,7 +2,8 @@
 
 A store stage that needs its own kind of tier names it (`tier_kind = "latent"`);
 TieredCache asks `build` and never branches on kinds itself. A new kind is a
-module plus one line in KINDS.
+module plus one line in KINDS (or HEAD_KINDS, for a per-head route's
+`tier_kind`: RocketKV's decode-time selection).
 """
 from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
