@@ -71,3 +71,16 @@ def test_long_generation_prints_first_and_last_windows(capsys):
             if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"cache", "mlx-lm KVCache", "identity", "h2o"}
     assert rows["identity"].endswith("| all |")  # float32 K/V as computed: mlx-lm's tokens exactly
+
+
+def test_eviction_cost_prints_ratios_against_interleaved_fp16(capsys, tmp_path):
+    from veloxquant.bench import eviction_cost
+    before = tmp_path / "before.json"
+    assert eviction_cost.main(["tova", "knorm", "--tokens", "200", "--chunk", "64", "--decode", "2",
+                               "--fp16-every", "2", "--json", str(before)]) == 0
+    assert eviction_cost.main(["tova", "--tokens", "200", "--chunk", "64", "--decode", "2",
+                               "--before", str(before)]) == 0
+    out = capsys.readouterr().out
+    assert "| fp16 | " in out and "| knorm | " in out and "before: peak ÷ fp16" in out
+    row = next(line for line in out.splitlines()[::-1] if line.startswith("| tova |"))
+    assert len(row.split("|")) == 12  # the before columns are filled

@@ -96,7 +96,7 @@ class Reference:
 @pytest.mark.parametrize("score, recent, score_block", [("mass", 0, 128), ("current", 0, 128), ("proxy", 0, 128),
                                                          ("mass", 3, 128), ("mass", 0, 5), ("current", 2, 5)])
 def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, recent, score_block):
-    # score_block 5: blocks of 12 queries take the prefill path (fused output, weights 5 queries at a time)
+    # score_block 5: blocks of 12 queries take the prefill path (output and weights 5 queries at a time)
     monkeypatch.setattr(veloxquant.runtime.per_head, "SCORE_BLOCK", score_block)
     cache = layer_cache(llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}, recent={recent}) | identity")
     ref = Reference(8, 2, score, recent)

@@ -260,3 +260,19 @@ def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
         assert OldestFirst.seen[0] == ((1, HQ, 10, 16), (1, HKV, 10, 16), None)  # no weights asked, none computed
     finally:
         del SCORERS["test_oldest_first"]
+
+
+@pytest.mark.parametrize("pipeline", ["snap(budget=48, window=4) | identity",
+                                      "evict(budget=48, score=expected, window=4, once=true) | identity"])
+def test_query_window_is_compact_and_in_the_state(llama_model, tmp_path, pipeline):
+    """The kept queries are their own window-sized array, not a view of (or a lazy concatenation over)
+    every prefill block's queries, and the cache's state lists them so generate's eval computes them."""
+    cache = layer_cache(llama_model, tmp_path, pipeline)
+    for q, k, v in blocks(2, [20, 30, 2]):
+        cache.update_and_fetch(mx.array(k), mx.array(v))
+        cache.attend(mx.array(q), SCALE)
+    scorer = cache.tiers[0].scorer
+    assert scorer.queries.shape[2] == 4
+    np.testing.assert_array_equal(np.array(scorer.queries),
+                                  np.concatenate([b[0] for b in blocks(2, [20, 30, 2])], axis=2)[:, :, -4:])
+    assert any(a is scorer.queries for a in cache.state)

@@ -2,16 +2,19 @@
 
 A store stage that needs its own kind of tier names it (`tier_kind = "latent"`);
 TieredCache asks `build` and never branches on kinds itself. A new kind is a
-module plus one line in KINDS.
+module plus one line in KINDS (or HEAD_KINDS, for a per-head route's
+`tier_kind`: RocketKV's decode-time selection).
 """
 from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
+from .sparse_tier import SparseDecodeTier
 from .tier import Tier
 
 KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
 
 
 def kind_of(plan: TierPlan):
@@ -26,7 +29,7 @@ def kind_of(plan: TierPlan):
 
 def build(plan: TierPlan, layer: LayerPlan, exact: bool):
     if getattr(plan.route, "per_head", False):
-        return HeadTier(plan, layer.window)
+        return HEAD_KINDS.get(getattr(plan.route, "tier_kind", None), HeadTier)(plan, layer.window)
     kind = kind_of(plan)
     if kind is None:
         return Tier(plan, exact)

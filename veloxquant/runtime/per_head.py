@@ -12,9 +12,10 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .scorers import Seen
-from .scoring import attend_with_weights, attention_weights, expand_heads, position_mask, received, received_blocked
+from .scoring import attend_blocked, block_size, expand_heads, position_mask
 
-SCORE_BLOCK = 128  # queries whose explicit softmax weights are held at once while scoring
+SCORE_BLOCK = 128  # at most this many queries' explicit softmax weights are held at once
+SCORE_BYTES = 16 * 2 ** 20  # and at most this many bytes of them (long contexts get shorter blocks)
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
@@ -23,28 +24,35 @@ def _positions(tier, B: int, H: int) -> mx.array:
     return mx.broadcast_to(mx.arange(tier.start, tier.end, dtype=mx.int32), (B, H, tier.count))
 
 
-def _gather(cache, held: List, dtype):
-    """Keys, values and per-head positions of everything held, plus each tier's slice."""
-    pairs = [t.decoded(dtype) for t in held]
-    k, v = (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
-    B, H = k.shape[:2]
-    kpos = mx.concatenate([_positions(t, B, H) for t in held], axis=2)
-    slices, at = [], 0
+def _gather(cache, held: List, dtype, queries: Optional[mx.array] = None):
+    """Keys, values and per-head positions of everything held, plus each tier's slice.
+
+    With `queries` (one decode step that feeds no scorer), a tier that selects (`pick`,
+    RocketKV's stage 2) gives only the tokens those queries are to attend to."""
+    parts = []
     for t in held:
-        slices.append(slice(at, at + t.count))
-        at += t.count
+        picked = t.pick(queries, dtype) if queries is not None and hasattr(t, "pick") else None
+        parts.append(picked or (*t.decoded(dtype), None))
+    k, v = (_joined([p[i] for p in parts]) for i in (0, 1))
+    B, H = k.shape[:2]
+    kpos = _joined([_positions(t, B, H) if p[2] is None else p[2] for t, p in zip(held, parts)])
+    slices, at = [], 0
+    for p in parts:
+        slices.append(slice(at, at + p[0].shape[2]))
+        at += p[0].shape[2]
     return k, v, kpos, slices
 
 
-def _mask(cache, held, kpos, first_q: int, Lq: int) -> Optional[mx.array]:
+def _joined(arrays: List[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)  # decode: no op for one tier
+
+
+def _mask(cache, held, kpos, slices, first_q: int, Lq: int) -> Optional[mx.array]:
     """Per-kv-head mask, or None when every held key is visible to every query."""
     windows = [cache._window(t) for t in held]
     if Lq == 1 and all(w is None for w in windows) and not any(getattr(t, "ragged", None) for t in held):
         return None  # decode: everything held is older than the one query (no unused ragged slots)
-    masks, at = [], 0
-    for t, window in zip(held, windows):
-        masks.append(position_mask(kpos[:, :, at:at + t.count], first_q, Lq, window))
-        at += t.count
+    masks = [position_mask(kpos[:, :, where], first_q, Lq, window) for where, window in zip(slices, windows)]
     return mx.concatenate(masks, axis=-1)
 
 
@@ -61,13 +69,24 @@ def _causal(cache, held: List, end: int) -> bool:
     return contiguous and spans[-1][1] == end
 
 
-def _weigher(cache, held: List, k: mx.array, kpos: mx.array, scale: float):
+def _weigher(cache, held: List, k: mx.array, kpos: mx.array, slices, scale: float):
     """weigh(queries, first_q, where) -> attention received [B, Hkv, L], summed over the queries and the
-    group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed)."""
+    group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed),
+    a block of queries at a time."""
     def weigh(queries: mx.array, first_q: int, where: slice) -> mx.array:
-        w = attention_weights(queries, k, scale, _mask(cache, held, kpos, first_q, queries.shape[2]))
-        return received(w)[0][..., where]
+        _, total, _ = attend_blocked(queries, k, None, scale, _masker(cache, held, kpos, slices, first_q),
+                                     _block(queries, k))
+        return total[..., where]
     return weigh
+
+
+def _masker(cache, held: List, kpos: mx.array, slices, first_q: int):
+    """mask_for(s, n): the mask of the n queries from first_q + s, built for that block alone."""
+    return lambda s, n: _mask(cache, held, kpos, slices, first_q + s, n)
+
+
+def _block(queries: mx.array, keys: mx.array) -> int:
+    return block_size(queries.shape[1], keys.shape[2], SCORE_BLOCK, SCORE_BYTES)
 
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
@@ -77,22 +96,22 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     needs = set().union(*(t.needs for t, _ in listeners))  # the scorer's, plus weights while budgets are open
     live = "weights" in needs
     rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.needs] or [1])
-    blocked = live and Lq > SCORE_BLOCK  # prefill: fused output, weights a block of queries at a time
-    k, v, kpos, slices = _gather(cache, held, mx.float32 if live and not blocked else queries.dtype)
-    mask = _mask(cache, held, kpos, first_q, Lq)
-    sdpa_mask = None  # what fused SDPA gets: the mask array, or "causal" while heads agree
-    if mask is not None:
-        sdpa_mask = "causal" if _causal(cache, held, first_q + Lq) else expand_heads(mask, Hq)
+    select = queries if Lq == 1 and not listeners else None  # decode steps that score nothing may select
+    k, v, kpos, slices = _gather(cache, held, mx.float32 if live else queries.dtype, select)
     total = tail = None
-    if live and not blocked:
-        out, w = attend_with_weights(queries, k, v, scale, mask)
-        total, tail = received(w, rows)
-    else:
-        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=sdpa_mask)
-        if live:
-            total, tail = received_blocked(queries, k, scale, mask, SCORE_BLOCK, rows)
+    if live:  # explicit softmax, a block of queries at a time
+        out, total, tail = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
+                                          _block(queries, k), rows)
+    elif Lq > 1 and not _causal(cache, held, first_q + Lq):
+        # heads differ: a per-head mask, built and applied a block of queries at a time
+        out, _, _ = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
+                                   _block(queries, k), weigh=False)
+    else:  # fused SDPA: "causal" while heads agree; one query needs a mask only for windows
+        mask = "causal" if Lq > 1 else _mask(cache, held, kpos, slices, first_q, Lq)
+        out = mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=mask if mask is None or isinstance(mask, str) else expand_heads(mask, Hq))
     if listeners:
-        weigh = _weigher(cache, held, k.astype(mx.float32), kpos, scale)
+        weigh = _weigher(cache, held, k.astype(mx.float32), kpos, slices, scale)
         for t, i in listeners:
             where = slices[i]
             t.scorer.observe(t, Seen(first_q=first_q,
@@ -120,7 +139,7 @@ def finish_prompt(cache) -> None:
     weigh = None
     if any(t.over() for t in pending):
         k, _, kpos, slices = _gather(cache, held, mx.float32)
-        weigh = _weigher(cache, held, k, kpos, cache.scale_seen)
+        weigh = _weigher(cache, held, k, kpos, slices, cache.scale_seen)
     for t in pending:
         if t.over():
             where = slices[held.index(t)]

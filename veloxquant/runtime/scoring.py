@@ -4,7 +4,7 @@ attention they receive (H2O, TOVA, SnapKV) — masks by per-head positions.
 mlx's fused SDPA never materialises the weights, so scoring layers compute
 softmax(q k^T) explicitly, in float32, over everything the layer holds.
 """
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
@@ -32,37 +32,47 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float, mask: Opt
     `mask` is per kv head, [B, Hkv, Lq, L] (True = may attend)."""
     B, Hq, Lq, D = queries.shape
     Hkv = keys.shape[1]
-    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Lq, D) * scale
-    scores = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    # The group's query heads become rows of one matmul per kv head (no broadcast keys).
+    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv * Lq, D) * scale
+    scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, Hkv, Hq // Hkv, Lq, -1)
     if mask is not None:
         scores = mx.where(mask[:, :, None], scores, -mx.inf)
     return mx.softmax(scores, axis=-1, precise=True)
 
 
-def attend_with_weights(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                        mask: Optional[mx.array]) -> Tuple[mx.array, mx.array]:
-    """(output [B, Hq, Lq, D] float32, weights [B, Hkv, rep, Lq, L])."""
+def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array], scale: float, mask_for: Callable,
+                   block: int, rows: int = 1, weigh: bool = True):
+    """Attention `block` queries at a time, each block masked by `mask_for(first, n)` (per kv head,
+    or None): only one block's [heads x block x keys] weights ever exist, never the whole prompt's.
+
+    Returns (output [B, Hq, Lq, D] float32, or None without `values`; received [B, Hkv, L], newest `rows` rows [B, Hkv, rows, L]);
+    the last two are None unless `weigh`. Rows are independent softmaxes, so each row's weights are
+    those of attention_weights(...) over all queries, and the sums equal its column sums up to float
+    summation order. The first block is the short one, so the newest rows lie in the last block."""
     B, Hq, Lq, _ = queries.shape
-    w = attention_weights(queries, keys, scale, mask)
-    out = w @ values.astype(mx.float32)[:, :, None]
-    return out.reshape(B, Hq, Lq, -1), w
+    first = Lq - (Lq - 1) // block * block  # 1..block queries
+    outs, total, tail = [], None, None
+    for s in [0, *range(first, Lq, block)]:
+        n = first if s == 0 else block
+        q = queries[:, :, s:s + n]
+        if s:  # mlx would otherwise compute every block's weights before reducing any: order them
+            q = mx.depends(q, [a for a in (outs[-1] if outs else None, total) if a is not None])
+        w = attention_weights(q, keys, scale, mask_for(s, n))
+        if values is not None:
+            rows_w = w.reshape(B, w.shape[1], -1, w.shape[-1])  # [B, Hkv, rep * n, L]: no broadcast values
+            outs.append((rows_w @ values.astype(mx.float32)).reshape(B, Hq, n, -1))
+        if weigh:
+            t, tail = received(w, rows)
+            total = t if total is None else total + t
+    if weigh and tail.shape[2] < min(rows, Lq):  # more rows asked than one block holds
+        _, tail = received(attention_weights(queries[:, :, -rows:], keys, scale, mask_for(Lq - rows, rows)), rows)
+    out = None if not outs else outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return out, total, tail
 
 
-def received_blocked(queries: mx.array, keys: mx.array, scale: float, mask: Optional[mx.array],
-                     block: int, rows: int = 1) -> Tuple[mx.array, mx.array]:
-    """`received` of attention_weights(...), computed `block` queries at a time: rows are
-    independent softmaxes, so the sums are exact and only one block of weights lives at once.
-    The newest `rows` rows are the last block's when it has them, else weighed on their own."""
-    Lq = queries.shape[2]
-    total = tail = None
-    for s in range(0, Lq, block):
-        part = mask[:, :, s:s + block] if mask is not None else None
-        t, tail = received(attention_weights(queries[:, :, s:s + block], keys, scale, part), rows)
-        total = t if total is None else total + t
-    if tail.shape[2] < min(rows, Lq):
-        part = mask[:, :, -rows:] if mask is not None else None
-        _, tail = received(attention_weights(queries[:, :, -rows:], keys, scale, part), rows)
-    return total, tail
+def block_size(n_q_heads: int, n_keys: int, most: int, budget_bytes: int) -> int:
+    """Queries per block: at most `most`, and one block's float32 weights within `budget_bytes`."""
+    return max(1, min(most, budget_bytes // max(1, 4 * n_q_heads * n_keys)))
 
 
 def received(weights: mx.array, rows: int = 1) -> Tuple[mx.array, mx.array]:

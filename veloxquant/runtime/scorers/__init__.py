@@ -69,6 +69,17 @@ class Scorer:
         """[B, H, L]: the tier keeps the highest. `weigh` as in Seen (None while decoding)."""
         return tier.scores
 
+    def keep_window(self, seen: "Seen", window: int) -> mx.array:
+        """The newest `window` queries seen so far, as their own compact array. A slice would keep the
+        whole block it came from alive, and a lazy concatenation every earlier block (prefill's peak
+        grew by every chunk's queries in every layer); scorers keeping one list it in state() so
+        generate's per-chunk eval of the cache's state computes it."""
+        new = seen.queries[:, :, -window:]
+        old = getattr(self, "queries", None)
+        if old is not None and new.shape[2] < window:
+            new = mx.concatenate([old[:, :, -(window - new.shape[2]):], new], axis=2)
+        return mx.contiguous(new)
+
     def state(self) -> Dict[str, mx.array]:
         """Per-head arrays a saved cache must carry to keep ranking the same way (not per token)."""
         return {}

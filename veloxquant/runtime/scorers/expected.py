@@ -20,8 +20,7 @@ class Expected(Scorer):
         self.queries, self.scale = None, 1.0
 
     def observe(self, tier, seen):
-        q = seen.queries if self.queries is None else mx.concatenate([self.queries, seen.queries], axis=2)
-        self.queries = q[:, :, -self.route.window:].astype(mx.float32)
+        self.queries = self.keep_window(seen, self.route.window).astype(mx.float32)
 
     def priority(self, tier, offset, weigh):
         k, v = tier.decoded(mx.float32)
@@ -38,6 +37,12 @@ class Expected(Scorer):
         logits = s * (kk @ mu[..., None])[..., 0] + 0.5 * s * s * mx.sum((kk @ cov) * kk, axis=-1)
         expected = mx.mean(mx.softmax(logits, axis=-1, precise=True), axis=2)  # [B, Hkv, L]
         return expected * mx.linalg.norm(v, axis=-1)
+
+    def state(self):
+        return {} if self.queries is None else {"queries": self.queries}  # evaluated with the cache's state
+
+    def load(self, arrays):
+        self.queries = arrays.get("queries")
 
     def release(self):
         self.queries = None

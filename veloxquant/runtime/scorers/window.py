@@ -17,8 +17,7 @@ class Window(Scorer):
         self.queries, self.end = None, 0  # the newest `window` queries; position after the last
 
     def observe(self, tier, seen):
-        q = seen.queries if self.queries is None else mx.concatenate([self.queries, seen.queries], axis=2)
-        self.queries = q[:, :, -self.route.window:]
+        self.queries = self.keep_window(seen, self.route.window)
         self.end = seen.first_q + seen.queries.shape[2]
 
     def priority(self, tier, offset, weigh):
@@ -26,6 +25,12 @@ class Window(Scorer):
             return mx.zeros(tier.positions.shape, mx.float32)
         votes = max_pool(weigh(self.queries, self.end - self.queries.shape[2]), self.route.pool)
         return mx.where(tier.positions >= offset - self.route.window, mx.inf, votes)
+
+    def state(self):
+        return {} if self.queries is None else {"queries": self.queries}  # evaluated with the cache's state
+
+    def load(self, arrays):
+        self.queries = arrays.get("queries")
 
     def release(self):
         self.queries = None
