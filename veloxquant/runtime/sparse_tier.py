@@ -44,8 +44,8 @@ class SparseDecodeTier(HeadTier):
             self.summary[name] = new if old is None or p0 == 0 else mx.concatenate([old[:, :, :p0], new], axis=2)
         self.summarised = p1 * page
 
-    def keep(self, priority: mx.array, offset: int) -> None:
-        super().keep(priority, offset)
+    def keep(self, priority: mx.array, offset: int, budget=None) -> None:
+        super().keep(priority, offset, budget)
         self.summarised, self.summary = 0, {name: None for name in SUMMARIES}  # slots were re-gathered
         if self.route.tokens:
             self._summarise()
