@@ -17,8 +17,8 @@ from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
-from .merging import merged_values
-from .ragged import PAD, Ragged, RaggedBuffer, choose, gather
+from .merging import merged_for, store_values
+from .ragged import PAD, Ragged, RaggedBuffer, keep_ragged
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -161,7 +161,7 @@ class HeadTier:
         """Keep the `budget` highest-priority tokens of each head, in position order;
         `offset` (positions seen) places the protected recent window."""
         if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
-            return self._keep_ragged(priority, offset, budget)
+            return keep_ragged(self, priority, offset, budget)
         budget = min(budget or (self.head_budgets()[0] if self.budgets else self.budget), self.count)
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
             priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
@@ -172,41 +172,16 @@ class HeadTier:
             priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
         order = mx.argpartition(-priority, kth=budget - 1, axis=2)
         idx = mx.sort(order[:, :, :budget], axis=2)  # older first, so the newest tokens stay at the back
-        merge = getattr(self.route, "merge", "drop")
-        if merge != "drop":  # CaM: the evicted values fold into survivors (runtime/merging.py)
-            keys, values = self.decoded(mx.float32)
-            merged = merged_values(keys, values, self.scores, idx, order[:, :, budget:], self.route.targets,
-                                   merge, offset)
+        merged = merged_for(self, idx, order[:, :, budget:], offset)  # CaM; None when tokens just leave
         for bufs in (*self.buffers.values(), self.meta):
             for buf in bufs.values():
                 arr = buf.view()
                 gather = idx.reshape(*idx.shape, *([1] * (arr.ndim - 3)))
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
-        if merge != "drop":
-            stored = [a.dtype for a in self.encoded("v").values() if mx.issubdtype(a.dtype, mx.floating)]
-            for name, arr in self.codecs["v"].encode(merged.astype(stored[0] if stored else mx.float16)).items():
-                self.buffers["v"][name].set(arr)
+        if merged is not None:
+            store_values(self, merged)
         self.count = budget
         self.uniform = False
-
-    def _keep_ragged(self, priority: mx.array, offset: int, cap: Optional[int] = None) -> None:
-        """Head h keeps its own budget: the tier's arrays become ragged (flat, no padding held)."""
-        pos = self.positions
-        valid = pos < PAD
-        recent = getattr(self.route, "recent", 0)
-        protected = valid & ((pos < self.route.sinks) | (pos >= offset - recent))
-        priority = mx.where(protected, mx.inf, priority)
-        if self.window:  # expired tokens rank below every visible one (unused slots lower still)
-            priority = mx.where(pos < offset - self.window + 1, -1e30, priority)
-        priority = mx.where(valid, priority, -mx.inf)
-        budgets = [min(b, n, cap or b) for b, n in zip(self.head_budgets(), self.lengths())]
-        layout, idx = choose(priority, budgets)
-        step = UNBOUNDED_STEP if self.route.once else None
-        for bufs in (*self.buffers.values(), self.meta):
-            for name, buf in bufs.items():
-                fill = PAD if bufs is self.meta and name == "pos" else None
-                bufs[name] = RaggedBuffer(layout, gather(buf.view(), idx), step, fill)
-        self.ragged, self.count, self.uniform = layout, layout.width, False
 
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""

@@ -47,3 +47,20 @@ def merged_values(keys: mx.array, values: mx.array, scores: mx.array, kept: mx.a
     rows = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1, 1) * b + to.astype(mx.int32)).reshape(-1)
     flat = v_kept.astype(mx.float32).reshape(B * H * b, D).at[rows].add(share)
     return flat.reshape(B, H, b, D)
+
+
+def merged_for(tier, kept: mx.array, gone: mx.array, offset: int):
+    """An eviction tier's values with the evicted tokens folded into the kept ones (`merge=`
+    prominence or sample), from the values before the gather; None for merge=drop."""
+    merge = getattr(tier.route, "merge", "drop")
+    if merge == "drop":
+        return None
+    keys, values = tier.decoded(mx.float32)
+    return merged_values(keys, values, tier.scores, kept, gone, tier.route.targets, merge, offset)
+
+
+def store_values(tier, merged: mx.array) -> None:
+    """Code the merged values back into the tier's value buffers, in the dtype they are held in."""
+    stored = [a.dtype for a in tier.encoded("v").values() if mx.issubdtype(a.dtype, mx.floating)]
+    for name, arr in tier.codecs["v"].encode(merged.astype(stored[0] if stored else mx.float16)).items():
+        tier.buffers["v"][name].set(arr)

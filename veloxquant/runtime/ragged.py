@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from .buffer import Buffer
+from .tier import UNBOUNDED_STEP
 
 PAD = 1 << 30  # position of an unused slot: after every query, so masked out
 
@@ -109,3 +110,24 @@ def gather(padded: mx.array, idx: mx.array) -> mx.array:
     flat = padded.reshape(B, H * W, *rest)
     out = mx.take_along_axis(flat, idx.reshape(B, -1, *([1] * len(rest))), axis=1)
     return out.reshape(B, 1, idx.shape[1], *rest)
+
+
+def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None) -> None:
+    """Head h of an eviction tier (runtime/head_tier.py) keeps its own budget: the tier's
+    arrays become ragged (flat, no padding held)."""
+    pos = tier.positions
+    valid = pos < PAD
+    recent = getattr(tier.route, "recent", 0)
+    protected = valid & ((pos < tier.route.sinks) | (pos >= offset - recent))
+    priority = mx.where(protected, mx.inf, priority)
+    if tier.window:  # expired tokens rank below every visible one (unused slots lower still)
+        priority = mx.where(pos < offset - tier.window + 1, -1e30, priority)
+    priority = mx.where(valid, priority, -mx.inf)
+    budgets = [min(b, n, cap or b) for b, n in zip(tier.head_budgets(), tier.lengths())]
+    layout, idx = choose(priority, budgets)
+    step = UNBOUNDED_STEP if tier.route.once else None
+    for bufs in (*tier.buffers.values(), tier.meta):
+        for name, buf in bufs.items():
+            fill = PAD if bufs is tier.meta and name == "pos" else None
+            bufs[name] = RaggedBuffer(layout, gather(buf.view(), idx), step, fill)
+    tier.ragged, tier.count, tier.uniform = layout, layout.width, False
