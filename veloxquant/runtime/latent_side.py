@@ -16,6 +16,37 @@ BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per t
 STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
 
 
+class SidesHeld:
+    """A tier whose arrays are held per side (`self.sides`: "k", "v" -> a side object with
+    append, nbytes, arrays() and restore()): appending to both sides, its bytes, its arrays
+    named "side.name", and restoring them from a saved file. Shared by the latent and merged tier kinds."""
+
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        if self.count == 0:
+            self.start = start
+        self.sides["k"].append(keys)
+        self.sides["v"].append(values)
+        self.count += keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sides.values())
+
+    def arrays(self) -> Dict[str, mx.array]:
+        return {f"{side}.{name}": a for side, s in self.sides.items() for name, a in s.arrays().items()}
+
+    def expected_names(self):
+        return list(self.arrays())
+
+    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
+        self.start, self.count = start, count
+        for side, s in self.sides.items():
+            problem = s.restore({k[2:]: v for k, v in arrays.items() if k.startswith(f"{side}.")}, count)
+            if problem:
+                return f"{side}.{problem[len('array '):]}" if problem.startswith("array ") else problem
+        return None
+
+
 class PlainSide:
     """A side held by an ordinary codec (SVDq's float16 values)."""
 

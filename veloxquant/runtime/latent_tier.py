@@ -13,20 +13,20 @@ Attention is answered from the latents: scores (q·P)·zᵀ (+ q·mean) and outp
 other tiers'. `decoded` (K/V rebuilt as z·Pᵀ) is the reference path, used only
 without the attention hook.
 """
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 
 from ..compiler.plan import TierPlan
 from .attention import Partial, partial_from_scores
 from .amc_side import AmcSide
-from .latent_side import BASIS, LatentSide, PlainSide
+from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
 from .tier import expire_front
 
 SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
 
-class LatentTier:
+class LatentTier(SidesHeld):
     """Behind the tier protocol (runtime/tier.py): place, drop, hold, answer a partial."""
     can_rewind = False  # trimming: latents cannot give their fp16 values back (runtime/trimming.py)
 
@@ -55,13 +55,6 @@ class LatentTier:
     @property
     def token_group(self) -> int:
         return max([s.store.group for s in self.sides.values() if isinstance(s, LatentSide)] + [1])
-
-    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
-        if self.count == 0:
-            self.start = start
-        self.sides["k"].append(keys)
-        self.sides["v"].append(values)
-        self.count += keys.shape[2]
 
     def finish_prompt(self) -> None:
         for name, s in self.sides.items():
@@ -133,22 +126,3 @@ class LatentTier:
             for name, per_unit in s.units().items():
                 s._live()[name].drop_back(n // per_unit)
         self.count -= n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.sides.values())
-
-    def arrays(self) -> Dict[str, mx.array]:
-        return {f"{side}.{name}": a for side, s in self.sides.items() for name, a in s.arrays().items()}
-
-    def expected_names(self) -> List[str]:
-        return list(self.arrays())
-
-    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
-        self.start, self.count = start, count
-        for side, s in self.sides.items():
-            mine = {k[2:]: v for k, v in arrays.items() if k.startswith(f"{side}.")}
-            problem = s.restore(mine, count)
-            if problem:
-                return f"{side}.{problem[len('array '):]}" if problem.startswith("array ") else problem
-        return None

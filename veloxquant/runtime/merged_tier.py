@@ -14,7 +14,7 @@ as mag·dir) is the reference path, used only without the attention hook.
 Groups come from the cross-layer coordinator (runtime/coordinator.py), as
 xquant's and xKV's do; a slerp layer outside a group is a float16 passthrough.
 """
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +23,7 @@ from ..compiler.plan import TierPlan
 from ..errors import VeloxError
 from .attention import Partial, partial_from_scores
 from .buffer import Buffer
-from .latent_side import PlainSide
+from .latent_side import PlainSide, SidesHeld
 from .tier import expire_front
 
 OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
@@ -190,7 +190,7 @@ class MergedSide:
         return None
 
 
-class MergedTier:
+class MergedTier(SidesHeld):
     """Behind the tier protocol (runtime/tier.py), like the latent tier: place, hold, answer a partial."""
     can_rewind = False  # a merged pair cannot give one layer's tokens back
     fusable = sixteen_bit = drops = False
@@ -219,13 +219,6 @@ class MergedTier:
 
     def _anchor(self) -> "MergedTier":
         return self.link.cache(self.link.anchor).tiers[self.link.tier]
-
-    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
-        if self.count == 0:
-            self.start = start
-        self.sides["k"].append(keys)
-        self.sides["v"].append(values)
-        self.count += keys.shape[2]
 
     def group_problem(self) -> Optional[str]:
         """A reuse layer must hold exactly the merged tokens of its anchor (a saved file that does not add up)."""
@@ -279,19 +272,8 @@ class MergedTier:
     @property
     def nbytes(self) -> int:
         self.settle_group()
-        return sum(s.nbytes for s in self.sides.values())
+        return SidesHeld.nbytes.fget(self)
 
     def arrays(self) -> Dict[str, mx.array]:
         self.settle_group()
-        return {f"{side}.{name}": a for side, s in self.sides.items() for name, a in s.arrays().items()}
-
-    def expected_names(self) -> List[str]:
-        return list(self.arrays())
-
-    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
-        self.start, self.count = start, count
-        for side, s in self.sides.items():
-            problem = s.restore({k[2:]: v for k, v in arrays.items() if k.startswith(f"{side}.")}, count)
-            if problem:
-                return f"{side}.{problem[len('array '):]}" if problem.startswith("array ") else problem
-        return None
+        return super().arrays()

@@ -19,15 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from .bitpack import pack, unpack
+from .latent import FLOAT, latent_width, principal_axes
 from .registry import in_range, stage
 
 TIERS = ("high", "mid", "low")
-FLOAT = 16
-
-
-def _width(instance, attribute, value):
-    if not (1 <= value <= 8 or value == FLOAT):
-        raise ValueError("must be between 1 and 8, or 16 (float16 latents)")
 
 
 @stage("amc", "store")
@@ -39,9 +34,9 @@ class Amc:
     high_rank: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     mid_rank: float = attrs.field(default=0.34, validator=in_range(0.0, 1.0))
     low_rank: float = attrs.field(default=0.0625, validator=in_range(0.0, 1.0))
-    high_bits: int = attrs.field(default=16, validator=_width)
-    mid_bits: int = attrs.field(default=8, validator=_width)
-    low_bits: int = attrs.field(default=4, validator=_width)
+    high_bits: int = attrs.field(default=16, validator=latent_width)
+    mid_bits: int = attrs.field(default=8, validator=latent_width)
+    low_bits: int = attrs.field(default=4, validator=latent_width)
     heads: int = attrs.field(default=1, validator=in_range(0, 1 << 10))
     center: bool = False
 
@@ -89,12 +84,8 @@ class Amc:
         """{"basis" [G, hg*D, hg*D] (all components, by variance), "mean" [G, hg*D], "widths"} from x [B, H, L, D]."""
         B, H, L, D = x.shape
         hg = self.heads_per_group(H)
-        X = np.array(x.astype(mx.float32), dtype=np.float64)
-        X = X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
-        mean = X.mean(axis=1) if self.center else np.zeros((H // hg, hg * D))
-        Xc = X - mean[:, None]
-        _, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(B * L, 1))
-        basis = np.ascontiguousarray(evecs[:, :, ::-1], dtype=np.float16)  # descending variance
+        mean, _, evecs = principal_axes(x, hg, self.center)
+        basis = np.ascontiguousarray(evecs, dtype=np.float16)  # descending variance
         return {"basis": mx.array(basis), "mean": mx.array(mean.astype(np.float16)),
                 "widths": mx.array(np.full(hg * D, FLOAT, np.uint8))}
 

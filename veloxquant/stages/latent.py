@@ -40,7 +40,19 @@ def _choices(instance, attribute, value):
     parse_choices(value)
 
 
-def _width(instance, attribute, value):
+def principal_axes(x: mx.array, hg: int, center: bool):
+    """PCA of vectors x [B, H, L, D], one per group of hg heads (their channels side by side):
+    (mean [G, hg*D], variances [G, hg*D] descending, axes [G, hg*D, hg*D] as columns), float64."""
+    B, H, L, D = x.shape
+    X = np.array(x.astype(mx.float32), dtype=np.float64)
+    X = X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
+    mean = X.mean(axis=1) if center else np.zeros((H // hg, hg * D))
+    Xc = X - mean[:, None]
+    evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(B * L, 1))
+    return mean, evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
+
+
+def latent_width(instance, attribute, value):
     if not (1 <= value <= 8 or value == FLOAT):
         raise ValueError("must be between 1 and 8, or 16 (float16 latents)")
 
@@ -52,8 +64,8 @@ class Latent:
     rank: int = attrs.field(default=0, validator=in_range(0, 1 << 16))
     energy: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     heads: int = attrs.field(default=1, validator=in_range(0, 1 << 10))
-    hi_bits: int = attrs.field(default=4, validator=_width)
-    lo_bits: int = attrs.field(default=2, validator=_width)
+    hi_bits: int = attrs.field(default=4, validator=latent_width)
+    lo_bits: int = attrs.field(default=2, validator=latent_width)
     hi_fraction: float = attrs.field(default=0.25, validator=in_range(0.0, 1.0))
     budget: int = attrs.field(default=0, validator=in_range(0, 1 << 16))
     choices: str = attrs.field(default="0,1,2,3,4,6,8", validator=_choices)
@@ -135,12 +147,7 @@ class Latent:
         the allocator weighs component i by E[(q·p_i)²] (SpectralQuant's calibrated weighting)."""
         B, H, L, D = x.shape
         hg = self.heads_per_group(H)
-        X = np.array(x.astype(mx.float32), dtype=np.float64)
-        X = X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
-        mean = X.mean(axis=1) if self.center else np.zeros((H // hg, hg * D))
-        Xc = X - mean[:, None]
-        evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(B * L, 1))
-        evals, evecs = evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
+        mean, evals, evecs = principal_axes(x, hg, self.center)
         weights = None
         if self.queries and query_moment is not None:
             Sq = np.array(query_moment, dtype=np.float64).reshape(H // hg, hg, D, D)

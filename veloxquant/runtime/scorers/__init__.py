@@ -105,6 +105,25 @@ class Scorer:
         return 0
 
 
+class QueryWindowScorer(Scorer):
+    """A scorer that keeps the newest real queries (`self.queries`, see keep_window) until it
+    decides: they are its saved state and its bytes, and are dropped once it has decided."""
+    queries: Optional[mx.array] = None
+
+    def state(self):
+        return {} if self.queries is None else {"queries": self.queries}  # evaluated with the cache's state
+
+    def load(self, arrays):
+        self.queries = arrays.get("queries")
+
+    def release(self):
+        self.queries = None
+
+    @property
+    def nbytes(self):
+        return 0 if self.queries is None else self.queries.nbytes
+
+
 def observers(tier, offset: int) -> mx.array:
     """How many queries have seen each held token (causal: every position from its own on)."""
     return (offset - tier.positions).astype(mx.float32)

@@ -8,11 +8,11 @@ RoPE; the cache only sees rotated queries, so the recent statistics stand
 in for the next positions' (docs/eviction.md)."""
 import mlx.core as mx
 
-from . import Scorer, scorer
+from . import QueryWindowScorer, scorer
 
 
 @scorer("expected")
-class Expected(Scorer):
+class Expected(QueryWindowScorer):
     needs = frozenset({"queries"})
 
     def __init__(self, route):
@@ -37,16 +37,3 @@ class Expected(Scorer):
         logits = s * (kk @ mu[..., None])[..., 0] + 0.5 * s * s * mx.sum((kk @ cov) * kk, axis=-1)
         expected = mx.mean(mx.softmax(logits, axis=-1, precise=True), axis=2)  # [B, Hkv, L]
         return expected * mx.linalg.norm(v, axis=-1)
-
-    def state(self):
-        return {} if self.queries is None else {"queries": self.queries}  # evaluated with the cache's state
-
-    def load(self, arrays):
-        self.queries = arrays.get("queries")
-
-    def release(self):
-        self.queries = None
-
-    @property
-    def nbytes(self):
-        return 0 if self.queries is None else self.queries.nbytes

@@ -5,11 +5,11 @@ itself always stays."""
 import mlx.core as mx
 
 from ..scoring import max_pool
-from . import Scorer, scorer
+from . import QueryWindowScorer, scorer
 
 
 @scorer("window")
-class Window(Scorer):
+class Window(QueryWindowScorer):
     needs = frozenset({"queries"})
 
     def __init__(self, route):
@@ -25,16 +25,3 @@ class Window(Scorer):
             return mx.zeros(tier.positions.shape, mx.float32)
         votes = max_pool(weigh(self.queries, self.end - self.queries.shape[2]), self.route.pool)
         return mx.where(tier.positions >= offset - self.route.window, mx.inf, votes)
-
-    def state(self):
-        return {} if self.queries is None else {"queries": self.queries}  # evaluated with the cache's state
-
-    def load(self, arrays):
-        self.queries = arrays.get("queries")
-
-    def release(self):
-        self.queries = None
-
-    @property
-    def nbytes(self):
-        return 0 if self.queries is None else self.queries.nbytes
