@@ -17,6 +17,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .rabitq_estimators import capture_qkv
+
 PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
              "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"
              "rotation | groupmean(64) | residual(rabitq);rotation | lloydmax(bits=2) | residual(qjl(factor=1.0));"
@@ -25,24 +27,11 @@ PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(ll
 
 def _capture(model, ids, layers, group):
     """(queries, keys, values, scale, window, first position) per layer; keys cut to whole groups."""
-    from ..runtime.make import make_prompt_cache
-    caches = make_prompt_cache(model, "fp16")
-    seen = {}
-    for i in layers:
-        def attend(queries, scale, mask=None, sinks=None, observe=True, _i=i, _orig=caches[i].attend):
-            seen.setdefault(_i, []).append((queries, scale))
-            return _orig(queries, scale, mask, sinks, observe)
-        caches[i].attend = attend
-    x = mx.array(ids)[None]
-    for s in range(0, x.shape[1], 256):
-        model(x[:, s:s + 256], cache=caches)
+    data, caches = capture_qkv(model, ids, layers)
     out = {}
-    for i in layers:
-        k, v = caches[i].tiers[0].decoded(mx.float32)
+    for i, (q, k, v, scale) in data.items():
         cut = k.shape[2] % group
-        q = mx.concatenate([a for a, _ in seen[i]], axis=2).astype(mx.float32)
-        out[i] = (q, k[:, :, cut:], v[:, :, cut:], seen[i][0][1], caches[i].plan.window,
-                  caches[i].tiers[0].start + cut)
+        out[i] = (q, k[:, :, cut:], v[:, :, cut:], scale, caches[i].plan.window, caches[i].tiers[0].start + cut)
     return out
 
 

@@ -17,7 +17,9 @@ import sys
 import mlx.core as mx
 
 
-def _capture(model, ids, layers):
+def capture_qkv(model, ids, layers):
+    """Prefill `ids` through fp16 caches whose `layers` record the real queries they attend with:
+    ({layer: (queries, keys, values) float32, scale}, caches). Shared by the key-error benches."""
     from ..runtime.make import make_prompt_cache
     caches = make_prompt_cache(model, "fp16")
     seen = {}
@@ -36,7 +38,7 @@ def _capture(model, ids, layers):
         q = mx.concatenate([a for a, _ in seen[i]], axis=2)
         k, v = caches[i].tiers[0].decoded(mx.float32)
         out[i] = (q.astype(mx.float32), k, v, seen[i][0][1])
-    return out
+    return out, caches
 
 
 def _cos(a, b):
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
     from ..stages.rotation import Rotation
     model, tok = load_model(args.model or default_model_path(), dtype=mx.float32)
     layers = [int(x) for x in args.layers.split(",")]
-    data = _capture(model, tok.encode(austen_text())[: args.tokens], layers)
+    data, _ = capture_qkv(model, tok.encode(austen_text())[: args.tokens], layers)
     rot = Rotation()
     print(f"{'layer':>5} {'estimator':>10} {'slope':>7} {'corr':>6} {'attn out cos':>12}")
     for i in layers:
