@@ -23,6 +23,21 @@ def test_fp16_recipe_matches_mlx_kvcache_exactly_in_float16(chunk):
     assert maxdiff(ref, got) == 0.0
 
 
+def test_plain_fp16_layers_skip_routing_and_answer_as_the_routed_path(llama_model):
+    # The fp16 recipe's layers take the cache's short path (host time); it must equal the general one.
+    fast = vq.make_prompt_cache(llama_model, "fp16")
+    assert all(c._plain is not None for c in fast)
+    for recipe in ("kivi", "streaming_llm", "h2o"):
+        assert all(c._plain is None for c in vq.make_prompt_cache(llama_model, recipe))
+    a = feed(llama_model, TOKENS, fast, 37)
+    routed = vq.make_prompt_cache(llama_model, "fp16")
+    for c in routed:
+        c._plain = None
+    b = feed(llama_model, TOKENS, routed, 37)
+    assert maxdiff(a, b) == 0.0 and [c.offset for c in fast] == [c.offset for c in routed]
+    assert all(c.nbytes == r.nbytes for c, r in zip(fast, routed))
+
+
 def test_identity_store_is_exact_in_float32(llama_model, tmp_path):
     recipe = tmp_path / "raw.yaml"
     recipe.write_text("veloxquant: 1\nname: raw\npipeline: identity\n")

@@ -19,7 +19,7 @@ from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .saliency import Saliency
 from .scoring import position_mask
-from .tier import EXACT_MIN_CHUNK, Tier, decoded_run, fusable
+from .tier import Tier, decoded_run
 
 _start = attrgetter("start")
 
@@ -31,13 +31,13 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
-        self.tiers = [kinds.build(t, plan, self._fed_in_chunks(i)) for i, t in enumerate(plan.tiers)]
+        self.tiers = [kinds.build(t, plan, kinds.fed_in_chunks(plan, i)) for i, t in enumerate(plan.tiers)]
         self.per_head = any(getattr(t, "per_head", False) for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
-        self.horizons = [self._horizon(i) for i in range(len(plan.tiers))]
+        self.horizons = [kinds.horizon(plan, i) for i in range(len(plan.tiers))]
         self.windows = [_min(plan.window, h) for h in self.horizons]  # how far back each tier's tokens are seen
         self._unwindowed = all(w is None for w in self.windows)
         self._tail_layouts = {}  # (query shape, dtype, dense tier count) -> reduce_tail's verdict on their layout
@@ -53,6 +53,9 @@ class TieredCache(_BaseCache):
         self.saliency = Saliency.attach(self)  # a salient tier routes tokens by the attention they received
         # Tiers that act when the prompt is over (latent tiers fit their basis then).
         self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
+        # The fp16 recipe's layer (one unrouted 16-bit tier, nothing scored, windowed or settled):
+        # decode does KVCache's work and skips the routing (host time per layer, docs/kernels.md).
+        self._plain = kinds.plain_tier(self)
 
     def __deepcopy__(self, memo):
         # Copies start settled, MiniCache partners too (a copy and an original read later continue
@@ -65,6 +68,11 @@ class TieredCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
+        if self._plain is not None:
+            self.dtype = keys.dtype
+            self._plain.append(keys, values, self.offset)
+            self.offset += keys.shape[2]
+            return (keys, values) if self._attend_epoch == hook.epoch() else self._plain.decoded(keys.dtype)
         self._awaiting_attend = self.scored
         if (self.per_head or self._prompt_tiers) and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
@@ -90,6 +98,9 @@ class TieredCache(_BaseCache):
         self._awaiting_attend = False
         self._attend_epoch = hook.epoch()
         Lq = queries.shape[2]
+        if self._plain is not None:  # holds every position up to the last query: causal or no mask
+            k, v = self._plain.decoded(queries.dtype)
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal" if Lq > 1 else None)
         first_q = self.offset - Lq
         if self.per_head:
             self.scale_seen = scale
@@ -221,24 +232,9 @@ class TieredCache(_BaseCache):
             tier.expire(oldest_visible)
 
     # --- attention helpers --------------------------------------------------
-    def _ranges(self) -> List[Tuple[int, int]]:
-        return sorted((t.start, t.end) for t in self.tiers if t.count and not t.drops)
-
     def _fetch(self) -> Tuple[mx.array, mx.array]:
         held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
         return decoded_run(held, self.dtype)
-
-    def _fed_in_chunks(self, i: int) -> bool:
-        """Tier i receives only whole spills of >= EXACT_MIN_CHUNK tokens and a kernel reads it."""
-        before = self.plan.tiers[i - 1] if i else None
-        return (before is not None and getattr(before.route, "spills", False)
-                and before.chunk >= EXACT_MIN_CHUNK and fusable(self.plan.tiers[i]))
-
-    def _horizon(self, i: int) -> Optional[int]:
-        route, rest = self.plan.tiers[i].route, self.plan.tiers[i + 1:]
-        if route is not None and route.stage_name == "recent" and rest and rest[0].drops:
-            return route.n + 1
-        return None
 
     def _routing(self, start: int, n: int, first: int = 0) -> List[Tuple[int, int, int]]:
         """Which tier takes which positions of a block: (tier index, start, end)."""
