@@ -151,3 +151,31 @@ def test_emulated_lanes_read_what_attend_mma_reads(case):
     seen = _emulate(B, Hkv, L, D, kspec, vspec, ns)
     for steps in seen.values():  # every 16-token step of every head, once
         assert sorted(steps) == list(range(L // 16))
+
+
+def test_split_is_chosen_only_when_asked_until_verified(monkeypatch):
+    from veloxquant.kernels import cuda
+    monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
+    defaults = {cuda.default_impl(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072)}
+    assert ("split" in defaults) == cuda.SPLIT_VERIFIED
+    monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "split")
+    assert cuda.default_impl(64, 4096) == "split"
+
+
+def test_nvcc_renders_the_split_kernel_as_mlx_would():
+    from veloxquant.kernels import nvcc_check
+    src = nvcc_check.split_unit(1, 32, 1, 128, 8, 32768, (4, 32, "channel"), (4, 32, "token"))
+    assert "__launch_bounds__(VQ_LAUNCH_BOUNDS)" in src and "#define VQ_LAUNCH_BOUNDS 128, 3" in src
+    assert "const __grid_constant__ Shape kc_shape" in src and "constexpr int NST = 3;" in src
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
+@pytest.mark.parametrize("shape,bits,qtype", [("32/8/128", 4, "float16"), ("9/3/64", 2, "float32"),
+                                              ("4/1/256", 8, "bfloat16")])
+def test_split_kernel_compiles_for_sm90_without_spills(shape, bits, qtype):
+    from veloxquant.kernels import nvcc_check
+    Hq, Hkv, D = (int(x) for x in shape.split("/"))
+    report = nvcc_check.compile_unit(nvcc_check.split_unit(1, Hq, 1, D, Hkv, 32768, (bits, 32, "channel"),
+                                                           (bits, 32, "token"), qtype))
+    assert " 0 bytes spill stores" in report

@@ -112,8 +112,10 @@ def kernel(smem: int, bps: int):
         header=_strip(header(sections(), bps)), shared_memory=smem)
 
 
+@lru_cache(maxsize=1024)
 def launch_kw(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
-    """(kernel, keyword arguments) of the attend launch; the reduce follows as for attend_mma."""
+    """(kernel, keyword arguments) of the attend launch, prepared once per signature
+    (callers pass them on, never change them); the reduce follows as for attend_mma."""
     import mlx.core as mx
     B, Hq, Lq, D = qshape
     _, Hkv, L, _ = cshape
