@@ -911,13 +911,46 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
     }
   }
 
+//@@ split_header
+// Helpers of attend_split. Global -> shared copy of `rows` rows of RB bytes
+// (RB a multiple of 16) into rows DS bytes apart: the padding (DS - RB) moves
+// rows that lanes read together onto different banks (kernels/split.py picks
+// DS). Piece size from the source's alignment, as in vq_stage.
+template <int RB, int DS>
+__device__ __forceinline__ void vq_stage_rows(unsigned char* dst, const unsigned char* src, int rows, int tid,
+                                              int nt) {
+  if constexpr (RB == DS) {
+    vq_stage(dst, src, rows * RB, tid, nt);
+  } else {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    if ((a & 15ull) == 0) {
+      for (int i = tid; i < rows * (RB / 16); i += nt) {
+        const int r = i / (RB / 16), c = (i % (RB / 16)) * 16;
+        vq_cp16(dst + r * DS + c, src + r * RB + c);
+      }
+    } else if ((a & 3ull) == 0) {
+      for (int i = tid; i < rows * (RB / 4); i += nt) {
+        const int r = i / (RB / 4), c = (i % (RB / 4)) * 4;
+        vq_cp4(dst + r * DS + c, src + r * RB + c);
+      }
+    } else {
+      for (int i = tid; i < rows * (RB / 2); i += nt) {
+        const int r = i / (RB / 2), c = (i % (RB / 2)) * 2;
+        *reinterpret_cast<unsigned short*>(dst + r * DS + c) =
+            *reinterpret_cast<const unsigned short*>(src + r * RB + c);
+      }
+    }
+  }
+}
+
 //@@ attend_split
   // Split-K decode attention built for bandwidth (issue 18): the scope and the
   // arithmetic of attend_mma (per-channel keys, per-token values, rows =
   // rep * Lq <= 4, mma.sync with fp16 hi/lo splits), fed by a multi-stage
   // cp.async pipeline instead of per-warp register loads.
   // inputs/outputs as attend_mma: pm, pl [B*Hkv*ROWS, NS], pacc [B*Hkv*ROWS, NS, D].
-  // template: T, D, ROWS, BK, GK, BV, GV, QSCALE, NW, SPW, NST, SMEM
+  // template: T, D, ROWS, BK, GK, BV, GV, QSCALE, NW, SPW, NST, KRS, VRS, SMEM
+  // (KRS, VRS: shared-memory row strides of key / value codes, bytes)
   // Block blockIdx.x walks a run of consecutive tiles of TT = NW*16*SPW tokens
   // of kv head blockIdx.y. A tile (key and value codes, key scales/zeros of
   // its key groups, value scales/zeros of its tokens) is one pipeline stage,
@@ -941,8 +974,8 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
   constexpr int VT = D / 16;                      // value m-tiles
   constexpr int KGR = TT >= GK ? TT / GK : 1;     // key-group rows of a tile
   constexpr int O_KC = 0;                         // offsets inside one stage (16-byte aligned)
-  constexpr int O_VC = O_KC + TT * KRB;
-  constexpr int O_KS = O_VC + TT * VRB;
+  constexpr int O_VC = O_KC + TT * KRS;
+  constexpr int O_KS = O_VC + TT * VRS;
   constexpr int O_KZ = O_KS + (KGR * D * 2 + 15) / 16 * 16;
   constexpr int O_VS = O_KZ + (KGR * D * 2 + 15) / 16 * 16;
   constexpr int O_VZ = O_VS + (TT * NGV * 2 + 15) / 16 * 16;
@@ -953,7 +986,8 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
   static_assert(NST >= 2 && NST * STAGE <= SMEM && FIN <= SMEM, "shared-memory layout exceeds the launch allocation");
   static_assert(ROWS >= 1 && ROWS <= 4, "rows");
   static_assert(GK % 16 == 0 && GV >= 16 && NGV <= 16, "groups");
-  static_assert(KWN >= 1 && KRB % 16 == 0, "key block");
+  static_assert(KWN >= 1 && KRB % 16 == 0 && VRB % 16 == 0, "key block");
+  static_assert(KRS >= KRB && KRS % 16 == 0 && VRS >= VRB && VRS % 16 == 0, "row strides");
   static_assert(TT % GK == 0 || GK % TT == 0, "tiles vs key groups");
 
   extern __shared__ __align__(16) unsigned char vq_smem[];
@@ -973,8 +1007,10 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
   auto stage = [&](int it) {
     const int t0 = it * TT, n = min(TT, L - t0);
     unsigned char* buf = vq_smem + ((it - i0) % NST) * STAGE;
-    vq_stage(buf + O_KC, reinterpret_cast<const unsigned char*>(kc) + ((size_t)bh * L + t0) * KRB, n * KRB, tid, NT);
-    vq_stage(buf + O_VC, reinterpret_cast<const unsigned char*>(vc) + ((size_t)bh * L + t0) * VRB, n * VRB, tid, NT);
+    vq_stage_rows<KRB, KRS>(buf + O_KC, reinterpret_cast<const unsigned char*>(kc) + ((size_t)bh * L + t0) * KRB, n,
+                            tid, NT);
+    vq_stage_rows<VRB, VRS>(buf + O_VC, reinterpret_cast<const unsigned char*>(vc) + ((size_t)bh * L + t0) * VRB, n,
+                            tid, NT);
     const size_t km = ((size_t)bh * (L / GK) + t0 / GK) * D;
     const int kmb = ((n + GK - 1) / GK) * D * 2;
     vq_stage(buf + O_KS, reinterpret_cast<const unsigned char*>(ks + km), kmb, tid, NT);
@@ -1039,10 +1075,10 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
       if (T0 >= n) break;                        // warp-uniform: n is a multiple of 16
       unsigned int kw[2][KWN], vw[4][VWN];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) vq_ld<KNB>(kw[e], skc + (T0 + g + 8 * e) * KRB + tig * KNB);
+      for (int e = 0; e < 2; ++e) vq_ld<KNB>(kw[e], skc + (T0 + g + 8 * e) * KRS + tig * KNB);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        vq_ld<VNB>(vw[e], svc + (T0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * VRB + g * VNB);
+        vq_ld<VNB>(vw[e], svc + (T0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * VRS + g * VNB);
       // Value zeros of this lane's tokens: ta, tb = T0+2tig+{0,1}; tc, td = +8.
       unsigned int zz[4];
       {

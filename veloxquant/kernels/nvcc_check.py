@@ -73,7 +73,8 @@ def compile_unit(src: str, arch: str = "sm_90") -> str:
 
 
 def main(argv=None) -> int:
-    a = argparse.ArgumentParser(prog="python -m veloxquant.kernels.nvcc_check", description=__doc__.splitlines()[0])
+    a = argparse.ArgumentParser(prog="python -m veloxquant.kernels.nvcc_check",
+                                description=__doc__.splitlines()[0])
     a.add_argument("--shape", default="32/8/128", help="Hq/Hkv/D")
     a.add_argument("--seq", type=int, default=32768)
     a.add_argument("--bits", type=int, default=4)

@@ -20,8 +20,14 @@ NW = 4  # warps per block
 SMEM_PER_SM = 228 * 1024  # sm_90: shared memory of one SM (a block also reserves 1 KiB)
 SMEM_BLOCK_MAX = 227 * 1024  # what one sm_90 block may opt into
 MAX_STAGES = 4
-# Tuning knob for benchmarks (read once): resident blocks per SM the plan aims for.
-_BLOCKS_PER_SM = int(os.environ.get("VELOXQUANT_SPLIT_BLOCKS_PER_SM", "3") or 3)
+# Resident blocks per SM the plan aims for: 3 (registers capped at 168 by the launch
+# bounds; no spills at D <= 128), 2 at D = 256 (at 3 it spills 64 bytes at 4 bits;
+# ptxas -v, nvcc_check). Tuning knob for benchmarks (read once).
+_BLOCKS_PER_SM = int(os.environ.get("VELOXQUANT_SPLIT_BLOCKS_PER_SM", "0") or 0)
+
+
+def blocks_per_sm(D: int) -> int:
+    return _BLOCKS_PER_SM or (2 if D > 128 else 3)
 
 
 def _pad16(n: int) -> int:
@@ -33,13 +39,50 @@ def tile_tokens(D: int) -> int:
     return NW * 16 * (2 if D <= 128 else 1)
 
 
+def _wavefronts(addrs, width: int) -> int:
+    """Shared-memory wavefronts of one warp-wide load of `width` bytes per lane at
+    these byte addresses: requests of 16 / 8 / <= 4 bytes are served 8 / 16 / 32 lanes
+    at a time, and each phase costs as many wavefronts as its busiest bank has distinct words."""
+    per_phase = 8 if width >= 16 else 16 if width == 8 else 32
+    total = 0
+    for p in range(0, 32, per_phase):
+        banks: dict = {}
+        for a in addrs[p:p + per_phase]:
+            for w in range(a // 4, (a + width - 1) // 4 + 1):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+@lru_cache(maxsize=None)
+def row_strides(D: int, kb: int, vb: int):
+    """(KRS, VRS): shared-memory row strides of key and value codes, bytes. The
+    kernel's lanes read key rows g, g+8 at column tig and value rows 2tig(+1, +8)
+    at column g (the mma fragments); the padding (0..48 bytes) with the fewest
+    wavefronts for those reads, the smallest on ties."""
+    lanes = range(32)
+    knb, vnb = D * kb // 32, (D // 8) * vb // 8
+    krb, vrb = D * kb // 8, D * vb // 8
+
+    def cost_k(rs):  # a 32-byte lane block is two 16-byte loads
+        return sum(_wavefronts([(l // 4 + 8 * e) * rs + (l % 4) * knb + 16 * h for l in lanes], min(knb, 16))
+                   for e in range(2) for h in range(max(1, knb // 16)))
+
+    def cost_v(rs):
+        return sum(_wavefronts([(2 * (l % 4) + (e & 1) + 8 * (e >> 1)) * rs + (l // 4) * vnb for l in lanes],
+                               min(vnb, 16)) for e in range(4))
+    return (min((krb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_k(rs), rs)),
+            min((vrb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_v(rs), rs)))
+
+
 def stage_bytes(D: int, kb: int, gk: int, vb: int, gv: int) -> int:
     """One pipeline stage (mirrors the kernel's O_* offsets, static_assert'ed there):
-    key and value codes of a tile, key scales/zeros of its key groups, value
-    scales/zeros of its tokens."""
+    key and value codes of a tile (rows `row_strides` apart), key scales/zeros of
+    its key groups, value scales/zeros of its tokens."""
     tt = tile_tokens(D)
     kgr = tt // gk if tt >= gk else 1
-    return tt * D * (kb + vb) // 8 + 2 * _pad16(kgr * D * 2) + 2 * _pad16(tt * (D // gv) * 2)
+    krs, vrs = row_strides(D, kb, vb)
+    return tt * (krs + vrs) + 2 * _pad16(kgr * D * 2) + 2 * _pad16(tt * (D // gv) * 2)
 
 
 def final_bytes(D: int) -> int:
@@ -80,7 +123,7 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     """Launch geometry: one wave of about bps blocks per SM over B*Hkv heads, each
     block a run of consecutive tiles (no block without one)."""
     (kb, gk, _), (vb, gv, _) = kspec, vspec
-    bps, nst = stages_for(D, kspec, vspec, _BLOCKS_PER_SM)
+    bps, nst = stages_for(D, kspec, vspec, blocks_per_sm(D))
     if not nst:
         raise ValueError(f"attend_split: no pipeline fits shared memory (D={D}, specs {kspec} {vspec})")
     smem = (max(nst * stage_bytes(D, kb, gk, vb, gv), final_bytes(D)) + 127) // 128 * 128
@@ -91,13 +134,15 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     ns = math.ceil(ntile / tpb)
     template = (("T", qdtype), ("D", D), ("ROWS", (Hq // Hkv) * Lq), ("BK", kb), ("GK", gk), ("BV", vb),
                 ("GV", gv), ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", NW),
-                ("SPW", tt // (NW * 16)), ("NST", nst), ("SMEM", smem))
+                ("SPW", tt // (NW * 16)), ("NST", nst), *zip(("KRS", "VRS"), row_strides(D, kb, vb)),
+                ("SMEM", smem))
     return SplitPlan(bps, nst, smem, ntile, ns, template)
 
 
 def header(sections: dict, bps: int) -> str:
-    """Launch bounds (see the .cu file's header), the shared helpers, the mma helpers."""
-    return f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n" + sections["header"] + sections["mma_header"]
+    """Launch bounds (see the .cu file's header), the shared helpers, the mma helpers, its own."""
+    return (f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n" + sections["header"] + sections["mma_header"]
+            + sections["split_header"])
 
 
 @lru_cache(maxsize=None)
