@@ -53,8 +53,8 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     ins = [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
            ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
     outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
-    return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)), _strip(sections()["attend_split"]),
-                  ins, outs, template)
+    return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)),
+                  _strip(sections()["attend_split"]), ins, outs, template)
 
 
 def compile_unit(src: str, arch: str = "sm_90") -> str:
