@@ -263,10 +263,12 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     B, Hq, Lq, D = qshape
     ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
     which = "v1" if chunk else (impl or default_impl(D, cshape[2]))
-    if which in ("mma", "split") and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp):
-        la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale)) if which == "mma" else _Launch(
-            *split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale)), _reduce_kernel(), _reduce_kw(qshape),
-            float(scale))
+    tensor_core = which != "v1" and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp)
+    if tensor_core and which == "mma":
+        la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
+    elif tensor_core and which == "split":  # same partials as attend_mma, same reduce
+        attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
+        la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
     else:
         la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
