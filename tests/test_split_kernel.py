@@ -32,6 +32,15 @@ def test_pipeline_fits_shared_memory_and_covers_every_tile(D, specs):
         assert all(s < p.ntile for s in starts) and starts[-1] + tpb >= p.ntile  # no idle block, all covered
 
 
+def test_bank_model_pads_rows_that_lanes_read_on_one_bank():
+    # 128/4-bit values: lanes (g, tig) read 8 bytes at row 2*tig, column 8*g; with
+    # 64-byte rows four rows of a half-warp share banks (4 wavefronts per half).
+    rows = lambda rs: [(2 * (lane % 4)) * rs + (lane // 4) * 8 for lane in range(32)]
+    assert split._wavefronts(rows(64), 8) == 8 and split._wavefronts(rows(80), 8) == 2
+    assert split.row_strides(128, 4, 4) == (64, 80)  # keys already conflict-free, values padded
+    assert split._wavefronts([16 * lane for lane in range(32)], 16) == 4  # contiguous: the ideal
+
+
 def _encode(rng, B, H, L, D, kspec, vspec):
     (kb, gk, _), (vb, gv, _) = kspec, vspec
     return dict(kc=rng.integers(0, 2**32, (B, H, L, D * kb // 32), dtype=np.uint32),
