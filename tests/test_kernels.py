@@ -178,7 +178,7 @@ def _record(name, err):
             f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
                          f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
 @pytest.mark.gpu
@@ -187,8 +187,8 @@ def test_cuda_kernel_matches_reference(case, impl):
     from veloxquant.kernels import cuda
     from veloxquant.kernels.reference import spec_fields
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
-    if impl == "mma" and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
-        pytest.skip("not a call the mma kernel takes")
+    if impl in ("mma", "split") and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
+        pytest.skip("not a call the mma / split kernels take")
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     scale = D ** -0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
@@ -223,9 +223,10 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL
-    err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl="mma"), want)
-    _record(f"[mma] sliced views (V group {vgroup})", err)
-    assert err <= TOL
+    for impl in ("mma", "split"):
+        err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl=impl), want)
+        _record(f"[{impl}] sliced views (V group {vgroup})", err)
+        assert err <= TOL
 
 
 @pytest.mark.gpu
@@ -255,7 +256,7 @@ TAIL_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, q dtype, [(W, cap), ...])
 ]
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-tail{c[9]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
@@ -266,8 +267,8 @@ def test_cuda_reduce_folds_dense_tiers(case, impl):
     from veloxquant.kernels.reference import spec_fields
     from veloxquant.runtime.attention import merge_partials
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
-    if impl == "mma" and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
-        pytest.skip("not a call the mma kernel takes")
+    if impl in ("mma", "split") and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
+        pytest.skip("not a call the mma / split kernels take")
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
     scale = D ** -0.5

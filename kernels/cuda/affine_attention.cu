@@ -910,3 +910,349 @@ __device__ __forceinline__ unsigned int vq_split(float x, float y, float lo) {
       pl[o] = l;
     }
   }
+
+//@@ split_header
+// Helpers of attend_split. Global -> shared copy of `rows` rows of RB bytes
+// (RB a multiple of 16) into rows DS bytes apart: the padding (DS - RB) moves
+// rows that lanes read together onto different banks (kernels/split.py picks
+// DS). Piece size from the source's alignment, as in vq_stage.
+template <int RB, int DS>
+__device__ __forceinline__ void vq_stage_rows(unsigned char* dst, const unsigned char* src, int rows, int tid,
+                                              int nt) {
+  if constexpr (RB == DS) {
+    vq_stage(dst, src, rows * RB, tid, nt);
+  } else {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    if ((a & 15ull) == 0) {
+      for (int i = tid; i < rows * (RB / 16); i += nt) {
+        const int r = i / (RB / 16), c = (i % (RB / 16)) * 16;
+        vq_cp16(dst + r * DS + c, src + r * RB + c);
+      }
+    } else if ((a & 3ull) == 0) {
+      for (int i = tid; i < rows * (RB / 4); i += nt) {
+        const int r = i / (RB / 4), c = (i % (RB / 4)) * 4;
+        vq_cp4(dst + r * DS + c, src + r * RB + c);
+      }
+    } else {
+      for (int i = tid; i < rows * (RB / 2); i += nt) {
+        const int r = i / (RB / 2), c = (i % (RB / 2)) * 2;
+        *reinterpret_cast<unsigned short*>(dst + r * DS + c) =
+            *reinterpret_cast<const unsigned short*>(src + r * RB + c);
+      }
+    }
+  }
+}
+
+//@@ attend_split
+  // Split-K decode attention built for bandwidth (issue 18): the scope and the
+  // arithmetic of attend_mma (per-channel keys, per-token values, rows =
+  // rep * Lq <= 4, mma.sync with fp16 hi/lo splits), fed by a multi-stage
+  // cp.async pipeline instead of per-warp register loads.
+  // inputs/outputs as attend_mma: pm, pl [B*Hkv*ROWS, NS], pacc [B*Hkv*ROWS, NS, D].
+  // template: T, D, ROWS, BK, GK, BV, GV, QSCALE, NW, SPW, NST, KRS, VRS, SMEM
+  // (KRS, VRS: shared-memory row strides of key / value codes, bytes)
+  // Block blockIdx.x walks a run of consecutive tiles of TT = NW*16*SPW tokens
+  // of kv head blockIdx.y. A tile (key and value codes, key scales/zeros of
+  // its key groups, value scales/zeros of its tokens) is one pipeline stage,
+  // copied global -> shared with 16-byte cp.async by every thread of the
+  // block; NST stages rotate, so NST-1 tiles are in flight while one is used.
+  // Warp w takes tokens [w*16*SPW, (w+1)*16*SPW) of each tile, 16 per step,
+  // with the per-step code of attend_mma reading shared memory (same row
+  // layout as global memory, so its index arithmetic is unchanged).
+  constexpr int NT = NW * 32;
+  constexpr int TT = NW * 16 * SPW;               // tokens per tile (one stage)
+  constexpr int KRB = D * BK / 8, VRB = D * BV / 8;  // code bytes per token
+  constexpr int KNB = D * BK / 32;                // key code bytes of a lane block (D/4 channels)
+  constexpr int KWN = KNB / 4;
+  constexpr int KPP = 16 / BK;                    // pairs per word
+  constexpr int KPAIRS = D / 8;                   // pairs per lane block
+  constexpr int VCH = D / 8;                      // value channels per lane block
+  constexpr int VNB = VCH * BV / 8;               // their code bytes (2..32)
+  constexpr int VWN = VNB >= 4 ? VNB / 4 : 1;
+  constexpr int VPW = 32 / BV, VPP = 16 / BV;
+  constexpr int NGV = D / GV;                     // value groups per token (<= 16)
+  constexpr int VT = D / 16;                      // value m-tiles
+  constexpr int KGR = TT >= GK ? TT / GK : 1;     // key-group rows of a tile
+  constexpr int O_KC = 0;                         // offsets inside one stage (16-byte aligned)
+  constexpr int O_VC = O_KC + TT * KRS;
+  constexpr int O_KS = O_VC + TT * VRS;
+  constexpr int O_KZ = O_KS + (KGR * D * 2 + 15) / 16 * 16;
+  constexpr int O_VS = O_KZ + (KGR * D * 2 + 15) / 16 * 16;
+  constexpr int O_VZ = O_VS + (TT * NGV * 2 + 15) / 16 * 16;
+  constexpr int STAGE = O_VZ + (TT * NGV * 2 + 15) / 16 * 16;
+  // After the pipeline drains, the stages hold the warps' partials.
+  constexpr int O_ACC = 0, O_Z = O_ACC + NW * 4 * D * 4, O_M = O_Z + NW * 4 * 16 * 4, O_L = O_M + NW * 4 * 4;
+  constexpr int FIN = O_L + NW * 4 * 4;
+  static_assert(NST >= 2 && NST * STAGE <= SMEM && FIN <= SMEM, "shared-memory layout exceeds the launch allocation");
+  static_assert(ROWS >= 1 && ROWS <= 4, "rows");
+  static_assert(GK % 16 == 0 && GV >= 16 && NGV <= 16, "groups");
+  static_assert(KWN >= 1 && KRB % 16 == 0 && VRB % 16 == 0, "key block");
+  static_assert(KRS >= KRB && KRS % 16 == 0 && VRS >= VRB && VRS % 16 == 0, "row strides");
+  static_assert(TT % GK == 0 || GK % TT == 0, "tiles vs key groups");
+
+  extern __shared__ __align__(16) unsigned char vq_smem[];
+  __shared__ __align__(16) float s_q[4 * D];                   // q rows, fp32
+  __shared__ __align__(16) unsigned int s_qh[4 * 4 * KPAIRS];  // [head][tig][pair] fp16 hi pairs
+  __shared__ __align__(16) unsigned int s_ql[4 * 4 * KPAIRS];  // fp16 lo pairs (float q)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tig = lane % 4;
+  const int bh = blockIdx.y;
+  const int L = kc_shape[2];
+  const int ntile = (L + TT - 1) / TT;
+  const int tpb = (ntile + gridDim.x - 1) / gridDim.x;
+  const int i0 = blockIdx.x * tpb, i1 = min(i0 + tpb, ntile);
+
+  // Tile it into stage (it - i0) % NST: one cp.async group per call.
+  auto stage = [&](int it) {
+    const int t0 = it * TT, n = min(TT, L - t0);
+    unsigned char* buf = vq_smem + ((it - i0) % NST) * STAGE;
+    vq_stage_rows<KRB, KRS>(buf + O_KC, reinterpret_cast<const unsigned char*>(kc) + ((size_t)bh * L + t0) * KRB, n,
+                            tid, NT);
+    vq_stage_rows<VRB, VRS>(buf + O_VC, reinterpret_cast<const unsigned char*>(vc) + ((size_t)bh * L + t0) * VRB, n,
+                            tid, NT);
+    const size_t km = ((size_t)bh * (L / GK) + t0 / GK) * D;
+    const int kmb = ((n + GK - 1) / GK) * D * 2;
+    vq_stage(buf + O_KS, reinterpret_cast<const unsigned char*>(ks + km), kmb, tid, NT);
+    vq_stage(buf + O_KZ, reinterpret_cast<const unsigned char*>(kz + km), kmb, tid, NT);
+    const size_t vm = ((size_t)bh * L + t0) * NGV;
+    vq_stage(buf + O_VS, reinterpret_cast<const unsigned char*>(vs + vm), n * NGV * 2, tid, NT);
+    vq_stage(buf + O_VZ, reinterpret_cast<const unsigned char*>(vz + vm), n * NGV * 2, tid, NT);
+  };
+#pragma unroll
+  for (int s = 0; s < NST - 1; ++s) {
+    if (i0 + s < i1) stage(i0 + s);
+    vq_commit();  // empty groups keep the wait arithmetic uniform
+  }
+
+  // q rows and their fp16 hi/lo pairs while the first tiles stream in.
+  for (int i = tid; i < 4 * D; i += NT) {
+    const int r = i / D;
+    s_q[i] = r < ROWS ? vq_g(q[((size_t)bh * ROWS + r) * D + i % D]) : 0.0f;
+  }
+  __syncthreads();
+  for (int i = tid; i < 4 * 4 * KPAIRS; i += NT) {
+    const int h = i / (4 * KPAIRS), t4 = (i / KPAIRS) % 4, P = i % KPAIRS;
+    const int ca = t4 * (D / 4) + (P / KPP) * 2 * KPP + P % KPP;
+    const float xa = s_q[h * D + ca], xb = s_q[h * D + ca + KPP];
+    const __half2 hi = __floats2half2_rn(xa, xb);
+    const float2 f = __half22float2(hi);
+    s_qh[i] = vq_u(hi);
+    s_ql[i] = vq_u(__floats2half2_rn(xa - f.x, xb - f.y));
+  }
+  // (the first wait's barrier below orders these writes before their use)
+
+  const float qsc = __int_as_float(QSCALE);
+  const bool lo = g & 1;
+  const float lof = lo ? 1.0f : 0.0f;
+  const unsigned int lomask = lo ? 0xffffffffu : 0u;
+
+  float acc[VT][4];
+#pragma unroll
+  for (int i = 0; i < VT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float cz[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float mrun = vq_minf(), lsum = 0.0f, bias = 0.0f;
+  unsigned int qp[KPAIRS];
+  int grp = -1;
+
+  for (int it = i0; it < i1; ++it) {
+    vq_wait<NST - 2>();  // this thread's copies of tile it have landed
+    __syncthreads();     // everyone's have; and every warp is done with tile it - 1
+    if (it + NST - 1 < i1) stage(it + NST - 1);  // into the stage tile it - 1 used
+    vq_commit();
+    const int t0 = it * TT, n = min(TT, L - t0);
+    const unsigned char* buf = vq_smem + ((it - i0) % NST) * STAGE;
+    const unsigned char* skc = buf + O_KC;
+    const unsigned char* svc = buf + O_VC;
+    const __half* sks = reinterpret_cast<const __half*>(buf + O_KS);
+    const __half* skz = reinterpret_cast<const __half*>(buf + O_KZ);
+    const __half* svs = reinterpret_cast<const __half*>(buf + O_VS);
+    const __half* svz = reinterpret_cast<const __half*>(buf + O_VZ);
+
+#pragma unroll 1
+    for (int sp = 0; sp < SPW; ++sp) {
+      const int T0 = warp * 16 * SPW + sp * 16;  // first token of the step, inside the tile
+      if (T0 >= n) break;                        // warp-uniform: n is a multiple of 16
+      unsigned int kw[2][KWN], vw[4][VWN];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) vq_ld<KNB>(kw[e], skc + (T0 + g + 8 * e) * KRS + tig * KNB);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        vq_ld<VNB>(vw[e], svc + (T0 + 2 * tig + (e & 1) + 8 * (e >> 1)) * VRS + g * VNB);
+      // Value zeros of this lane's tokens: ta, tb = T0+2tig+{0,1}; tc, td = +8.
+      unsigned int zz[4];
+      {
+        unsigned short zr[4][2];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = T0 + 2 * tig + (e & 1) + 8 * (e >> 1);
+          zr[e][0] = g < NGV ? *reinterpret_cast<const unsigned short*>(svz + t * NGV + g) : 0;
+          zr[e][1] = g + 8 < NGV ? *reinterpret_cast<const unsigned short*>(svz + t * NGV + g + 8) : 0;
+        }
+        zz[0] = zr[0][0] | ((unsigned int)zr[1][0] << 16);
+        zz[1] = zr[0][1] | ((unsigned int)zr[1][1] << 16);
+        zz[2] = zr[2][0] | ((unsigned int)zr[3][0] << 16);
+        zz[3] = zr[2][1] | ((unsigned int)zr[3][1] << 16);
+      }
+
+      // Key group change: rebuild the q*s columns and the q.z bias.
+      if ((t0 + T0) / GK != grp) {
+        grp = (t0 + T0) / GK;
+        const __half* ksr = sks + (grp - t0 / GK) * D;
+        const __half* kzr = skz + (grp - t0 / GK) * D;
+        unsigned int sr[D / 8];
+        vq_ld<D / 2>(sr, reinterpret_cast<const unsigned char*>(ksr + tig * (D / 4)));
+        const unsigned int* qh = s_qh + ((g / 2) * 4 + tig) * KPAIRS;
+        const unsigned int* ql = s_ql + ((g / 2) * 4 + tig) * KPAIRS;
+#pragma unroll
+        for (int P = 0; P < KPAIRS; ++P) {
+          const int ia = (P / KPP) * 2 * KPP + P % KPP, ib = ia + KPP;
+          const unsigned int s2u =
+              __byte_perm(sr[ia / 2], sr[ib / 2], ((ia & 1) ? 0x32 : 0x10) | (((ib & 1) ? 0x76 : 0x54) << 8));
+          const __half2 s2 = vq_h2(s2u);
+          const __half2 qh2 = vq_h2(qh[P]);
+          const unsigned int t = vq_u(__hmul2(qh2, s2));
+          unsigned int r = vq_u(__hfma2(qh2, s2, vq_h2((t ^ 0x80008000u) & lomask)));
+          if constexpr (vq_is_f32<T>::value) r = vq_u(__hfma2(vq_h2(ql[P] & lomask), s2, vq_h2(r)));
+          qp[P] = r;
+        }
+        unsigned int zr[D / 16];
+        const int cb = tig * (D / 4) + (g & 1) * (D / 8);
+        vq_ld<D / 4>(zr, reinterpret_cast<const unsigned char*>(kzr + cb));
+        float b = 0.0f;
+        const float* qrow = s_q + (g / 2) * D + cb;
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+          const float2 z2 = __half22float2(vq_h2(zr[k]));
+          b = fmaf(qrow[2 * k], z2.x, b);
+          b = fmaf(qrow[2 * k + 1], z2.y, b);
+        }
+        b += __shfl_xor_sync(0xffffffffu, b, 4);
+        b += __shfl_xor_sync(0xffffffffu, b, 1);
+        b += __shfl_xor_sync(0xffffffffu, b, 2);
+        bias = __shfl_sync(0xffffffffu, b, 8 * tig);  // row tig
+      }
+
+      // Scores S[token][row hi/lo] for tokens g, g+8 of the step; two
+      // accumulators halve the chain of dependent mmas.
+      float sc4[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int ks_ = 0; ks_ < D / 16; ++ks_) {
+        const int Pa = 2 * ks_, Pb = 2 * ks_ + 1;
+        vq_mma(sc4[ks_ & 1], vq_pair<BK>(kw[0][Pa / KPP], Pa % KPP), vq_pair<BK>(kw[1][Pa / KPP], Pa % KPP),
+               vq_pair<BK>(kw[0][Pb / KPP], Pb % KPP), vq_pair<BK>(kw[1][Pb / KPP], Pb % KPP), qp[Pa], qp[Pb]);
+      }
+      // token g, row tig (log2 units); then token g + 8
+      const float x0 = ((sc4[0][0] + sc4[1][0]) + (sc4[0][1] + sc4[1][1]) + bias) * qsc;
+      const float x1 = ((sc4[0][2] + sc4[1][2]) + (sc4[0][3] + sc4[1][3]) + bias) * qsc;
+      float tmax = fmaxf(x0, x1);
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+      const bool need = tmax > mrun + 8.0f;
+      if (__any_sync(0xffffffffu, need)) {
+        const float mnew = need ? tmax : mrun;
+        const float f = exp2f(mrun - mnew);
+        mrun = mnew;
+        lsum *= f;
+#pragma unroll
+        for (int i = 0; i < VT; ++i) {
+          acc[i][0] *= f; acc[i][1] *= f; acc[i][2] *= f; acc[i][3] *= f;
+        }
+        cz[0] *= f; cz[1] *= f; cz[2] *= f; cz[3] *= f;
+      }
+      const float p0 = exp2f(x0 - mrun), p1 = exp2f(x1 - mrun);
+      lsum += p0 + p1;
+      const int sa = 8 * tig + g / 2;
+      const float pa = __shfl_sync(0xffffffffu, p0, sa), pb = __shfl_sync(0xffffffffu, p0, sa + 4);
+      const float pc = __shfl_sync(0xffffffffu, p1, sa), pd = __shfl_sync(0xffffffffu, p1, sa + 4);
+      const unsigned int pb0 = vq_split(pa, pb, lof), pb1 = vq_split(pc, pd, lof);
+
+      // Values (as attend_mma): lane block g = channels g*VCH + [0, VCH).
+      unsigned int xlo[2][VWN], xhi[2][VWN];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int k = 0; k < VWN; ++k) {
+          xlo[e][k] = __byte_perm(vw[2 * e][k], vw[2 * e + 1][k], 0x5410);
+          xhi[e][k] = __byte_perm(vw[2 * e][k], vw[2 * e + 1][k], 0x7632);
+        }
+      constexpr int NGT = VCH > GV ? VCH / GV : 1;
+      __half2 sv[2][NGT];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int u = 0; u < NGT; ++u) {
+          const int j = (g * VCH) / GV + u;
+          const int ta = T0 + 2 * tig + 8 * e;
+          const unsigned int sa_ = *reinterpret_cast<const unsigned short*>(svs + ta * NGV + j);
+          const unsigned int sb_ = *reinterpret_cast<const unsigned short*>(svs + (ta + 1) * NGV + j);
+          sv[e][u] = vq_h2(sa_ | (sb_ << 16));
+        }
+#pragma unroll
+      for (int i = 0; i < VT; ++i) {
+        unsigned int ah[4], al[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int c = 2 * i + (r & 1), e = r >> 1;
+          const int w = c / VPW, qq = c % VPW;
+          const unsigned int x = (qq / VPP) ? xhi[e][w] : xlo[e][w];
+          const __half2 c2 = vq_h2(vq_pair<BV>(x, qq % VPP));
+          const __half2 s2 = sv[e][NGT > 1 ? c / GV : 0];
+          const __half2 h = __hmul2(c2, s2);
+          ah[r] = vq_u(h);
+          al[r] = vq_u(__hfma2(c2, s2, __hneg2(h)));
+        }
+        vq_mma(acc[i], ah[0], ah[1], ah[2], ah[3], pb0, pb1);
+        vq_mma(acc[i], al[0], al[1], al[2], al[3], pb0, pb1);
+      }
+      vq_mma(cz, zz[0], zz[1], zz[2], zz[3], pb0, pb1);
+    }
+  }
+  vq_wait<0>();
+  __syncthreads();  // the stages are free: they hold the warps' partials now
+
+  float* s_acc = reinterpret_cast<float*>(vq_smem + O_ACC);
+  float* s_z = reinterpret_cast<float*>(vq_smem + O_Z);
+  float* s_m = reinterpret_cast<float*>(vq_smem + O_M);
+  float* s_l = reinterpret_cast<float*>(vq_smem + O_L);
+  {
+    float* wa = s_acc + (warp * 4 + tig) * D + g * VCH;
+#pragma unroll
+    for (int i = 0; i < VT; ++i) {
+      wa[2 * i] = acc[i][0] + acc[i][1];
+      wa[2 * i + 1] = acc[i][2] + acc[i][3];
+    }
+    float* wz = s_z + (warp * 4 + tig) * 16;
+    if (g < NGV) wz[g] = cz[0] + cz[1];
+    if (g + 8 < NGV) wz[g + 8] = cz[2] + cz[3];
+    float l = lsum;
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    l += __shfl_xor_sync(0xffffffffu, l, 8);
+    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    if (g == 0) {
+      s_m[warp * 4 + tig] = mrun;
+      s_l[warp * 4 + tig] = l;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < ROWS * D; e += NT) {
+    const int r = e / D, d = e % D;
+    float M = vq_minf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * 4 + r]);
+    float a = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = s_m[w * 4 + r];
+      const float f = mw == vq_minf() ? 0.0f : exp2f(mw - M);
+      a += f * (s_acc[(w * 4 + r) * D + d] + s_z[(w * 4 + r) * 16 + d / GV]);
+      l += f * s_l[w * 4 + r];
+    }
+    const size_t o = ((size_t)bh * ROWS + r) * gridDim.x + blockIdx.x;
+    pacc[o * D + d] = a;
+    if (d == 0) {
+      pm[o] = M;
+      pl[o] = l;
+    }
+  }

@@ -8,7 +8,8 @@ Times, per (head shape, sequence length, bits):
              keys per-channel, values per-token)
   fused      veloxquant's CUDA kernel over the same codes (CUDA backend only;
              the default attend kernel, cuda.default_impl / VELOXQUANT_CUDA_IMPL)
-  fused-v1, fused-mma   one attend kernel explicitly (A/B rows; not in the default list)
+  fused-v1, fused-mma, fused-split   one attend kernel explicitly (A/B rows; not in
+             the default list; split = attend_split, issue 18)
 and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
 and each method's peak transient memory.
@@ -103,8 +104,10 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                                                                      impl="v1"), coded)
         methods["fused-mma"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="mma"),
                                 coded)
+        methods["fused-split"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale,
+                                                                        impl="split"), coded)
     else:
-        for name in ("fused", "fused-v1", "fused-mma"):
+        for name in ("fused", "fused-v1", "fused-mma", "fused-split"):
             methods[name] = (None, "n/a (no CUDA)")
     return methods
 
@@ -142,6 +145,18 @@ def run_one(name, fn, nbytes, a) -> Dict:
         return {"err": f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"}
 
 
+def median_run(runs: List[Dict]) -> Dict:
+    """The run with the median µs per call (its lone-call figure too), or the first failure."""
+    bad = [r for r in runs if "err" in r]
+    if bad:
+        return bad[0]
+    r = dict(sorted(runs, key=lambda r: r["us"])[len(runs) // 2])
+    lone = sorted(x["us_single"] for x in runs if "us_single" in x)
+    if lone:
+        r["us_single"] = lone[len(lone) // 2]
+    return r
+
+
 def cell(r: Dict) -> str:
     return r["err"] if "err" in r else f"{r['us']:.1f} µs · {r['gbps']:.0f} GB/s"
 
@@ -154,9 +169,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
-                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma")
+                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every method this many times, interleaved; report the median round")
     p.add_argument("--per-eval", type=int, default=32, help="calls per evaluation (layers in a decode step)")
     p.add_argument("--chunk", type=int, default=None, help="fused kernel: tokens per block (default: auto)")
     p.add_argument("--copies", type=int, default=4,
@@ -173,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
           f"keys per-channel / values per-token affine, group {a.group}; "
           f"{a.per_eval} calls per evaluation (reference: up to 4); 'lone' = one call per evaluation; "
-          f"{a.copies} K/V copies cycled")
+          f"{a.copies} K/V copies cycled; median of {a.rounds} interleaved rounds")
     print()
     print("| Hq/Hkv/D | S | bits | " + " | ".join(wanted) + " | fused vs sdpa | fused vs mlx-lm "
           "| fused % HBM | lone sdpa / fused µs | peak MiB " + "/".join(wanted) + " |")
@@ -197,13 +214,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             sdpa_result = None
             for bits in (int(b) for b in a.bits.split(",")):
                 methods = cycled([build_methods(q, kc, vc, bits, a.group, D ** -0.5, a.chunk) for kc, vc in kvs])
-                res = {}
-                for name in wanted:
-                    if name == "sdpa" and sdpa_result is not None:
-                        res[name] = sdpa_result  # independent of bits: measured once
-                        continue
-                    fn, nbytes = methods[name]
-                    res[name] = run_one(name, fn, nbytes, a)
+                runs: Dict[str, List[Dict]] = {}
+                for _ in range(a.rounds):  # methods interleaved round by round
+                    for name in wanted:
+                        if name == "sdpa" and sdpa_result is not None and a.rounds == 1:
+                            runs[name] = [sdpa_result]  # independent of bits: measured once
+                            continue
+                        fn, nbytes = methods[name]
+                        runs.setdefault(name, []).append(run_one(name, fn, nbytes, a))
+                res = {name: median_run(rs) for name, rs in runs.items()}
                 sdpa_result = res.get("sdpa", sdpa_result)
                 f = res.get("fused", {})
                 sp = lambda other: (f"{res[other]['us'] / f['us']:.1f}×" if "us" in f and other in res

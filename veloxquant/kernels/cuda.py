@@ -13,6 +13,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from ..paths import kernels_dir
+from . import split
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
@@ -37,13 +38,19 @@ MMA_MIN_TOKENS = 16384  # default_impl: from here mma measured at least even wit
 MMA_WARPS = 4  # warps per attend_mma block
 MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
 _IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
+# "split" (section attend_split, module split.py, issue 18): attend_mma's scope and
+# arithmetic behind a cp.async pipeline. Compiled (nvcc, sm_90) but never run on a
+# GPU yet: not verified, so never a default; impl="split" / VELOXQUANT_CUDA_IMPL=split only.
+SPLIT_VERIFIED = False
 
 
 def default_impl(D: int = 0, L: int = 0) -> str:
     """The attend kernel a call of head_dim D over L tokens gets by default."""
     forced = os.environ.get(_IMPL_ENV, "").lower()
-    if forced in ("mma", "v1"):
+    if forced in ("mma", "v1", "split"):
         return forced
+    if SPLIT_VERIFIED:
+        return "split"
     return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
 
 
@@ -255,9 +262,13 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     (a cache keeps one per tier between decode steps)."""
     B, Hq, Lq, D = qshape
     ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
-    mma = (impl or default_impl(D, cshape[2])) == "mma" and not chunk
-    if mma and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp):
+    which = "v1" if chunk else (impl or default_impl(D, cshape[2]))
+    tensor_core = which != "v1" and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp)
+    if tensor_core and which == "mma":
         la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
+    elif tensor_core and which == "split":  # same partials as attend_mma, same reduce
+        attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
+        la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
     else:
         la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 

@@ -71,10 +71,13 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
     else:
         B, Hq, Lq, D = q.shape
         L = k_enc["codes"].shape[2]
-        mma = cuda.default_impl(D, L) == "mma" and not cuda.mma_supported(
-            Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec), spec_fields(v_spec))
-        res = ("cuda", "fused split-K kernel (kernels/cuda/affine_attention.cu, "
-                       + ("tensor-core attend_mma)" if mma else "CUDA-core attend)"))
+        impl = cuda.default_impl(D, L)
+        if impl != "v1" and cuda.mma_supported(Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec),
+                                               spec_fields(v_spec)):
+            impl = "v1"
+        names = {"v1": "CUDA-core attend", "mma": "tensor-core attend_mma",
+                 "split": "pipelined tensor-core attend_split"}
+        res = ("cuda", f"fused split-K kernel (kernels/cuda/affine_attention.cu, {names[impl]})")
     if key is not None and len(_CHOICES) < 4096:
         _CHOICES[key] = res
     return res

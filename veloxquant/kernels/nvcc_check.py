@@ -1,0 +1,99 @@
+"""Compile an attend kernel offline with nvcc, as MLX would build it, without a GPU.
+
+`python -m veloxquant.kernels.nvcc_check --impl split --shape 32/8/128 --seq 32768 --bits 4`
+renders the source the way `mx.fast.cuda_kernel` does (MLX's default header,
+our header, the generated `__global__` signature, the template arguments as
+constexprs, the body; mlx/backend/cuda/custom_kernel.cpp: build_kernel), with
+a small stand-in for MLX's device header (only `Shape` is used), and runs
+`nvcc -cubin -arch=sm_90 -Xptxas -v`: compile errors, registers, spills and
+static shared memory, before any device time is spent. It does not run anything.
+"""
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_STANDIN = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#include <cooperative_groups.h>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int, 8>;
+using Strides = cuda::std::array<long long, 8>;
+}
+"""
+_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def render(name: str, header: str, body: str, inputs, outputs, template) -> str:
+    """The translation unit MLX's build_kernel would hand to NVRTC (inputs: (name, C type))."""
+    sig = []
+    for n, t in inputs:
+        sig.append(f"    const {t}* {n}")
+        if f"{n}_shape" in body:
+            sig.append(f"    const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in body:
+            sig.append(f"    const __grid_constant__ Strides {n}_strides")
+    sig += [f"    {t}* {n}" for n, t in outputs]
+    consts = []
+    for n, v in template:
+        consts.append(f"  using {n} = {_CTYPES[v]};" if isinstance(v, str) else f"  constexpr int {n} = {v};")
+    return (_STANDIN + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            + f"__global__ void {name}(\n" + ",\n".join(sig) + ") {\n" + "\n".join(consts) + "\n" + body
+            + "\n}\n} // namespace mlx::core::cu\n")
+
+
+def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
+    from . import split
+    from .cuda import _strip, sections
+    p = split.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
+    template = [(n, str(v) if n == "T" else v) for n, v in p.template]
+    ins = [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
+           ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
+    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
+    return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)),
+                  _strip(sections()["attend_split"]), ins, outs, template)
+
+
+def compile_unit(src: str, arch: str = "sm_90") -> str:
+    """ptxas's report (raises CalledProcessError with nvcc's output on a compile error)."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        raise FileNotFoundError("nvcc not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp) / "k.cu"
+        cu.write_text(src)
+        r = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+                            str(Path(tmp) / "k.cubin"), str(cu)], capture_output=True, text=True)
+        if r.returncode:
+            raise subprocess.CalledProcessError(r.returncode, "nvcc", r.stdout + r.stderr)
+        return r.stdout + r.stderr
+
+
+def main(argv=None) -> int:
+    a = argparse.ArgumentParser(prog="python -m veloxquant.kernels.nvcc_check",
+                                description=__doc__.splitlines()[0])
+    a.add_argument("--shape", default="32/8/128", help="Hq/Hkv/D")
+    a.add_argument("--seq", type=int, default=32768)
+    a.add_argument("--bits", type=int, default=4)
+    a.add_argument("--group", type=int, default=32)
+    a.add_argument("--qtype", default="float16", choices=sorted(_CTYPES))
+    a.add_argument("--print", action="store_true", help="print the rendered source, do not compile")
+    o = a.parse_args(argv)
+    Hq, Hkv, D = (int(x) for x in o.shape.split("/"))
+    src = split_unit(1, Hq, 1, D, Hkv, o.seq, (o.bits, o.group, "channel"), (o.bits, o.group, "token"), o.qtype)
+    if o.print:
+        print(src)
+        return 0
+    try:
+        print(compile_unit(src))
+    except subprocess.CalledProcessError as e:
+        print(e.cmd, "failed:\n", e.output, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
