@@ -167,11 +167,12 @@ def test_emulated_lanes_read_what_attend_mma_reads(case):
         assert sorted(steps) == list(range(L // 16))
 
 
-def test_split_is_chosen_only_when_asked_until_verified(monkeypatch):
+def test_split_is_the_default_only_where_it_was_verified_and_measured_faster(monkeypatch):
     from veloxquant.kernels import cuda
     monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
-    defaults = {cuda.default_impl(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072)}
-    assert ("split" in defaults) == cuda.SPLIT_VERIFIED
+    chosen = {(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072) if cuda.default_impl(D, L) == "split"}
+    assert chosen == ({(128, 131072)} if cuda.SPLIT_VERIFIED else set())
+    assert cuda.default_impl(128, 32768) == "mma"  # measured faster than split at 32k
     monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "split")
     assert cuda.default_impl(64, 4096) == "split"
 

@@ -39,9 +39,12 @@ MMA_WARPS = 4  # warps per attend_mma block
 MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
 _IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
 # "split" (section attend_split, module split.py, issue 18): attend_mma's scope and
-# arithmetic behind a cp.async pipeline. Compiled (nvcc, sm_90) but never run on a
-# GPU yet: not verified, so never a default; impl="split" / VELOXQUANT_CUDA_IMPL=split only.
-SPLIT_VERIFIED = False
+# arithmetic behind a cp.async pipeline. SPLIT_VERIFIED: its parity tests passed on an
+# NVIDIA H200 (mlx 0.32.4; 68 passed, docs/kernels.md). Default only where it measured
+# faster than attend_mma: 32/8/128 4-bit at 128k, 91.6 vs 101.5 us per call; at 32k it
+# measured slower at every shape (46.2-64.7 vs 37.7-56.2 us at 32/8/128).
+SPLIT_VERIFIED = True
+SPLIT_MIN_TOKENS = 131072  # default_impl: from here split measured faster than mma (D = 128)
 
 
 def default_impl(D: int = 0, L: int = 0) -> str:
@@ -49,7 +52,7 @@ def default_impl(D: int = 0, L: int = 0) -> str:
     forced = os.environ.get(_IMPL_ENV, "").lower()
     if forced in ("mma", "v1", "split"):
         return forced
-    if SPLIT_VERIFIED:
+    if SPLIT_VERIFIED and D == 128 and L >= SPLIT_MIN_TOKENS:
         return "split"
     return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
 
