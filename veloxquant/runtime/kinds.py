@@ -7,13 +7,14 @@ module plus one line in KINDS (or HEAD_KINDS, for a per-head route's
 """
 from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
+from .anchor_tier import AnchorTier
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
 from .sparse_tier import SparseDecodeTier
 from .tier import Tier
 
-KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
 HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
 
 
