@@ -142,3 +142,22 @@ def test_runs_saves_and_loads_on_a_model(tmp_path, make):
     a, b = model(toks[:, 81:82], cache=caches), model(toks[:, 81:82], cache=loaded)
     assert mx.array_equal(a, b).item()
     assert sum(c.nbytes for c in loaded) == sum(c.nbytes for c in caches)
+
+
+def test_a_long_chunk_is_answered_in_query_blocks_with_the_same_result(monkeypatch):
+    from veloxquant.runtime import anchor_tier
+    from veloxquant.runtime.anchor_tier import AnchorTier
+    plan = SimpleNamespace(route=None, keys=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)),
+                           values=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)))
+    tier = AnchorTier(plan, H, D)
+    tier.append(tokens(120), tokens(120, seed=1), 0)
+    q = tokens(40, seed=2, dtype=mx.float32).reshape(B, H, 40, D)
+    q = mx.concatenate([q, q, q], axis=1)  # 9 query heads
+    mask = mx.array(np.random.default_rng(3).random((40, 120)) > 0.3)
+    for fit in (False, True):
+        whole = tier.partial(q, 0.125, mask)
+        monkeypatch.setattr(anchor_tier, "QUERY_BLOCK", 7)
+        blocked = tier.partial(q, 0.125, mask)
+        monkeypatch.setattr(anchor_tier, "QUERY_BLOCK", 256)
+        assert mx.allclose(whole[0], blocked[0], atol=1e-5).item() and mx.allclose(whole[1], blocked[1]).item()
+        tier.finish_prompt()

@@ -90,6 +90,7 @@ class AnchorSide:
             self._set_residuals(rpos, mx.take_along_axis(r, rpos[..., None], axis=2))
         self.staged.set(None)
         self.window = None
+        mx.eval([b.view() for b in self.bufs.values() if b.view() is not None])  # a layer's temporaries go now
 
     def _set_residuals(self, rpos: mx.array, r: mx.array) -> None:
         enc = self.residual.encode(r)

@@ -24,6 +24,7 @@ from .latent_tier import LatentTier
 
 WINDOW = 32  # query positions (each with its GQA group) that rank the prompt's tokens
 BLOCK = 8  # query rows per block of attention when ranking
+QUERY_BLOCK = 256  # query positions per block of a prefill chunk
 
 
 class AnchorTier(LatentTier):
@@ -43,7 +44,18 @@ class AnchorTier(LatentTier):
         q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
         if isinstance(self.sides["k"], AnchorSide):
             self.sides["k"].observe(q, Lq, WINDOW)
-        return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
+        if Lq <= QUERY_BLOCK:
+            return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
+        # A prefill chunk: QUERY_BLOCK query positions at a time, never [heads x chunk x tokens] at once.
+        q = q.reshape(B, self.n_kv_heads, Hq // self.n_kv_heads, Lq, D)
+        parts = []
+        for s in range(0, Lq, QUERY_BLOCK):
+            qb = q[:, :, :, s:s + QUERY_BLOCK]
+            n = qb.shape[3]
+            rows = mask if mask is None or mask.ndim < 2 or mask.shape[-2] != Lq else mask[..., s:s + n, :]
+            parts.append(partial_from_scores(self.sides["k"].scores(qb.reshape(B, self.n_kv_heads, -1, D)), rows, n,
+                                             self.sides["v"].combine))
+        return mx.concatenate([o for o, _ in parts], axis=2), mx.concatenate([l for _, l in parts], axis=2)
 
     def _window(self):
         k = self.sides["k"]

@@ -34,6 +34,7 @@ from .registry import in_range, stage
 from .store import Affine
 
 MAX_ANCHORS = 1 << 16  # anchor indices are uint16
+BLOCK = 1024  # tokens projected at once
 
 
 @stage("anchor", "store")
@@ -68,8 +69,8 @@ class Anchor:
         return self.anchors * 16 + rest * (32 + self.theta * (self.bits * head_dim + 64)) / head_dim
 
     def count(self, n: int) -> int:
-        """Anchors a head keeps for n tokens."""
-        return min(n, max(1, math.ceil(self.anchors * n)))
+        """Anchors a head keeps for n tokens (at most MAX_ANCHORS: indices are uint16)."""
+        return min(n, MAX_ANCHORS, max(1, math.ceil(self.anchors * n)))
 
     # --- anchor choice --------------------------------------------------------------------
     def choose(self, x: mx.array, mass: mx.array) -> mx.array:
@@ -102,6 +103,7 @@ class Anchor:
             moved = member.swapaxes(-1, -2) @ u  # [B, H, k, D]
             empty = mx.sum(mx.abs(member), axis=2)[..., None] == 0
             centre = mx.where(empty, centre, _unit(moved))  # an empty cluster keeps its centre
+            mx.eval(centre)  # one step's [tokens x centres] at a time, not the whole loop's graph
         return mx.argmax(mx.abs(u @ centre.swapaxes(-1, -2)), axis=2).astype(mx.int32)  # [B, H, k]
 
     # --- tokens as (anchor, coefficient) -----------------------------------------------------
@@ -110,12 +112,15 @@ class Anchor:
         """x [B, H, L, D] onto anchors [B, H, A, D]: (index [B, H, L] uint16, coefficient [B, H, L] float16),
         the anchor with the largest |projection| (smallest residual) and the projection's scale."""
         a = anchors.astype(mx.float32)
-        dots = x.astype(mx.float32) @ a.swapaxes(-1, -2)  # [B, H, L, A]
         sq = mx.maximum(mx.sum(a * a, axis=-1), 1e-30)[:, :, None]  # |a|^2 [B, H, 1, A]
-        gain = dots * dots / sq  # the energy of x the anchor explains
-        idx = mx.argmax(gain, axis=-1)
-        coeff = mx.take_along_axis(dots / sq, idx[..., None], axis=-1)[..., 0]
-        return idx.astype(mx.uint16), coeff.astype(mx.float16)
+        out = []
+        for s in range(0, x.shape[2], BLOCK):  # [BLOCK x anchors] at a time: a long prompt's peak stays flat
+            dots = x[:, :, s:s + BLOCK].astype(mx.float32) @ a.swapaxes(-1, -2)  # [B, H, b, A]
+            idx = mx.argmax(mx.abs(dots) * mx.rsqrt(sq), axis=-1)  # the anchor explaining most energy
+            coeff = mx.take_along_axis(dots, idx[..., None], axis=-1)[..., 0] / mx.take_along_axis(sq[:, :, 0], idx, -1)
+            out.append((idx.astype(mx.uint16), coeff.astype(mx.float16)))
+            mx.eval(out[-1])
+        return tuple(mx.concatenate(parts, axis=2) for parts in zip(*out))
 
     @staticmethod
     def approx(anchors: mx.array, idx: mx.array, coeff: mx.array) -> mx.array:
