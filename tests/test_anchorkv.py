@@ -117,7 +117,9 @@ def test_ranking_on_real_queries_beats_the_reverse_ranking():
         tier.append(keys, values, 0)
         tier.partial(q, 1.0)  # the queries attend before the end of the prompt: they are observed
         if flip:
-            tier.sides["k"].ranked = lambda impact, pos: AnchorSide.ranked(-impact, pos)
+            side = tier.sides["k"]
+            real = side.finish_prompt
+            side.finish_prompt = lambda mass, rank: real(mass, lambda r: -rank(r))
         tier.finish_prompt()
         out = tier.partial(q, 1.0)[0]
         errors[flip] = float(mx.mean((out - exact_partial(keys, values, q)) ** 2).item())
@@ -159,17 +161,3 @@ def test_a_long_chunk_is_answered_in_query_blocks_with_the_same_result(monkeypat
         monkeypatch.setattr(anchor_tier, "QUERY_BLOCK", 256)
         assert mx.allclose(whole[0], blocked[0], atol=1e-5).item() and mx.allclose(whole[1], blocked[1]).item()
         tier.finish_prompt()
-
-
-def test_keys_and_values_share_one_residual_budget_spent_where_the_estimate_is_larger():
-    from veloxquant.runtime.anchor_tier import AnchorTier
-    store = Anchor(anchors=0.1, theta=0.25)
-    tier = AnchorTier(SimpleNamespace(route=None, keys=SimpleNamespace(store=store),
-                                      values=SimpleNamespace(store=store)), H, D)
-    tier.append(tokens(100), tokens(100, seed=1), 0)
-    # values' residuals 1000x what they are made of: all of the budget goes to the values
-    tier.sides["v"].ranked = lambda impact, pos: AnchorSide.ranked(impact * 1000 + 1e3, pos)
-    tier.finish_prompt()
-    per_side = round(0.25 * (100 - store.count(100)))
-    assert tier.sides["k"].view("rpos") is None
-    assert tier.sides["v"].view("rpos").shape[2] == 2 * per_side

@@ -66,13 +66,7 @@ class AnchorSide:
 
     def finish_prompt(self, mass: mx.array, impact: Callable[[mx.array], mx.array]) -> None:
         """mass [B, H, L]: attention each staged token got from real queries; impact(residual [B, H, L, D])
-        -> [B, H, L]: first-order output error of leaving each token's residual out. This side's own
-        budget, theta of its non-anchor tokens (the tier may split one budget over K and V instead)."""
-        r, pos = self.fit(mass)
-        self.keep(self.ranked(impact(r), pos), self.residual_budget(), r)
-
-    def fit(self, mass: mx.array):
-        """Choose the anchors and project every token: (residuals [B, H, L, D], anchor positions [B, H, A])."""
+        -> [B, H, L]: first-order output error of leaving each token's residual out."""
         x16 = self.staged.view()
         x = x16.astype(mx.float32)
         pos = self.store.choose(x, mass)  # [B, H, A]
@@ -83,28 +77,19 @@ class AnchorSide:
         own = mx.broadcast_to(mx.arange(A, dtype=mx.uint16), pos.shape)
         idx = mx.put_along_axis(idx, pos, own, axis=-1)
         coeff = mx.put_along_axis(coeff, pos, mx.ones(pos.shape, mx.float16), axis=-1)
+        r = x - self.store.approx(anchors, idx, coeff)
+        B, H, L, _ = x.shape
         self.bufs = {n: Buffer(None) for n in ("anchors",) + PER_TOKEN + RESIDUAL}
         self.bufs["anchors"].set(anchors)
         self.bufs["idx"].set(idx[..., None])
         self.bufs["coeff"].set(coeff[..., None])
-        self.staged.set(None)
-        self.window = None
-        return x - self.store.approx(anchors, idx, coeff), pos
-
-    def residual_budget(self) -> int:
-        """Residuals a head may hold after the fit: theta of its non-anchor tokens."""
-        return round(self.store.theta * (self.count - self.view("anchors").shape[2]))
-
-    @staticmethod
-    def ranked(impact: mx.array, pos: mx.array) -> mx.array:
-        """impact [B, H, L] with the anchors (exact: nothing to add) ranked last."""
-        return mx.put_along_axis(impact, pos, mx.full(pos.shape, -mx.inf), axis=-1)
-
-    def keep(self, score: mx.array, n_res: int, r: mx.array) -> None:
-        """Code the residuals r of the n_res tokens of each head that score highest."""
+        n_res = round(self.store.theta * (L - A))
         if n_res:
+            score = mx.put_along_axis(impact(r), pos, mx.full(pos.shape, -mx.inf), axis=-1)
             rpos = mx.sort(mx.argpartition(-score, kth=n_res - 1, axis=-1)[..., :n_res], axis=-1).astype(mx.int32)
             self._set_residuals(rpos, mx.take_along_axis(r, rpos[..., None], axis=2))
+        self.staged.set(None)
+        self.window = None
         mx.eval([b.view() for b in self.bufs.values() if b.view() is not None])  # a layer's temporaries go now
 
     def _set_residuals(self, rpos: mx.array, r: mx.array) -> None:

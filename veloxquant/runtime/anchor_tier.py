@@ -91,26 +91,6 @@ class AnchorTier(LatentTier):
                 return total
 
             rank = {"k": key_error, "v": lambda r: mass * mx.linalg.norm(r, axis=-1)}
-        if len(sides) == 2 and self.sides["k"].store.bits == self.sides["v"].store.bits:
-            self._split_residuals(mass, rank)  # both sides' residuals cost the same: one budget
-            return
         for name, s in self.sides.items():
             if isinstance(s, AnchorSide) and not s.fitted:
                 s.finish_prompt(mass, rank[name])
-
-    def _split_residuals(self, mass: mx.array, rank) -> None:
-        """K and V share one residual budget (the sum of theirs), spent where the first-order estimate --
-        the same unit, output error, on both sides -- is largest. Each head of the layer holds the same
-        split (arrays stay rectangular): the mean over heads of the split each head would choose."""
-        k, v = self.sides["k"], self.sides["v"]
-        (rk, pk), (rv, pv) = k.fit(mass), v.fit(mass)
-        sk, sv = k.ranked(rank["k"](rk), pk), v.ranked(rank["v"](rv), pv)
-        budget, L = k.residual_budget() + v.residual_budget(), sk.shape[-1]
-        n_k = 0
-        if budget:
-            top = mx.argpartition(-mx.concatenate([sk, sv], axis=-1), kth=budget - 1, axis=-1)[..., :budget]
-            n_k = round(float(mx.mean(mx.sum(top < L, axis=-1).astype(mx.float32)).item()))
-        room = L - k.view("anchors").shape[2]
-        n_k = min(n_k, room, budget)
-        k.keep(sk, n_k, rk)
-        v.keep(sv, min(budget - n_k, L - v.view("anchors").shape[2]), rv)
