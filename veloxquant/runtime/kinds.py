@@ -9,13 +9,14 @@ from typing import Optional
 
 from ..compiler.plan import LayerPlan, TierPlan
 from ..errors import VeloxError
+from .anchor_tier import AnchorTier
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
 from .sparse_tier import SparseDecodeTier
 from .tier import EXACT_MIN_CHUNK, Tier, fusable
 
-KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
 HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
 
 

@@ -4,9 +4,12 @@ Dropping a token perturbs every later attention output; CaM folds the evicted
 value into the values that stay, in proportion to how prominent the evicted
 token was: with A the attention each token has received (H2O's accumulator),
 the paper's merge probability is p = clip(A_evicted / mean(A_targets), 0, 1),
-and each of the m targets gets v_evicted * p / m (`prominence`, the expected
-merge) or, as in the paper's code, v_evicted * Bernoulli(p) / m (`sample`,
-keyed on the position counter so a run repeats). The paper merges into the
+and each of the m targets takes v_evicted in at weight p / m (`prominence`, the
+expected merge) or, as in the paper's code, Bernoulli(p) / m (`sample`, keyed
+on the position counter so a run repeats). A target's value becomes the
+weighted average of itself (weight 1) and what was merged into it -- a convex
+combination, so it stays inside the hull of the merged values however many
+tokens it takes in (the paper's additive v += p v_e / m does not). The paper merges into the
 newest tokens; here the m targets are the survivors whose keys are most similar
 (cosine) to the evicted key, so what is folded lands where similar queries look.
 Keys are kept as they were. Nothing extra is held: merged values replace the
@@ -42,11 +45,16 @@ def merged_values(keys: mx.array, values: mx.array, scores: mx.array, kept: mx.a
     p = mx.clip(a_gone / mx.maximum(mx.mean(a_to, axis=-1), 1e-30), 0.0, 1.0)  # [B, H, e]
     if how == "sample":
         p = (mx.random.uniform(shape=p.shape, key=mx.random.key(offset)) < p).astype(mx.float32)
-    share = (p / m)[..., None, None] * v_gone[:, :, :, None, :]  # [B, H, e, 1, D]
-    share = mx.broadcast_to(share, (B, H, e, m, D)).reshape(-1, D)
+    # Each target holds a weighted average: itself at weight 1 (its own prominence, the reference of p)
+    # and each token merged into it at weight p/m. The paper's additive fold (v += p v_e / m) adds the
+    # numerator of that average but not its denominator: over a long prompt a survivor takes in hundreds
+    # of tokens and its value grows without bound (the H200 4k rows: +10,422% PPL on SmolLM2).
+    w = mx.broadcast_to((p / m)[..., None], (B, H, e, m))  # [B, H, e, m]
+    share = (w[..., None] * v_gone[:, :, :, None, :]).reshape(-1, D)
     rows = (mx.arange(B * H, dtype=mx.int32).reshape(B, H, 1, 1) * b + to.astype(mx.int32)).reshape(-1)
-    flat = v_kept.astype(mx.float32).reshape(B * H * b, D).at[rows].add(share)
-    return flat.reshape(B, H, b, D)
+    num = v_kept.astype(mx.float32).reshape(B * H * b, D).at[rows].add(share)
+    den = mx.ones((B * H * b,), mx.float32).at[rows].add(w.reshape(-1))
+    return (num / den[:, None]).reshape(B, H, b, D)
 
 
 def merged_for(tier, kept: mx.array, gone: mx.array, offset: int):
