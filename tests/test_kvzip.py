@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 import veloxquant
 from veloxquant.errors import VeloxError
-from veloxquant.runtime import model_pass
+from veloxquant.runtime import model_pass, per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.scorers.reconstruct import FIRST, LATER, SUFFIX
 
@@ -99,7 +99,12 @@ def reference_scores(model, context, passes, sinks, monkeypatch):
     return out
 
 
-def test_scores_are_the_max_attention_of_the_repeat_pass(llama_model, monkeypatch):
+@pytest.mark.parametrize("run", [True, False], ids=["one-run", "per-head-masks"])
+def test_scores_are_the_max_attention_of_the_repeat_pass(llama_model, monkeypatch, run):
+    """Both ways the pass attends: SDPA over one contiguous run (scores over the sinks, the chunk and the
+    repeat only), and per-head position masks (heads that hold different tokens, windows)."""
+    if not run:
+        monkeypatch.setattr(per_head, "_causal", lambda *a: False)
     caches = prefilled(llama_model)
     model_pass.run(caches[0].coordinator)
     got = np.stack([np.array(c.tiers[0].scores)[0] for c in caches])
@@ -170,8 +175,8 @@ def test_pass_memory_is_blocked():
     mx.reset_peak_memory()
     start = mx.get_active_memory()
     model_pass.run(caches[0].coordinator)
-    materialised = 9 * 2048 * (2 * 2048 + 40) * 4
-    assert mx.get_peak_memory() - start < materialised / 3
+    materialised = 9 * 2048 * (2 * 2048 + 40) * 4  # one float32 weights array for the whole pass: 291 MiB
+    assert mx.get_peak_memory() - start < materialised / 2  # measured 92 MiB (8,192 tokens: 101 MiB)
 
 
 def test_clear_errors(llama_model):

@@ -151,6 +151,7 @@ class Look:
     mask_for: Callable  # (s, n) -> [B, Hkv, n, held + n]: causal and windowed, as the model attends
     where: slice  # this tier's keys among them
     held: int  # keys before the pass's own
+    run: bool  # the tier alone is held, every head the same contiguous positions, no window: columns are positions
 
 
 class PassView:
@@ -174,15 +175,19 @@ class PassView:
         self.pending = None  # the pass's own K/V live no longer than this layer's attention
         cache = self.cache
         B, H, n, _ = keys.shape
-        own = mx.broadcast_to(mx.arange(first, first + n, dtype=mx.int32), (B, H, n))
         held = cache.held()
-        parts = [(keys.astype(mx.float32), values.astype(mx.float32), own)]
+        # Every head holds one run of positions ending where the pass begins, and no window: SDPA's
+        # "causal" over [held, own] is exact (fused where the backend has it), a block of queries at a time.
+        causal = per_head._causal(cache, held, first) if held else cache.plan.window is None
+        parts = [(keys, values, mx.broadcast_to(mx.arange(first, first + n, dtype=mx.int32), (B, H, n)))]
         slices, windows = [], []
         if held:
-            k, v, kpos, slices = per_head._gather(cache, held, mx.float32)
+            k, v, kpos, slices = per_head._gather(cache, held, queries.dtype if causal else mx.float32)
             parts.insert(0, (k, v, kpos))
             windows = [cache._window(t) for t in held]
-        k, v, kpos = (mx.concatenate([p[i] for p in parts], axis=2) for i in range(3))
+        dtype = queries.dtype if causal else mx.float32
+        k, v, kpos = (mx.concatenate([p[i].astype(dtype) if i < 2 else p[i] for p in parts], axis=2)
+                      for i in range(3))
         total = k.shape[2] - n
         spans, windows = [*slices, slice(total, total + n)], [*windows, cache.plan.window]
 
@@ -191,11 +196,31 @@ class PassView:
                                   axis=-1)
 
         block = block_size(queries.shape[1], k.shape[2], per_head.SCORE_BLOCK, per_head.SCORE_BYTES)
-        out, _, _ = attend_blocked(queries, k, v, scale, mask_for, block, weigh=False)
+        if causal:
+            out = _causal_blocks(queries, k, v, scale, block)
+        else:
+            out, _, _ = attend_blocked(queries, k, v, scale, mask_for, block, weigh=False)
+        k32 = k.astype(mx.float32)
         for t in self.tiers:
-            t.scorer.listen(t, Look(queries, k, kpos, first, scale, mask_for, slices[held.index(t)], total),
-                            self.note)
+            look = Look(queries, k32, kpos, first, scale, mask_for, slices[held.index(t)], total,
+                        causal and len(held) == 1)
+            t.scorer.listen(t, look, self.note)
         return out.astype(queries.dtype)
+
+
+def _causal_blocks(queries: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
+    """SDPA with "causal" (bottom-right aligned), `block` queries at a time: block [s, s + b) sees the keys
+    up to its own last position, so only one block's scores exist where the backend materialises them."""
+    Lq, held = queries.shape[2], keys.shape[2] - queries.shape[2]
+    outs = []
+    for s in range(0, Lq, block):
+        q = queries[:, :, s:s + block]
+        if outs:
+            q = mx.depends(q, [outs[-1]])
+        end = held + s + q.shape[2]
+        outs.append(mx.fast.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=scale,
+                                                         mask="causal"))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 # --- recording the prompt's token ids ------------------------------------------

@@ -18,7 +18,7 @@ everything, as the model does). Each chunk scores its own tokens.
 """
 import mlx.core as mx
 
-from ..scoring import attention_weights, block_size
+from ..scoring import attention_weights, block_size, position_mask
 from . import Scorer, scorer
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -47,11 +47,23 @@ class Reconstruct(Scorer):
 
     def listen(self, tier, look, span) -> None:
         start, end = span
+        sinks = self.route.sinks
+        if look.run:  # columns are positions: score only the sinks, the chunk and the repeat (fewer keys)
+            p0, n = tier.first, look.keys.shape[2] - look.held
+            ns = max(0, min(sinks, start) - p0)
+            a, b = start - p0, min(end, tier.first + tier.count) - p0
+            cols = mx.concatenate([mx.arange(ns), mx.arange(a, b), mx.arange(look.held, look.held + n)])
+            keys, kpos = mx.take(look.keys, cols, axis=2), mx.take(look.positions, cols, axis=2)
+            best = _max_weights(look.queries, keys, look.scale,
+                                lambda s, m: position_mask(kpos, look.first_q + s, m, None))
+            old = tier.scores
+            tier.set_scores(mx.concatenate([old[..., :a], best[..., ns:ns + b - a], old[..., b:]], axis=-1))
+            return
         kpos = look.positions
         # The score's softmax: sinks, the chunk being repeated, and the repeat's own tokens.
         index = mx.arange(kpos.shape[-1])
-        counted = (kpos < self.route.sinks) | ((kpos >= start) & (kpos < end)) | (index >= look.held)
-        best = _max_weights(look, counted[:, :, None, :])
+        counted = ((kpos < sinks) | ((kpos >= start) & (kpos < end)) | (index >= look.held))[:, :, None, :]
+        best = _max_weights(look.queries, look.keys, look.scale, lambda s, m: look.mask_for(s, m) & counted)
         pos = tier.positions
         tier.set_scores(mx.where((pos >= start) & (pos < end), best[..., look.where], tier.scores))
 
@@ -60,18 +72,16 @@ class Reconstruct(Scorer):
         return 0 if self.pass_bytes is None else self.pass_bytes.nbytes
 
 
-def _max_weights(look, counted: mx.array) -> mx.array:
-    """[B, Hkv, keys]: the largest weight each key gets from any query of the pass and any query head of its
-    group, a block of queries at a time (ordered, so one block's weights exist at once)."""
-    q = look.queries
-    Lq = q.shape[2]
-    block = block_size(q.shape[1], look.keys.shape[2], Lq, SCORE_BYTES)
+def _max_weights(queries: mx.array, keys: mx.array, scale: float, mask_for) -> mx.array:
+    """[B, Hkv, keys]: the largest weight each key gets from any query and any query head of its group,
+    a block of queries at a time (ordered, so one block's weights exist at once)."""
+    Lq = queries.shape[2]
+    block = block_size(queries.shape[1], keys.shape[2], Lq, SCORE_BYTES)
     best = None
     for s in range(0, Lq, block):
-        qs = q[:, :, s:s + block]
+        q = queries[:, :, s:s + block]
         if best is not None:
-            qs = mx.depends(qs, [best])
-        mask = look.mask_for(s, qs.shape[2]) & counted
-        w = mx.max(attention_weights(qs, look.keys, look.scale, mask), axis=(2, 3))
+            q = mx.depends(q, [best])
+        w = mx.max(attention_weights(q, keys, scale, mask_for(s, q.shape[2])), axis=(2, 3))
         best = w if best is None else mx.maximum(best, w)
     return best
