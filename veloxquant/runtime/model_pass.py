@@ -20,7 +20,8 @@ During the pass every layer's cache is replaced by a PassView: the layer's held
 K/V are read (never written), the pass's own K/V live only until that layer's
 attention is answered, and attention is computed a block of queries at a time
 (never [heads x queries x keys] for the whole pass). The logits are never
-evaluated, so the LM head is never computed.
+evaluated, so the LM head is never computed; each layer's output and scores
+are evaluated as the layer ends, so one layer's transients exist at a time.
 """
 import inspect
 import weakref
@@ -205,7 +206,11 @@ class PassView:
             look = Look(queries, k32, kpos, first, scale, mask_for, slices[held.index(t)], total,
                         causal and len(held) == 1)
             t.scorer.listen(t, look, self.note)
-        return out.astype(queries.dtype)
+        out = out.astype(queries.dtype)
+        # Layer by layer: evaluated as one graph, every layer's gathered K/V (which do not depend on the
+        # pass's hidden states) were computed up front and held together (+220 MiB at 1,536 tokens, SmolLM2).
+        mx.eval(out, [t.scores for t in self.tiers])
+        return out
 
 
 def _causal_blocks(queries: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
