@@ -16,15 +16,12 @@ from veloxquant.runtime import model_pass, per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.scorers.reconstruct import FIRST, LATER, SUFFIX
 
-from conftest import feed, tiny_gemma3, tiny_llama
+from conftest import CharTokenizer, feed, tiny_gemma3, tiny_llama
 
 SETS = ["budget=12", "chunk=16"]
 
 
-class Tok:
-    """A stand-in tokenizer for random models: one id per character."""
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % 500 for c in text]
+Tok = CharTokenizer
 
 
 def tokens(n, seed=0):
@@ -180,8 +177,8 @@ def test_pass_memory_is_blocked():
 
 
 def test_clear_errors(llama_model):
-    with pytest.raises(VeloxError, match="tokenizer"):
-        veloxquant.make_prompt_cache(llama_model, "kvzip", SETS)
+    with pytest.raises(VeloxError, match="tokenizer"):  # a model that came without one
+        veloxquant.make_prompt_cache(llama.Model(llama_model.args), "kvzip", SETS)
     caches = veloxquant.make_prompt_cache(llama_model, "kvzip", SETS, tokenizer=Tok())
     llama_model(None, cache=caches, input_embeddings=llama_model.model.embed_tokens(tokens(40)))
     with pytest.raises(VeloxError, match="token ids"):
