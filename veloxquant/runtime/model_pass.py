@@ -65,6 +65,7 @@ class ModelPass:
         self.texts = texts
         self.fed: List[tuple] = []  # (first position, ids [B, n] or None when fed as embeddings)
         self.done = False
+        self.ran: Dict[str, object] = {}  # what the pass fed (run --json reports it)
 
     def record(self, offset: int, inputs: Optional[mx.array]) -> None:
         if self.done:
@@ -134,11 +135,14 @@ def run(coordinator) -> None:
                          "make them with veloxquant.make_prompt_cache(model, recipe)")
     model, scorer = driver.model(), pending[0][1].scorer
     context = driver.context(caches[0].offset)
+    fed = []
     for tokens, note in scorer.passes(context, driver.texts):
         views = [PassView(c, [t for d, t in pending if d is c], note) for c in caches]
         model(tokens, cache=views)  # logits never evaluated: only what the scores depend on is computed
         mx.eval([t.scores for _, t in pending])
+        fed.append(tokens.shape[1])
     driver.done, driver.fed = True, []
+    driver.ran = {"scorer": scorer.name, "context_tokens": context.shape[1], "chunks": len(fed), "tokens_fed": sum(fed)}
 
 
 @attrs.define
