@@ -185,3 +185,13 @@ def test_clear_errors(llama_model):
     llama_model(None, cache=caches, input_embeddings=llama_model.model.embed_tokens(tokens(40)))
     with pytest.raises(VeloxError, match="token ids"):
         feed(llama_model, tokens(41)[:, 40:], caches, 1)
+
+
+def test_eval_fidelity_feeds_the_pass_through_its_tee(llama_model):
+    """The eval's fidelity probe wraps each layer's caches in a tee: the prompt's ids still reach the pass."""
+    from veloxquant.eval import fidelity
+    from veloxquant.eval.rows import parse_row
+    rows = [parse_row("fp16"), parse_row("kvzip[budget=24,chunk=32]")]
+    windows = np.random.default_rng(5).integers(0, 500, (1, 129)).tolist()
+    per_layer = fidelity.measure(llama_model, rows[0], rows, windows, prefix=96, prefill_chunk=32, score_chunk=8)
+    assert all(0.5 < c < 1 - 1e-6 for c in per_layer["kvzip[budget=24,chunk=32]"])

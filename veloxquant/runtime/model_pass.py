@@ -245,16 +245,28 @@ def install(model) -> None:
 
     def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", args[at] if at is not None and len(args) > at else None)
-        first = cache[0] if isinstance(cache, (list, tuple)) and cache else None
-        driver = getattr(getattr(first, "coordinator", None), "model_pass", None)
-        if driver is not None:
-            inputs = args[0] if args else kwargs.get("inputs")
-            driver.record(first.offset, None if kwargs.get("input_embeddings") is not None else inputs)
+        if isinstance(cache, (list, tuple)) and cache:
+            inputs = None if kwargs.get("input_embeddings") is not None else args[0] if args else kwargs.get("inputs")
+            for driver, offset in _drivers(cache[0]):
+                driver.record(offset, inputs)
         return original(self, *args, **kwargs)
 
     __call__.veloxquant_original = original
     cls.__call__ = __call__
     _CALLS[cls] = original
+
+
+def _drivers(cache) -> List[tuple]:
+    """(pass, offset) of a model's first layer cache, and of the caches a wrapper feeds (`wrapped`: the
+    eval's fidelity tee feeds one cache per row)."""
+    out, stack = [], [cache]
+    while stack:
+        c = stack.pop()
+        driver = getattr(getattr(c, "coordinator", None), "model_pass", None)
+        if driver is not None:
+            out.append((driver, c.offset))
+        stack.extend(getattr(c, "wrapped", ()))
+    return out
 
 
 def uninstall(model=None) -> None:
