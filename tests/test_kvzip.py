@@ -195,3 +195,15 @@ def test_eval_fidelity_feeds_the_pass_through_its_tee(llama_model):
     windows = np.random.default_rng(5).integers(0, 500, (1, 129)).tolist()
     per_layer = fidelity.measure(llama_model, rows[0], rows, windows, prefix=96, prefill_chunk=32, score_chunk=8)
     assert all(0.5 < c < 1 - 1e-6 for c in per_layer["kvzip[budget=24,chunk=32]"])
+
+
+def test_heads_compete_on_the_repeat_scores(llama_model, tmp_path):
+    """heads=score: a layer's kv heads share its budget by the repeat scores (allocated after the pass)."""
+    caches = prefilled(llama_model, sets=[*SETS, "heads=score", "alpha=0"])
+    feed(llama_model, tokens(41)[:, 40:], caches, 1)
+    heads = caches[0].coordinator.budgets["heads"]
+    assert all(sum(b) == 3 * 12 for b in heads) and any(len(set(b)) > 1 for b in heads)
+    save_prompt_cache(tmp_path / "c.safetensors", caches)
+    loaded, _ = load_prompt_cache(tmp_path / "c.safetensors", model=llama_model)
+    a, b = (np.array(feed(llama_model, tokens(44)[:, 41:], c, 1)) for c in (caches, loaded))
+    assert np.array_equal(a, b)
