@@ -207,3 +207,18 @@ def test_heads_compete_on_the_repeat_scores(llama_model, tmp_path):
     loaded, _ = load_prompt_cache(tmp_path / "c.safetensors", model=llama_model)
     a, b = (np.array(feed(llama_model, tokens(44)[:, 41:], c, 1)) for c in (caches, loaded))
     assert np.array_equal(a, b)
+
+
+def test_kvpress_bench_fork_after_the_pass_decides_like_a_fresh_cache(llama_model):
+    """bench kvpress runs the pass once on the wide cache, then forks per budget: same as a fresh run."""
+    from veloxquant.bench.kvpress import fork
+    wide = prefilled(llama_model, sets=["budget=30", "chunk=16"])
+    model_pass.run(wide[0].coordinator)
+    forked, fresh = fork(wide, 12), prefilled(llama_model, sets=SETS)
+    for caches in (forked, fresh):
+        for c in caches:
+            c.finish_prompt()
+    for a, b in zip(forked, fresh):
+        assert np.array_equal(np.array(a.tiers[0].positions), np.array(b.tiers[0].positions))
+    x = tokens(44)[:, 40:]
+    assert np.array_equal(np.array(feed(llama_model, x, forked, 1)), np.array(feed(llama_model, x, fresh, 1)))

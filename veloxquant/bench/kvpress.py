@@ -76,6 +76,10 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
         for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
             model(x[:, s:min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
             settle(caches)
+        coordinator = getattr(caches[0], "coordinator", None)
+        if coordinator is not None:  # a model pass (kvzip) scores alike at every budget: once, before forking
+            from ..runtime import model_pass
+            model_pass.run(coordinator)
         for i, b in enumerate(budgets):
             mine = fork(caches, b)
             for c in mine:
