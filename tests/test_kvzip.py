@@ -178,6 +178,13 @@ def test_pass_memory_is_blocked():
     assert mx.get_peak_memory() - start < materialised / 2  # measured 92 MiB (8,192 tokens: 101 MiB)
 
 
+def test_a_prompt_within_the_budget_runs_no_pass_and_stops_recording(llama_model):
+    caches = prefilled(llama_model, sets=["budget=64"])
+    feed(llama_model, tokens(44)[:, 40:], caches, 1)
+    driver = caches[0].coordinator.model_pass
+    assert driver.done and driver.fed == [] and driver.ran == {} and all(c.size() == 44 for c in caches)
+
+
 def test_clear_errors(llama_model):
     with pytest.raises(VeloxError, match="tokenizer"):  # a model that came without one
         veloxquant.make_prompt_cache(llama.Model(llama_model.args), "kvzip", SETS)

@@ -79,7 +79,7 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
         coordinator = getattr(caches[0], "coordinator", None)
         if coordinator is not None:  # a model pass (kvzip) scores alike at every budget: once, before forking
             from ..runtime import model_pass
-            model_pass.run(coordinator)
+            model_pass.run(coordinator, ending=False)
         for i, b in enumerate(budgets):
             mine = fork(caches, b)
             for c in mine:

@@ -118,9 +118,10 @@ def attach(model, caches, tokenizer=None) -> None:
     install(model)
 
 
-def run(coordinator) -> None:
+def run(coordinator, ending: bool = True) -> None:
     """Run the pass the listening scorers ask for, if any tier will evict (the coordinator calls this
-    once, at the end of the prompt, before budgets are decided)."""
+    once, at the end of the prompt, before budgets are decided). `ending`: the prompt is over whatever
+    happens here, so stop recording ids (False: a bench scoring early, before it forks the caches)."""
     caches = coordinator.caches
     driver = getattr(coordinator, "model_pass", None)
     if driver is not None and driver.done:
@@ -129,7 +130,9 @@ def run(coordinator) -> None:
         c._settle()
     pending = [(c, t) for c in caches for t in c.tiers if needs_pass(t)]
     if not pending or not any(t.over() for _, t in pending):
-        return  # the prompt fits the budgets: nothing will be evicted
+        if driver is not None and ending:
+            driver.done, driver.fed = True, []  # the prompt fits the budgets: nothing to score, ever
+        return
     if driver is None or driver.model() is None:
         raise VeloxError("these caches need a model pass at the end of the prompt, but no model is attached: "
                          "make them with veloxquant.make_prompt_cache(model, recipe)")
