@@ -20,6 +20,19 @@ import pytest
 from mlx_lm.models import gemma3_text, llama
 
 
+class CharTokenizer:
+    """A stand-in tokenizer for the random models (vocabulary 500): one id per character. The texts of a
+    model pass the caches run (KVzip's repeat instruction) are tokenized with it, as load_model's are."""
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 500 for c in text]
+
+
+def _with_tokenizer(model):
+    from veloxquant.runtime.model_pass import remember_tokenizer
+    remember_tokenizer(model, CharTokenizer())
+    return model
+
+
 def tiny_llama(dtype=mx.float32, layers=4):
     """A random-init Llama with SmolLM2's head layout (3 kv heads of 64, GQA 3)."""
     args = llama.ModelArgs(model_type="llama", hidden_size=192, num_hidden_layers=layers, intermediate_size=256,
@@ -28,7 +41,7 @@ def tiny_llama(dtype=mx.float32, layers=4):
     mx.random.seed(0)
     model = llama.Model(args)
     model.set_dtype(dtype)
-    return model
+    return _with_tokenizer(model)
 
 
 def tiny_gemma3(window=32):
@@ -38,7 +51,7 @@ def tiny_gemma3(window=32):
                                  num_key_value_heads=1, vocab_size=500, sliding_window=window,
                                  sliding_window_pattern=2)
     mx.random.seed(1)
-    return gemma3_text.Model(args)
+    return _with_tokenizer(gemma3_text.Model(args))
 
 
 @pytest.fixture(scope="session")

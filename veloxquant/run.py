@@ -35,10 +35,12 @@ def cache_report(caches) -> Dict[str, object]:
 
 
 def allocated_budgets(caches) -> Dict[str, object]:
-    """Budgets the coordinator chose at the end of the prompt (squeeze, adakv): per layer, per kv head."""
+    """Budgets the coordinator chose at the end of the prompt (squeeze, adakv): per layer, per kv head;
+    and what a model pass it ran fed (kvzip)."""
     coordinator = getattr(caches[0], "coordinator", None) if caches else None
     chosen = getattr(coordinator, "budgets", None)
-    return {"budgets": chosen} if chosen else {}
+    ran = getattr(getattr(coordinator, "model_pass", None), "ran", None)  # a pass the caches ran (KVzip)
+    return {**({"budgets": chosen} if chosen else {}), **({"model_pass": ran} if ran else {})}
 
 
 def calibration_bytes(caches) -> int:

@@ -25,7 +25,7 @@ from ..models import load_model
 from ..runtime import make_prompt_cache, uninstall
 
 EVICTION = ("h2o", "tova", "snapkv", "pyramidkv", "streaming_llm", "observed_attention", "knorm", "keydiff",
-            "expected_attention", "qfilters", "keyformer", "morphkv", "chunkkv", "curdkv")
+            "expected_attention", "qfilters", "keyformer", "morphkv", "chunkkv", "curdkv", "kvzip")
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:

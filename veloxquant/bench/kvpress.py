@@ -26,14 +26,15 @@ from typing import Dict, List
 KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94)),
            "ExpectedAttention": ("expected_attention", (1.25, 3.11, 5.46)),
            "TOVA": ("tova[once=true,shared_heads=true]", (0.89, 3.89, 6.61)),  # kvpress averages over heads
-           "KVzip": (None, (0.97, 4.56, 7.04)),
+           "KVzip": ("kvzip", (0.97, 4.56, 7.04)),  # ours: uniform per head (kvpress: one ranking over all heads)
            "SnapKV (window 64, pool 5)": ("snapkv[window=64,pool=5]", (1.44, 4.69, 7.70)),
            "StreamingLLM": ("streaming", (2.44, 4.17, 7.72)),
            "KeyDiff": ("keydiff", (3.28, 7.05, 12.28)),
            "Knorm": ("knorm[once=true]", (8.76, 12.49, 15.29))}
 KVPRESS_FRACTIONS = (0.5, 0.75, 0.85)
 EXTRA = ["tova[once=true]", "observed_attention[recent=64]", "observed_attention[pool=5]", "h2o[once=true]", "curdkv[once=true]",
-         "qfilters[once=true]", "chunkkv[once=true]", "morphkv[once=true]"]
+         "qfilters[once=true]", "chunkkv[once=true]", "morphkv[once=true]",
+         "kvzip[heads=score,alpha=0]"]
 # StreamingLLM at the end of the prompt: sinks plus the newest tokens, then append.
 STREAMING = "veloxquant: 1\nname: streaming\npipeline: evict(budget=$budget, sinks=4, score=newest, once=true)\n" \
             "params:\n  budget: {default: 256, type: int, doc: tokens kept}\n"
@@ -75,6 +76,10 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
         for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
             model(x[:, s:min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
             settle(caches)
+        coordinator = getattr(caches[0], "coordinator", None)
+        if coordinator is not None:  # a model pass (kvzip) scores alike at every budget: once, before forking
+            from ..runtime import model_pass
+            model_pass.run(coordinator, ending=False)
         for i, b in enumerate(budgets):
             mine = fork(caches, b)
             for c in mine:

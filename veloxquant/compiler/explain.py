@@ -147,6 +147,8 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             from ..runtime.allocation import rule
             if rule(t.route):
                 out.append(f"    budgets decided once at the end of the prompt by the coordinator: {rule(t.route)}")
+            if getattr(t.route, "explain_pass", None):
+                out.append(f"    {t.route.explain_pass()}")
             if getattr(t.route, "explain_decode", None):
                 out.append(f"    {t.route.explain_decode()}")
     return out

@@ -65,6 +65,11 @@ class Tee:
                 s.attend(queries, scale=scale)
         return out
 
+    @property
+    def wrapped(self):
+        """The caches this tee feeds: a model pass they run records the prompt's ids (runtime/model_pass.py)."""
+        return (self.ref, *self.shadows)
+
     def finish_prompt(self):
         for c in (self.ref, *self.shadows):
             getattr(c, "finish_prompt", lambda: None)()

@@ -223,4 +223,6 @@ def load_model(path: str | os.PathLike | None = None, dtype=None, *, lazy: bool 
         dtype = getattr(mx, dtype)
     if dtype is not None:
         model.set_dtype(dtype)
+    from ..runtime.model_pass import remember_tokenizer
+    remember_tokenizer(model, tokenizer)  # a model pass the caches run (KVzip) tokenizes its prompt with it
     return model, tokenizer

@@ -17,6 +17,7 @@ import mlx.core as mx
 from ..compiler.groups import shared_tiers
 from ..compiler.plan import Plan
 from ..errors import VeloxError
+from . import model_pass
 from .allocation import allocates, decide
 from .reuse_tier import ReuseTier
 
@@ -76,6 +77,7 @@ class Coordinator:
         self.links: List[Link] = []
         self.budgets: dict = {}  # what `allocate` chose: per-layer budgets and per-head lists
         self.allocated = False
+        self.model_pass = None  # a pass the caches run at the end of the prompt (model_pass.attach)
         for layer, cache in zip(plan.layers, caches):
             cache.coordinator = self
             for t in shared_tiers(layer) if layer.share else ():  # slerp layers above `start` share nothing
@@ -92,6 +94,7 @@ class Coordinator:
         if self.allocated:
             return
         self.allocated = True
+        model_pass.run(self)  # scores from a model pass (KVzip) come first: allocations may read them
         self.budgets = decide(self.caches)
 
     def problems(self) -> List[str]:
@@ -106,7 +109,8 @@ class Coordinator:
 
 
 def link_groups(plan: Plan, caches: List) -> Optional[Coordinator]:
-    """One coordinator for the model when its plan has cross-layer groups or allocated budgets."""
-    if not any(layer.share or any(allocates(t.route) for t in layer.tiers) for layer in plan.layers):
+    """One coordinator for the model when its plan has cross-layer groups, allocated budgets or a model pass."""
+    if not any(layer.share or model_pass.NEED in layer.needs or any(allocates(t.route) for t in layer.tiers)
+               for layer in plan.layers):
         return None
     return Coordinator(plan, caches)

@@ -69,3 +69,5 @@ def uninstall(model=None) -> None:
         if name in _ORIGINALS and name in sys.modules:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
     _EPOCH[0] += 1
+    from . import model_pass
+    model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/model_pass.py)

@@ -4,7 +4,7 @@ from typing import Iterable, List, Union
 from ..calibration import bind
 from ..compiler import ModelShape, Plan, compile_recipe
 from ..recipe import Recipe, load_recipe
-from . import hook
+from . import hook, model_pass
 from .cache import TieredCache
 from .coordinator import link_groups
 
@@ -25,14 +25,18 @@ def caches_for(plan: Plan) -> List[TieredCache]:
 
 
 def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable[str] = (),
-                      use_hook: bool = True) -> List[TieredCache]:
+                      use_hook: bool = True, tokenizer=None) -> List[TieredCache]:
     """One TieredCache per layer for `model` under `recipe` (a built-in name or a path).
 
     With `use_hook` (the default) attention is routed to the caches
     (veloxquant.uninstall(model) undoes it); without it the caches return
-    decoded K/V to mlx-lm's own attention.
+    decoded K/V to mlx-lm's own attention. `tokenizer` tokenizes the prompt of a
+    model pass the caches run (KVzip's repeat instruction); models loaded with
+    veloxquant.models.load_model bring their own.
     """
     plan = plan_for(model, recipe, sets, use_hook)
     if use_hook:
         hook.install(model)
-    return caches_for(plan)
+    caches = caches_for(plan)
+    model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
+    return caches

@@ -34,8 +34,9 @@ class _PerHeadRoute:
 
 
 def _known_scorer(instance, attribute, value):
-    from ..runtime.scorers import names  # the scorer modules register themselves (runtime/scorers/)
-    allowed = [n for n in names() if n != "window"]  # SnapKV's vote is the `snap` stage
+    from ..runtime.scorers import SCORERS, names  # the scorer modules register themselves (runtime/scorers/)
+    # SnapKV's vote is the `snap` stage; scores from a model pass (KVzip) come with `reconstruct`
+    allowed = [n for n in names() if n != "window" and "model_pass" not in SCORERS[n].needs]
     if value not in allowed:
         raise ValueError(f"must be one of {', '.join(allowed)}")
 
