@@ -10,10 +10,11 @@ from ..errors import VeloxError
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
+from .query_aware_tier import QueryAwareTier
 from .sparse_tier import SparseDecodeTier
 from .tier import Tier
 
-KINDS = {"latent": LatentTier, "merged": MergedTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier, "query_aware": QueryAwareTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
 HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
 
 
