@@ -76,7 +76,7 @@ class CommVQ:
     """Additive VQ of pre-RoPE keys with RoPE-commutative codewords (EM-trained); RoPE re-applied exactly in the scores."""
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     half_bits: int = attrs.field(default=6, validator=in_range(2, 8))
-    iters: int = attrs.field(default=12, validator=in_range(1, 200))
+    iters: int = attrs.field(default=6, validator=in_range(1, 200))
     corpus: str = "austen:emma"
     tokens: int = attrs.field(default=4096, validator=in_range(64, 1 << 20))
     _artifact: str = ""

@@ -66,6 +66,7 @@ class QueryAwareVQ:
     positional = True  # bound to its layer's RoPE: the pairs the query energies are averaged over
     keys_only = True
     tier_kind = "query_aware"  # its tier feeds it the energies of the queries it answered
+    runtime_params = ("window",)  # scoring only: the same artifact serves every window
     codes = False
     token_multiple = 1
 
