@@ -21,6 +21,10 @@ DECAY = 0.9  # weight of the energies so far at each attention call (~10 recent 
 
 
 class QueryAwareTier(Tier):
+    # Trimming would rewind the tokens but not the queries' running energies (an average, not a
+    # log): refused, so a trimmed cache never continues from state it did not have at that point.
+    can_rewind = False
+
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         super().__init__(plan)
         self.n_kv_heads = n_kv_heads
