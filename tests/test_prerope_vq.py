@@ -9,7 +9,6 @@ from veloxquant.runtime.attention import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.make import plan_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.tier import Tier
 from veloxquant.stages import rope_pairs as rp
 from veloxquant.stages.productvq import kmeans
 from veloxquant.stages.unrope import rotate
@@ -174,3 +173,20 @@ def test_generate_and_save_load_on_llama_and_gemma(llama_model, recipes, tmp_pat
         nxt = mx.array([[1, 2]])
         assert float(mx.abs(model(nxt, cache=caches) - model(nxt, cache=loaded)).max()) == 0.0
         vq.uninstall()
+
+
+def test_commvq_m_step_is_the_commutative_least_squares_solution():
+    """The constrained M-step (one complex system for all pairs) equals a brute-force real lstsq over
+    codewords built as c_A + i c_B."""
+    from veloxquant.stages.commvq import _m_step
+    rng = np.random.default_rng(0)
+    N, P, C = 300, 4, 8
+    x = rng.normal(size=(N, P)) + 1j * rng.normal(size=(N, P))
+    A, B = rng.integers(0, C, N), rng.integers(0, C, N)
+    got = _m_step(x, A, B, C, np.zeros((C, P), complex))
+    S = np.zeros((N, C), complex)  # x_n = sum_a S[n, a] c_a with S = e_A + i e_B
+    np.add.at(S, (np.arange(N), A), 1)
+    np.add.at(S, (np.arange(N), B), 1j)
+    real = np.block([[S.real, -S.imag], [S.imag, S.real]])  # complex least squares as a real one
+    sol = np.linalg.lstsq(real, np.concatenate([x.real, x.imag]), rcond=None)[0]
+    assert np.allclose(got, sol[:C] + 1j * sol[C:], atol=1e-4)
