@@ -9,6 +9,12 @@ attention computes them) and the relative error of the attention output
 (values exact). A 1-bit sketch's score error grows with ||q|| ||k|| (QJL:
 sqrt(pi/2m) ||q|| ||k||), so with the shared offset; `groupmean(64) | residual(...)`
 codes what is left of each 64-token group's mean.
+
+--recipes 'vecinfer;a2ats:beta=1.0;commvq:bits=1' measures built-in recipes' key
+codecs instead (their coded, last tier; calibrated ones bound to their artifact,
+so calibrate them first with the same --set values): keys encoded at their real
+positions, and pre-RoPE stores (commvq, a2ats) scored with each query's position.
+Codecs that cannot score their codes are measured decode-then-dot.
 """
 import argparse
 import sys
@@ -42,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--layers", help="comma-separated (default: six spread over the model)")
     ap.add_argument("--pipelines", default=PIPELINES, help="key pipelines separated by ';'")
+    ap.add_argument("--recipes", help="built-in recipes (name[:k=v,k=v]) separated by ';', instead of --pipelines")
     args = ap.parse_args(argv)
     from ..compiler import ModelShape, compile_recipe
     from ..data.corpus import austen_text
@@ -73,16 +80,33 @@ def main(argv=None) -> int:
         norm = lambda a: float(mx.mean(mx.sqrt(mx.sum(a * a, -1))))
         print(f"layer {i} (window {window}, {L} keys, head_dim {D}): |k| {norm(k):.1f}  "
               f"|mean k| {norm(mx.mean(k, axis=2, keepdims=True)):.1f}  |q|*scale {norm(qq):.2f}")
-        for p in args.pipelines.split(";"):
-            (tmp / "r.yaml").write_text(f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n"
-                                        "    values: fp16\n")
-            codec = Codec(compile_recipe(load_recipe(str(tmp / "r.yaml")), shape).layers[i].tiers[-1].keys)
-            est = codec.scores(qq, codec.encode(k))
+        for p in (args.recipes or args.pipelines).split(";"):
+            if args.recipes:
+                est = _recipe_scores(model, p, i, qq, k, first, qpos, Hq // H)
+            else:
+                (tmp / "r.yaml").write_text(f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n"
+                                            "    values: fp16\n")
+                codec = Codec(compile_recipe(load_recipe(str(tmp / "r.yaml")), shape).layers[i].tiers[-1].keys)
+                est = codec.scores(qq, codec.encode(k))
             err = float(mx.sqrt(mx.sum(mx.where(mask, est - exact, 0) ** 2) / mx.sum(mask) / B / H))
             out = mx.softmax(mx.where(mask, est, -mx.inf), -1) @ v
             rel = float(mx.mean(mx.sqrt(mx.sum((out - ref) ** 2, -1) / mx.sum(ref * ref, -1))))
             print(f"    {p:78s} score err {err:6.3f}  output rel err {rel:.4f}")
     return 0
+
+
+def _recipe_scores(model, ref: str, layer: int, qq, k, first: int, qpos, rep: int):
+    """Scaled scores of the queries qq against k as recipe `ref`'s coded tier holds them."""
+    from ..runtime.codec import Codec
+    from ..runtime.make import plan_for
+    name, _, sets = ref.partition(":")
+    codec = Codec(plan_for(model, name, [s for s in sets.split(",") if s]).layers[layer].tiers[-1].keys)
+    enc = codec.encode(k, first)
+    if codec.scores_from_codes and codec.positional:
+        return codec.scores(qq, enc, first, mx.tile(qpos, rep))
+    if codec.scores_from_codes:
+        return codec.scores(qq, enc)
+    return qq @ codec.decode(enc, mx.float32, first).swapaxes(-1, -2)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,14 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
 
 
 def unbound(plan: Plan) -> Plan:
-    return _map_stores(plan, lambda i, t, s, st: attrs.evolve(st, artifact="", slot=""))
+    """The plan as calibration sees it: no artifact, and a stage's `runtime_params` (used only when
+    attending, e.g. a2ats's RoPE window) at their defaults, so changing them needs no new artifact."""
+    return _map_stores(plan, lambda i, t, s, st: attrs.evolve(st, artifact="", slot="", **_defaults(st)))
+
+
+def _defaults(st) -> Dict:
+    fields = attrs.fields_dict(type(st))
+    return {name: fields[name].default for name in getattr(st, "runtime_params", ())}
 
 
 def with_artifact(plan: Plan, digest: str) -> Plan:

@@ -33,20 +33,33 @@ def tier_partial(tier, queries: mx.array, scale: float, mask: Optional[mx.array]
     k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
     kernel = dispatch.code_kernel(tier.plan, queries, mask)
     run = kernel if kernel is not None else codes_partial_attention
+    if run is codes_partial_attention and tier.codecs["k"].positional:
+        # Pre-RoPE key codes re-rotate by position: the keys start at tier.start and the
+        # queries are the newest positions this tier holds (the tier that takes new tokens).
+        return run(queries, k_enc, v_enc, tier.codecs["k"], tier.codecs["v"], scale, mask,
+                   key_start=tier.start, first_q=tier.end - queries.shape[2])
     return run(queries, k_enc, v_enc, tier.codecs["k"], tier.codecs["v"], scale, mask)
 
 
 def codes_partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
                             k_codec: Codec, v_codec: Codec, scale: float,
-                            mask: Optional[mx.array] = None) -> Partial:
+                            mask: Optional[mx.array] = None, key_start: int = 0,
+                            first_q: Optional[int] = None) -> Partial:
     """softmax(scores(q) * scale) v over one coded tier, GQA-aware, in float32.
 
-    `mask`: boolean, broadcastable to [Lq, Lk] (True = may attend)."""
+    `mask`: boolean, broadcastable to [Lq, Lk] (True = may attend). `key_start`, `first_q`:
+    positions of the first key and first query, for key codes kept before RoPE."""
     B, Hq, Lq, D = queries.shape
     Hkv = next(iter(k_enc.values())).shape[1]
     rep = Hq // Hkv
     q = queries.reshape(B, Hkv, rep * Lq, D).astype(mx.float32) * scale  # a kv head's query heads: one block
-    scores = k_codec.scores(q, k_enc)  # [B, Hkv, rep*Lq, Lk]
+    if getattr(k_codec, "positional", False):
+        Lk = next(iter(k_enc.values())).shape[2]
+        first = key_start + Lk - Lq if first_q is None else first_q
+        query_pos = mx.tile(mx.arange(first, first + Lq, dtype=mx.int32), rep)  # row r*Lq + i: query i
+        scores = k_codec.scores(q, k_enc, key_start, query_pos)
+    else:
+        scores = k_codec.scores(q, k_enc)  # [B, Hkv, rep*Lq, Lk]
     if mask is not None:
         Lk = scores.shape[-1]
         scores = mx.where(mask, scores.reshape(B, Hkv, rep, Lq, Lk), -mx.inf).reshape(B, Hkv, rep * Lq, Lk)

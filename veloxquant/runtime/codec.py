@@ -106,7 +106,10 @@ class Codec:
     # --- scoring from codes ---------------------------------------------
     @property
     def scores_from_codes(self) -> bool:
-        """Every transform is orthogonal (has `query`) and every store can score its codes."""
+        """Every transform is orthogonal (has `query`) and every store can score its codes; or keys
+        kept before RoPE (`unrope` alone) in a store that re-applies RoPE in its scores (`scores_at`)."""
+        if self.positional:
+            return len(self.transforms) == 1 and not self.residuals and hasattr(self.store, "scores_at")
         return (all(hasattr(t, "query") for t in self.transforms) and hasattr(self.store, "scores")
                 and all(hasattr(r, "scores") for r in self.residuals))
 
@@ -115,10 +118,14 @@ class Codec:
         """The transforms are orthogonal maps: a weighted sum may be un-transformed once, after summing."""
         return all(hasattr(t, "query") for t in self.transforms)
 
-    def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
+    def scores(self, q: mx.array, enc: Dict[str, mx.array], key_start: int = 0,
+               query_pos: Optional[mx.array] = None) -> mx.array:
         """<q, decoded key> for q [B, H, M, D] -> [B, H, M, L] (float32), from the codes: the
-        query is transformed once, then each stage (store, residuals) adds its own estimate."""
+        query is transformed once, then each stage (store, residuals) adds its own estimate.
+        Pre-RoPE stores get the keys' first position and each query row's position [M]."""
         q = q.astype(mx.float32)
+        if self.positional:
+            return self.store.scores_at(q, enc, self.transforms[0].spec, key_start, query_pos)
         for t in self.transforms:
             q = t.query(q)
         parts = self._split(enc)

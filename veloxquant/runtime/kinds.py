@@ -13,10 +13,12 @@ from .anchor_tier import AnchorTier
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
+from .query_aware_tier import QueryAwareTier
 from .sparse_tier import SparseDecodeTier
 from .tier import EXACT_MIN_CHUNK, Tier, fusable
 
-KINDS = {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier}  # tier_kind -> class(plan, n_kv_heads, head_dim)
+# tier_kind -> class(plan, n_kv_heads, head_dim)
+KINDS = {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier, "query_aware": QueryAwareTier}
 HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
 
 

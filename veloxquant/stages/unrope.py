@@ -68,6 +68,10 @@ class Unrope:
     def inverse(self, y: mx.array, start: int) -> mx.array:
         return rotate(y, self._spec(), start)
 
+    @property
+    def spec(self) -> RopeSpec:
+        return self._spec()
+
     def _spec(self) -> RopeSpec:
         if self._rope is None:
             from ..errors import VeloxError
