@@ -24,8 +24,9 @@ from ..data import load_text
 from ..models import load_model
 from ..runtime import make_prompt_cache, uninstall
 
-EVICTION = ("h2o", "tova", "snapkv", "pyramidkv", "streaming_llm", "observed_attention", "knorm", "keydiff",
-            "expected_attention", "qfilters", "keyformer", "morphkv", "chunkkv", "curdkv")
+EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
+            "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
+            "chunkkv", "curdkv", "rocketkv")
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:
@@ -90,10 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill step (mlx-lm generate's default)")
     ap.add_argument("--fp16-every", type=int, default=1, help="an fp16 row before every N recipes")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--before", default=None, help="an earlier run's --json, shown beside")
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model, progress=False)
+    if args.layers:
+        model.model.layers = model.model.layers[: args.layers]
     ids = tokenizer.encode(load_text("austen"))
     while len(ids) < args.tokens:
         ids = ids + ids
@@ -108,10 +113,12 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "rows": rows}, f, indent=1)
+            json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "layers": args.layers, "rows": rows},
+                      f, indent=1)
     before = json.load(open(args.before))["rows"] if args.before else ()
+    layers = f"; the first {args.layers} layers only" if args.layers else ""
     print(f"\n{args.tokens}-token prompt in {args.chunk}-token steps, then {args.decode} decoded tokens; "
-          f"device {mx.default_device()}\n")
+          f"device {mx.default_device()}{layers}\n")
     print(table(rows, before))
     return 0
 
