@@ -18,7 +18,7 @@ SCORE_BLOCK = 128  # at most this many queries' explicit softmax weights are hel
 SCORE_BYTES = 16 * 2 ** 20  # and at most this many bytes of them (long contexts get shorter blocks)
 # A prefill step's blocks are evaluated whenever this many bytes of weights were built since the last
 # evaluation: unevaluated, every block's temporaries stay allocated until the device runs them (prefill's peak).
-SYNC_BYTES = 2 * SCORE_BYTES
+SYNC_BYTES = SCORE_BYTES  # about every block at 8k keys; every other block at 2k
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
