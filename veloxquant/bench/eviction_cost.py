@@ -11,6 +11,11 @@ the bytes the caches hold. An fp16 row is measured before every
 `--fp16-every` recipes (a busy machine drifts), and each recipe's ratios are
 against the fp16 row measured nearest before it. `--before` adds the peak and
 decode ratios of an earlier run's JSON (the same command on an older checkout).
+
+Each recipe first runs untimed on a shorter prompt (one prefill step and part of
+a second, then a few decoded tokens): on CUDA, MLX compiles a kernel the first
+time it meets an op graph, and a 32-token decode that paid its recipe's compiles
+measured the compiler, not the cache (`--no-warmup` measures that too).
 """
 import argparse
 import json
@@ -93,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each recipe before its row")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--before", default=None, help="an earlier run's --json, shown beside")
     args = ap.parse_args(argv)
@@ -103,12 +109,15 @@ def main(argv=None) -> int:
     while len(ids) < args.tokens:
         ids = ids + ids
     prompt = mx.array(ids[: args.tokens])
-    measure(model, prompt[:256], "fp16", 2, args.chunk)  # warm-up: first-call compilation is no row's cost
+    warm = prompt[: min(args.tokens, args.chunk + 512)]
+    measure(model, warm, "fp16", 4, args.chunk)  # warm-up: first-call compilation is no row's cost
     rows = []
     for i, name in enumerate(args.recipes):
         if i % args.fp16_every == 0:
             rows.append(measure(model, prompt, "fp16", args.decode, args.chunk))
             print(rows[-1], flush=True)
+        if not args.no_warmup:
+            measure(model, warm, name, 4, args.chunk)
         rows.append(measure(model, prompt, name, args.decode, args.chunk))
         print(rows[-1], flush=True)
     if args.json:
