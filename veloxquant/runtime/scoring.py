@@ -63,7 +63,7 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
     `sync_bytes` (> 0): once the blocks' weights built since the last evaluation reach this many bytes,
     what the blocks have answered so far is evaluated. A lazy graph would otherwise hold every block's
     temporaries until the device has run them (on CUDA the host runs far ahead; a 2048-query prefill
-    step over 8k keys builds 0.6 GiB of float32 weights per layer, plus masked and softmaxed copies)."""
+    step over 8k keys builds 0.56 GiB of float32 weights per layer, plus masked and softmaxed copies)."""
     B, Hq, Lq, _ = queries.shape
     first = Lq - (Lq - 1) // block * block  # 1..block queries
     outs, total, tail = [], None, None
