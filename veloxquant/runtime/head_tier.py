@@ -166,7 +166,9 @@ class HeadTier:
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
             priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
         recent = getattr(self.route, "recent", 0)
-        protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
+        protected = self.positions < self.route.sinks
+        if recent:  # held positions are all < offset: with no recent window there is nothing to compare (decode ops)
+            protected = protected | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
         if self.window:  # expired tokens leave first, sinks included: no query sees them again
             priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
