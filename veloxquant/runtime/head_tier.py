@@ -18,7 +18,7 @@ from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
-from .ragged import PAD, Ragged, RaggedBuffer, keep_ragged
+from .ragged import FREE_AFTER, PAD, Ragged, RaggedBuffer, keep_ragged
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -182,6 +182,8 @@ class HeadTier:
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
         if merged is not None:
             store_values(self, merged)
+        if self.count - budget >= FREE_AFTER:  # a prefill step's or the prompt's eviction: free the dropped now
+            mx.eval([buf.view() for bufs in (*self.buffers.values(), self.meta) for buf in bufs.values()])
         self.count = budget
         self.uniform = False
 
