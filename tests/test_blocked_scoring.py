@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant.runtime.scoring import attend_blocked, attention_weights, block_size, position_mask, received
+from veloxquant.runtime.scoring import (additive, attend_blocked, attention_weights, block_size, position_mask,
+                                        received)
 
 B, HQ, HKV, D = 1, 6, 2, 16
 
@@ -61,3 +62,25 @@ def test_peak_memory_stays_a_block():
     mx.eval(out, total, tail)
     peak = (mx.get_peak_memory() - start) / 2 ** 20
     assert peak < 40, f"blocked scoring peaked at {peak:.0f} MiB"
+
+
+def test_sync_bytes_changes_nothing_but_when_blocks_are_computed():
+    """Evaluating the blocks as they go (prefill's bounded peak) gives the same bits as one lazy graph."""
+    q, k, v, kpos, first_q = _inputs(70, 120, 5)
+    mask_for = lambda s, n: position_mask(kpos, first_q + s, n, None)  # noqa: E731
+    lazy = attend_blocked(q, k, v, 0.25, mask_for, 8, rows=3)
+    synced = attend_blocked(q, k, v, 0.25, mask_for, 8, rows=3, sync_bytes=1)  # evaluate after every block
+    for a, b in zip(lazy, synced):
+        assert mx.array_equal(a, b).item()
+
+
+def test_additive_mask_is_the_boolean_one_in_sdpa():
+    """SDPA gets the additive form (CUDA would broadcast and convert a boolean one in full): same output."""
+    rng = np.random.default_rng(2)
+    q = mx.array(rng.standard_normal((B, HQ, 12, D)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((B, HKV, 30, D)).astype(np.float32)) for _ in range(2))
+    mask = position_mask(mx.arange(30), 18, 12, 7)  # a sliding window: no string mask says it
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=additive(mask, q.dtype))
+    assert additive(mask, mx.float16).dtype == mx.float16
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-7)

@@ -11,6 +11,11 @@ the bytes the caches hold. An fp16 row is measured before every
 `--fp16-every` recipes (a busy machine drifts), and each recipe's ratios are
 against the fp16 row measured nearest before it. `--before` adds the peak and
 decode ratios of an earlier run's JSON (the same command on an older checkout).
+
+Each recipe first runs untimed on a shorter prompt (one prefill step and part of
+a second, then a few decoded tokens): on CUDA, MLX compiles a kernel the first
+time it meets an op graph, and a 32-token decode that paid its recipe's compiles
+measured the compiler, not the cache (`--no-warmup` measures that too).
 """
 import argparse
 import json
@@ -24,8 +29,9 @@ from ..data import load_text
 from ..models import load_model
 from ..runtime import make_prompt_cache, uninstall
 
-EVICTION = ("h2o", "tova", "snapkv", "pyramidkv", "streaming_llm", "observed_attention", "knorm", "keydiff",
-            "expected_attention", "qfilters", "keyformer", "morphkv", "chunkkv", "curdkv", "kvzip")
+EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
+            "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
+            "chunkkv", "curdkv", "rocketkv", "kvzip")
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:
@@ -90,28 +96,38 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill step (mlx-lm generate's default)")
     ap.add_argument("--fp16-every", type=int, default=1, help="an fp16 row before every N recipes")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each recipe before its row")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--before", default=None, help="an earlier run's --json, shown beside")
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model, progress=False)
+    if args.layers:
+        model.model.layers = model.model.layers[: args.layers]
     ids = tokenizer.encode(load_text("austen"))
     while len(ids) < args.tokens:
         ids = ids + ids
     prompt = mx.array(ids[: args.tokens])
-    measure(model, prompt[:256], "fp16", 2, args.chunk)  # warm-up: first-call compilation is no row's cost
+    warm = prompt[: min(args.tokens, args.chunk + 512)]
+    measure(model, warm, "fp16", 4, args.chunk)  # warm-up: first-call compilation is no row's cost
     rows = []
     for i, name in enumerate(args.recipes):
         if i % args.fp16_every == 0:
             rows.append(measure(model, prompt, "fp16", args.decode, args.chunk))
             print(rows[-1], flush=True)
+        if not args.no_warmup:
+            measure(model, warm, name, 4, args.chunk)
         rows.append(measure(model, prompt, name, args.decode, args.chunk))
         print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "rows": rows}, f, indent=1)
+            json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "layers": args.layers, "rows": rows},
+                      f, indent=1)
     before = json.load(open(args.before))["rows"] if args.before else ()
+    layers = f"; the first {args.layers} layers only" if args.layers else ""
     print(f"\n{args.tokens}-token prompt in {args.chunk}-token steps, then {args.decode} decoded tokens; "
-          f"device {mx.default_device()}\n")
+          f"device {mx.default_device()}{layers}\n")
     print(table(rows, before))
     return 0
 

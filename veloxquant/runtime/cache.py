@@ -18,7 +18,7 @@ from . import fused, hook, kinds, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .saliency import Saliency
-from .scoring import position_mask
+from .scoring import additive, position_mask
 from .tier import Tier, decoded_run
 
 _start = attrgetter("start")
@@ -271,7 +271,7 @@ class TieredCache(_BaseCache):
         elif self._causal_ok(held, first_q + Lq):
             mask = "causal"  # one contiguous run ending at the last query: bottom-right aligned
         else:
-            mask = mx.concatenate([self._tier_mask(t, first_q, Lq) for t in held], axis=1)
+            mask = additive(mx.concatenate([self._tier_mask(t, first_q, Lq) for t in held], axis=1), queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
     def _causal_ok(self, held: List[Tier], end: int) -> bool:

@@ -18,7 +18,7 @@ from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
-from .ragged import PAD, Ragged, RaggedBuffer, keep_ragged
+from .ragged import FREE_AFTER, PAD, Ragged, RaggedBuffer, keep_ragged
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -166,7 +166,9 @@ class HeadTier:
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
             priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
         recent = getattr(self.route, "recent", 0)
-        protected = (self.positions < self.route.sinks) | (self.positions >= offset - recent)
+        protected = self.positions < self.route.sinks
+        if recent:  # held positions are all < offset: with no recent window there is nothing to compare (decode ops)
+            protected = protected | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)
         if self.window:  # expired tokens leave first, sinks included: no query sees them again
             priority = mx.where(self.positions < offset - self.window + 1, -mx.inf, priority)
@@ -180,6 +182,8 @@ class HeadTier:
                 buf.set(mx.take_along_axis(arr, gather, axis=2))
         if merged is not None:
             store_values(self, merged)
+        if self.count - budget >= FREE_AFTER:  # a prefill step's or the prompt's eviction: free the dropped now
+            mx.eval([buf.view() for bufs in (*self.buffers.values(), self.meta) for buf in bufs.values()])
         self.count = budget
         self.uniform = False
 

@@ -12,10 +12,13 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .scorers import Seen
-from .scoring import attend_blocked, block_size, expand_heads, position_mask
+from .scoring import additive, attend_blocked, block_size, expand_heads, position_mask
 
 SCORE_BLOCK = 128  # at most this many queries' explicit softmax weights are held at once
 SCORE_BYTES = 16 * 2 ** 20  # and at most this many bytes of them (long contexts get shorter blocks)
+# A prefill step's blocks are evaluated whenever this many bytes of weights were built since the last
+# evaluation: unevaluated, every block's temporaries stay allocated until the device runs them (prefill's peak).
+SYNC_BYTES = SCORE_BYTES  # about every block at 8k keys; every other block at 2k
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
@@ -75,7 +78,7 @@ def _weigher(cache, held: List, k: mx.array, kpos: mx.array, slices, scale: floa
     a block of queries at a time."""
     def weigh(queries: mx.array, first_q: int, where: slice) -> mx.array:
         _, total, _ = attend_blocked(queries, k, None, scale, _masker(cache, held, kpos, slices, first_q),
-                                     _block(queries, k))
+                                     _block(queries, k), sync_bytes=SYNC_BYTES)
         return total[..., where]
     return weigh
 
@@ -101,15 +104,16 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     total = tail = None
     if live:  # explicit softmax, a block of queries at a time
         out, total, tail = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
-                                          _block(queries, k), rows)
+                                          _block(queries, k), rows, sync_bytes=SYNC_BYTES)
     elif Lq > 1 and not _causal(cache, held, first_q + Lq):
         # heads differ: a per-head mask, built and applied a block of queries at a time
         out, _, _ = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
-                                   _block(queries, k), weigh=False)
+                                   _block(queries, k), weigh=False, sync_bytes=SYNC_BYTES)
     else:  # fused SDPA: "causal" while heads agree; one query needs a mask only for windows
         mask = "causal" if Lq > 1 else _mask(cache, held, kpos, slices, first_q, Lq)
         out = mx.fast.scaled_dot_product_attention(
-            queries, k, v, scale=scale, mask=mask if mask is None or isinstance(mask, str) else expand_heads(mask, Hq))
+            queries, k, v, scale=scale,
+            mask=mask if mask is None or isinstance(mask, str) else additive(expand_heads(mask, Hq), queries.dtype))
     if listeners:
         weigh = _weigher(cache, held, k.astype(mx.float32), kpos, slices, scale)
         for t, i in listeners:

@@ -19,6 +19,9 @@ from .buffer import Buffer
 from .tier import UNBOUNDED_STEP
 
 PAD = 1 << 30  # position of an unused slot: after every query, so masked out
+# Tokens: an eviction dropping at least this many (a prefill step's, the prompt's decision) evaluates
+# what it kept at once, so the dropped tokens' arrays are freed before the next layer queues its own.
+FREE_AFTER = 256
 
 
 class Ragged:
@@ -124,6 +127,7 @@ def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None
         priority = mx.where(pos < offset - tier.window + 1, -1e30, priority)
     priority = mx.where(valid, priority, -mx.inf)
     budgets = [min(b, n, cap or b) for b, n in zip(tier.head_budgets(), tier.lengths())]
+    dropped = sum(tier.lengths()) - sum(budgets)
     layout, idx = choose(priority, budgets)
     step = UNBOUNDED_STEP if tier.route.once else None
     for bufs in (*tier.buffers.values(), tier.meta):
@@ -131,3 +135,5 @@ def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None
             fill = PAD if bufs is tier.meta and name == "pos" else None
             bufs[name] = RaggedBuffer(layout, gather(buf.view(), idx), step, fill)
     tier.ragged, tier.count, tier.uniform = layout, layout.width, False
+    if dropped >= FREE_AFTER:
+        mx.eval([b.flat for bufs in (*tier.buffers.values(), tier.meta) for b in bufs.values()])

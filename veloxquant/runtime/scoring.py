@@ -19,6 +19,16 @@ def position_mask(kpos: mx.array, first_q: int, Lq: int, window: Optional[int]) 
     return mask
 
 
+def additive(mask: mx.array, dtype) -> mx.array:
+    """A boolean mask (True = may attend) as the additive one SDPA takes, in the queries' dtype.
+
+    Handed a boolean mask, MLX's CUDA SDPA first broadcasts it to [B, q_heads, Lq, L] and converts
+    that in full (one [heads x queries x keys] copy per layer, and prefill keeps several layers'
+    copies in flight); an additive mask reaches the fused kernel as a broadcast view. Same softmax:
+    a masked key adds -inf (weight 0) where the boolean form put the dtype's minimum (weight 0)."""
+    return mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+
+
 def expand_heads(mask: mx.array, n_q_heads: int) -> mx.array:
     """A per-kv-head mask [B, Hkv, Lq, L] repeated for the query heads of each group."""
     B, Hkv, Lq, L = mask.shape
@@ -41,17 +51,23 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float, mask: Opt
 
 
 def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array], scale: float, mask_for: Callable,
-                   block: int, rows: int = 1, weigh: bool = True):
+                   block: int, rows: int = 1, weigh: bool = True, sync_bytes: int = 0):
     """Attention `block` queries at a time, each block masked by `mask_for(first, n)` (per kv head,
     or None): only one block's [heads x block x keys] weights ever exist, never the whole prompt's.
 
     Returns (output [B, Hq, Lq, D] float32, or None without `values`; received [B, Hkv, L], newest `rows` rows [B, Hkv, rows, L]);
     the last two are None unless `weigh`. Rows are independent softmaxes, so each row's weights are
     those of attention_weights(...) over all queries, and the sums equal its column sums up to float
-    summation order. The first block is the short one, so the newest rows lie in the last block."""
+    summation order. The first block is the short one, so the newest rows lie in the last block.
+
+    `sync_bytes` (> 0): once the blocks' weights built since the last evaluation reach this many bytes,
+    what the blocks have answered so far is evaluated. A lazy graph would otherwise hold every block's
+    temporaries until the device has run them (on CUDA the host runs far ahead; a 2048-query prefill
+    step over 8k keys builds 0.56 GiB of float32 weights per layer, plus masked and softmaxed copies)."""
     B, Hq, Lq, _ = queries.shape
     first = Lq - (Lq - 1) // block * block  # 1..block queries
     outs, total, tail = [], None, None
+    pending = 0  # bytes of weights built since the last evaluation
     for s in [0, *range(first, Lq, block)]:
         n = first if s == 0 else block
         q = queries[:, :, s:s + n]
@@ -64,6 +80,10 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
         if weigh:
             t, tail = received(w, rows)
             total = t if total is None else total + t
+        pending += w.nbytes
+        if sync_bytes and pending >= sync_bytes and s + n < Lq:
+            mx.eval([a for a in (outs[-1] if outs else None, total, tail) if a is not None])
+            pending = 0
     if weigh and tail.shape[2] < min(rows, Lq):  # more rows asked than one block holds
         _, tail = received(attention_weights(queries[:, :, -rows:], keys, scale, mask_for(Lq - rows, rows)), rows)
     out = None if not outs else outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
