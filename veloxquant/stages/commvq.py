@@ -30,7 +30,6 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError, slot_arrays
 from . import rope_pairs as rp
 from .bitpack import pack, unpack
 from .registry import in_range, stage
@@ -72,7 +71,7 @@ def _m_step(x: np.ndarray, A: np.ndarray, B: np.ndarray, C: int, old: np.ndarray
 
 @stage("commvq", "store")
 @attrs.frozen
-class CommVQ:
+class CommVQ(rp.BoundPreRope):
     """Additive VQ of pre-RoPE keys with RoPE-commutative codewords (EM-trained); RoPE re-applied exactly in the scores."""
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     half_bits: int = attrs.field(default=6, validator=in_range(2, 8))
@@ -133,18 +132,6 @@ class CommVQ:
         re, im = mx.array(book.real.astype(np.float32)), mx.array(book.imag.astype(np.float32))
         x = resid.astype(np.complex64)
         return _grid_codes(mx.array(x.real), mx.array(x.imag), re, im, _norms2(re, im))
-
-    def _t(self) -> Dict[str, mx.array]:
-        if not self._artifact:
-            raise CalibrationError("stage 'commvq' is not bound to a calibration artifact: run `veloxquant calibrate "
-                                   "RECIPE` and make caches with veloxquant.make_prompt_cache")
-        return slot_arrays(self._artifact, self._slot)
-
-    def _spec(self):
-        if self._rope is None:
-            from ..errors import VeloxError
-            raise VeloxError("commvq has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)")
-        return self._rope
 
     # --- codes ------------------------------------------------------------
     def encode(self, x: mx.array) -> Dict[str, mx.array]:

@@ -30,7 +30,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError, slot_arrays
+from ..calibration.artifact import CalibrationError
 from . import rope_pairs as rp
 from .bitpack import pack, unpack
 from .productvq import kmeans
@@ -50,7 +50,7 @@ def pair_energy(queries: np.ndarray, n_kv_heads: int, spec) -> np.ndarray:
 
 @stage("qavq", "store")
 @attrs.frozen
-class QueryAwareVQ:
+class QueryAwareVQ(rp.BoundPreRope):
     """Product VQ of pre-RoPE keys, assigned by real queries' pair energies (beta blend); windowed-RoPE scores."""
     piece: int = attrs.field(default=8, validator=in_range(2, 64))
     centroids: int = attrs.field(default=256, validator=in_range(2, 256))
@@ -105,18 +105,6 @@ class QueryAwareVQ:
             for p in range(P):  # a diagonal metric: centroids are means, scaled back exactly
                 books[h, p] = kmeans(pieces[:, p], self.centroids, seed=h * P + p) / w[h].reshape(P, d)[p]
         return {"codebook": books, "energy": energy}
-
-    def _t(self) -> Dict[str, mx.array]:
-        if not self._artifact:
-            raise CalibrationError("stage 'qavq' is not bound to a calibration artifact: run `veloxquant calibrate "
-                                   "RECIPE` and make caches with veloxquant.make_prompt_cache")
-        return slot_arrays(self._artifact, self._slot)
-
-    def _spec(self):
-        if self._rope is None:
-            from ..errors import VeloxError
-            raise VeloxError("qavq has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)")
-        return self._rope
 
     # --- codes ------------------------------------------------------------
     def encode(self, x: mx.array, energy: Optional[mx.array] = None) -> Dict[str, mx.array]:

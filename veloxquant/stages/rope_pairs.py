@@ -9,10 +9,11 @@ RoPE is one complex multiplication per pair. `unrope.rotate` (mx.fast.rope) is
 the reference these are pinned to (tests/test_commvq.py); unlike it, they take
 one position per row rather than a contiguous run.
 """
-from typing import Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 
+from ..calibration.artifact import CalibrationError, slot_arrays
 from ..errors import VeloxError
 from .unrope import RopeSpec
 
@@ -58,3 +59,21 @@ def rotate_at(x: mx.array, spec: RopeSpec, positions: mx.array, inverse: bool = 
         s = -s
     a, b = pairs(x.astype(mx.float32), spec)
     return unpairs(a * c - b * s, a * s + b * c, spec)
+
+
+class BoundPreRope:
+    """A calibrated pre-RoPE store's two bindings (commvq, qavq): the arrays of its
+    calibration artifact and its layer's RoPE settings, each with the error that
+    says how to get it (the compiler binds both through make_prompt_cache)."""
+
+    def _t(self) -> Dict[str, mx.array]:
+        if not self._artifact:
+            raise CalibrationError(f"stage '{self.stage_name}' is not bound to a calibration artifact: run "
+                                   "`veloxquant calibrate RECIPE` and make caches with veloxquant.make_prompt_cache")
+        return slot_arrays(self._artifact, self._slot)
+
+    def _spec(self) -> RopeSpec:
+        if self._rope is None:
+            raise VeloxError(f"{self.stage_name} has no RoPE settings: make the caches with "
+                             "veloxquant.make_prompt_cache(model, ...)")
+        return self._rope
