@@ -43,9 +43,29 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     return cent
 
 
+class PieceCodes:
+    """One index of ceil(log2 centroids) bits per `piece` channels, packed in 32-bit words:
+    what product-VQ key stores share (pvq, qavq)."""
+
+    @property
+    def code_bits(self) -> int:
+        return max(1, math.ceil(math.log2(self.centroids)))
+
+    def units(self) -> Dict[str, int]:
+        return {"codes": 1}
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return self.code_bits / self.piece
+
+    def words_problem(self, head_dim: int) -> str:
+        if (head_dim // self.piece * self.code_bits) % 32:
+            return f"{head_dim // self.piece} indices of {self.code_bits} bits do not fill 32-bit words"
+        return ""
+
+
 @stage("pvq", "store")
 @attrs.frozen
-class ProductVQ:
+class ProductVQ(PieceCodes):
     """Calibrated smoothing + Hadamard + product VQ (one index per piece); scores through a piece-centroid table."""
     piece: int = attrs.field(default=8, validator=in_range(2, 64))
     centroids: int = attrs.field(default=256, validator=in_range(2, 256))
@@ -58,22 +78,10 @@ class ProductVQ:
     codes = False
     token_multiple = 1
 
-    @property
-    def code_bits(self) -> int:
-        return max(1, math.ceil(math.log2(self.centroids)))
-
-    def units(self) -> Dict[str, int]:
-        return {"codes": 1}
-
-    def bits_per_element(self, head_dim: int) -> float:
-        return self.code_bits / self.piece
-
     def check_head_dim(self, head_dim: int) -> str:
         if head_dim % self.piece or head_dim & (head_dim - 1):
             return f"head_dim {head_dim} must be a power of two split into pieces of {self.piece}"
-        if (head_dim // self.piece * self.code_bits) % 32:
-            return f"{head_dim // self.piece} indices of {self.code_bits} bits do not fill 32-bit words"
-        return ""
+        return self.words_problem(head_dim)
 
     def fit(self, samples: np.ndarray, queries: np.ndarray = None) -> Dict[str, np.ndarray]:
         H, N, D = samples.shape

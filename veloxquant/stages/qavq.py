@@ -23,7 +23,6 @@ per-query piece-centroid look-up table for every older key. window <= 0: all
 keys take the approximation (at relative distance 0); window >= the length:
 every key exact RoPE.
 """
-import math
 from typing import Dict, Optional
 
 import attrs
@@ -33,7 +32,7 @@ import numpy as np
 from ..calibration.artifact import CalibrationError
 from . import rope_pairs as rp
 from .bitpack import pack, unpack
-from .productvq import kmeans
+from .productvq import PieceCodes, kmeans
 from .registry import in_range, stage
 from .unrope import _freeze
 
@@ -50,7 +49,7 @@ def pair_energy(queries: np.ndarray, n_kv_heads: int, spec) -> np.ndarray:
 
 @stage("qavq", "store")
 @attrs.frozen
-class QueryAwareVQ(rp.BoundPreRope):
+class QueryAwareVQ(PieceCodes, rp.BoundPreRope):
     """Product VQ of pre-RoPE keys, assigned by real queries' pair energies (beta blend); windowed-RoPE scores."""
     piece: int = attrs.field(default=8, validator=in_range(2, 64))
     centroids: int = attrs.field(default=256, validator=in_range(2, 256))
@@ -70,22 +69,10 @@ class QueryAwareVQ(rp.BoundPreRope):
     codes = False
     token_multiple = 1
 
-    @property
-    def code_bits(self) -> int:
-        return max(1, math.ceil(math.log2(self.centroids)))
-
-    def units(self) -> Dict[str, int]:
-        return {"codes": 1}
-
-    def bits_per_element(self, head_dim: int) -> float:
-        return self.code_bits / self.piece
-
     def check_head_dim(self, head_dim: int) -> str:
         if head_dim % self.piece or head_dim % 2:
             return f"head_dim {head_dim} does not split into pieces of {self.piece}"
-        if (head_dim // self.piece * self.code_bits) % 32:
-            return f"{head_dim // self.piece} indices of {self.code_bits} bits do not fill 32-bit words"
-        return ""
+        return self.words_problem(head_dim)
 
     def weights(self, energy: mx.array) -> mx.array:
         """The assignment metric per channel [H, D]: beta + (1 - beta) * query energy."""
