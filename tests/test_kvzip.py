@@ -126,6 +126,24 @@ def test_the_decision_keeps_each_heads_best_scores_and_the_sinks(llama_model):
             assert held[h].tolist() == best + [40]
 
 
+def test_recent_keeps_the_prompts_end_whatever_its_score(llama_model):
+    """recent=n: the newest n prompt tokens stay (a question at the prompt's end); the rest by score."""
+    caches = prefilled(llama_model, sets=[*SETS, "recent=6"])
+    model_pass.run(caches[0].coordinator)
+    scores = [np.array(c.tiers[0].scores)[0] for c in caches]
+    feed(llama_model, tokens(41)[:, 40:], caches, 1)
+    for c, s in zip(caches, scores):
+        held = np.array(c.tiers[0].positions)[0]
+        for h in range(s.shape[0]):
+            kept = set(held[h].tolist())
+            # decided on the 40 prompt tokens held when the last one arrives: sinks, the newest 6, 2 by score;
+            # the last token is appended after the decision
+            best = sorted(range(4, 34), key=lambda p: -s[h][p])[:12 - 4 - 6]
+            assert kept == set(range(4)) | set(best) | set(range(34, 41))
+    with pytest.raises(VeloxError, match="leave no room"):
+        veloxquant.make_prompt_cache(llama_model, "kvzip", ["budget=12", "recent=8"], tokenizer=Tok())
+
+
 def test_probe_latest_is_tova_bit_for_bit(llama_model):
     ids = tokens(48, seed=14)
     runs = []

@@ -10,6 +10,11 @@ and over the query heads of its kv head's GQA group); each kv head keeps its
 `budget` best, the first `sinks` positions always. Tokens after the decision
 are appended and never evicted, so the scores serve every later query.
 
+recent: the newest prompt tokens kept whatever their score. The paper
+compresses the context before the question arrives; when the question is the
+end of the same prompt (a passkey prompt, a chat turn), `recent` keeps it
+whole instead of letting the repeat pass rank its words like context.
+
 probe=latest replaces the repeat pass by the newest real query's weights, every
 step: TOVA, bit for bit.
 """
@@ -33,6 +38,7 @@ class Reconstruct(_PerHeadRoute):
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
+    recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     probe: str = attrs.field(default="context", validator=choices("context", "latest"))
     chunk: int = attrs.field(default=2048, validator=in_range(16, 1 << 20))
     layers: str = attrs.field(default="fixed", validator=choices(*LAYER_RULES))
@@ -54,7 +60,11 @@ class Reconstruct(_PerHeadRoute):
 
     @property
     def floor(self) -> int:
-        return self.sinks + 1
+        return self.sinks + self.recent + 1
+
+    def __attrs_post_init__(self):
+        if self.sinks + self.recent >= self.budget:
+            raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
 
     def explain_pass(self) -> str:
         if self.probe != "context":
