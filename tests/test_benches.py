@@ -1,5 +1,7 @@
 """The benchmark scripts run and print their tables (numbers are not asserted:
 speed and memory are measured, never tested)."""
+import io
+
 import pytest
 
 from veloxquant.bench import decode_ops, decode_split, prefill_peak
@@ -54,6 +56,46 @@ def test_e2e_repeats_rows_and_prints_medians(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| fp16 |") or line.startswith("| mlx-lm KVCache |")]
     assert len(rows) == 2 and all("–" in r for r in rows), out  # one line per row, with the range of 2 runs
+    assert "| 1.000× |" in rows[0] and rows[0].startswith("| mlx-lm KVCache |")  # paired ratio: KVCache to itself
+
+
+def test_fp16_decode_step_builds_kvcache_graph():
+    # The fp16 recipe's decode step must build mlx-lm KVCache's primitives, one for one, in the same
+    # order (docs/kernels.md, "The fp16 path at KVCache's op count"): any extra op is a launch per layer.
+    import re
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+    from veloxquant.bench import host_step
+    from veloxquant.bench.e2e import random_llama
+    from veloxquant.eval.feed import prefill
+    from veloxquant.runtime import make_prompt_cache, uninstall
+    model = random_llama(2, 4, 2, 64, 300, mx.float16)
+    prompt = mx.random.randint(0, 300, (1, 300), key=mx.random.key(1))
+    y = mx.array([[1]])
+    graphs = []
+    for cache in (mlx_prompt_cache(model), make_prompt_cache(model, "fp16")):
+        prefill(model, prompt, cache, 128)
+        mx.eval(model(y, cache=cache))
+        out = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        f = io.StringIO()
+        mx.export_to_dot(f, out)
+        graphs.append(re.findall(r'label ="([^"]+)", shape=rectangle', f.getvalue()))
+        mx.eval(out)
+        assert sum(host_step.step_ops(model, cache, y).values()) == len(graphs[-1])
+    uninstall(model)
+    assert graphs[0] == graphs[1]
+
+
+def test_host_step_prints_ops_table(capsys):
+    from veloxquant.bench import host_step
+    assert host_step.main(["--context", "64", "--layers", "1", "--heads", "4/2", "--head-dim", "64", "--vocab", "300",
+                           "--dtype", "float32", "--recipes", "fp16", "--rounds", "1", "--steps", "2",
+                           "--ops-table"]) == 0
+    out = capsys.readouterr().out
+    assert "| primitive per layer | mlx-lm KVCache | fp16 |" in out and "| all primitives |" in out
+    assert "(Python calls)" in out
 
 
 def test_host_calls_prints_its_table(capsys):

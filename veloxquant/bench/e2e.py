@@ -6,7 +6,9 @@ Prefills `--context` random tokens through mlx-lm's generate_step (2048-token
 chunks), then decodes `--decode` tokens; prints prefill and decode tok/s, peak
 memory and cache bytes for mlx-lm's KVCache and each recipe, in one run.
 With `--repeat N` every row runs N times, interleaved (a busy machine drifts
-between rows), and the table gives each row's median with its range (peak: the highest).
+between rows; each round starts at the next row), and the table gives each row's
+median with its range (peak: the highest), and the median over rounds of its
+decode tok/s divided by KVCache's in the same round (drift between rounds cancels).
 """
 import argparse
 import statistics
@@ -63,26 +65,29 @@ def main(argv=None) -> int:
     prompt = mx.random.randint(0, args.vocab, (args.context,))
     print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
           f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
-    print("| cache | prefill tok/s | decode tok/s | peak memory GiB | cache MiB |")
-    print("|---|---|---|---|---|")
+    print("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | peak memory GiB | cache MiB |")
+    print("|---|---|---|---|---|---|")
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
     rows += [(r, lambda r=r: make_prompt_cache(model, r)) for r in args.recipes.split(",") if r]
     for _, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
         measure(model, prompt, make(), args.decode)
         uninstall(model)
     runs = {label: [] for label, _ in rows}
-    for _ in range(args.repeat):
-        for label, make in rows:
+    for i in range(args.repeat):
+        # Each round starts at another row: no row always follows the same one (allocator, clocks).
+        for label, make in rows[i % len(rows):] + rows[:i % len(rows)]:
             cache = make()
             runs[label].append(measure(model, prompt, cache, args.decode))
             del cache
             uninstall(model)
+    base = runs["mlx-lm KVCache"]
     for label, got in runs.items():
         pre, dec = (statistics.median(r[i] for r in got) for i in range(2))
         peak = max(r[2] for r in got)
         spread = f" ({min(r[1] for r in got):,.1f}–{max(r[1] for r in got):,.1f})" if len(got) > 1 else ""
-        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {peak / 2**30:.2f} | {got[0][3] / 2**20:,.1f} |",
-              flush=True)
+        paired = statistics.median(r[1] / b[1] for r, b in zip(got, base))  # same round: drift cancels
+        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {peak / 2**30:.2f} "
+              f"| {got[0][3] / 2**20:,.1f} |", flush=True)
     return 0
 
 

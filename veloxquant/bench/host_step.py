@@ -8,13 +8,17 @@ after a prefill and a warm-up, it counts the primitives of one step's graph
 (`mx.export_to_dot`, from the sampled token back to the evaluated arrays) and
 times `model(token)` (graph building only, evaluated after each step),
 interleaving the caches round by round so machine noise hits them alike.
+`--ops-table` adds, per layer, each primitive whose count differs between the caches.
 Reported: ops and build µs per step and per layer, and the build time as a
 ratio to mlx-lm's KVCache (the fp16 recipe's target: <= 1.0).
 """
 import argparse
 import io
+import re
 import statistics
+import sys
 import time
+from collections import Counter
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
@@ -24,13 +28,45 @@ from ..runtime import make_prompt_cache
 from .e2e import random_llama
 
 
-def step_ops(model, cache, y: mx.array) -> int:
-    """Primitives in one decode step's graph (evaluated arrays are its leaves)."""
+def step_ops(model, cache, y: mx.array) -> Counter:
+    """Primitives in one decode step's graph by name (evaluated arrays are its leaves)."""
     out = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
     f = io.StringIO()
     mx.export_to_dot(f, out)
     mx.eval(out)
-    return f.getvalue().count("shape=rectangle")
+    return Counter(re.findall(r'label ="([^"]+)", shape=rectangle', f.getvalue()))
+
+
+def python_calls(model, cache, y: mx.array) -> int:
+    """Python function calls made while one decode step's graph is built (the model's own included)."""
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    sys.setprofile(count)
+    try:
+        out = model(y, cache=cache)
+    finally:
+        sys.setprofile(None)
+    mx.eval(out)
+    return calls[0]
+
+
+def op_table(ops: dict, layers: int) -> list:
+    """Markdown rows: each primitive whose count differs between caches, per layer per step, and the
+    Python calls made while building the step (model included; the model's are the same for all).
+    (On the CPU, SDPA is built from matmul/softmax ops; on CUDA it is one node, and so is each
+    custom kernel launch.)"""
+    labels = list(ops)
+    rows = ["| primitive per layer | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for name in sorted(set().union(*ops.values())):
+        counts = [ops[label][name] for label in labels]
+        if len(set(counts)) > 1:
+            rows.append(f"| {name} | " + " | ".join(f"{c / layers:g}" for c in counts) + " |")
+    total = [sum(v for k, v in ops[label].items() if not k.startswith("(")) for label in labels]
+    rows.append("| all primitives | " + " | ".join(f"{t / layers:g}" for t in total) + " |")
+    return rows
 
 
 def build_us(model, cache, y: mx.array, n: int) -> float:
@@ -56,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache and round")
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--ops-table", action="store_true",
+                    help="also print, per layer, each primitive whose count differs between the caches")
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
@@ -70,6 +108,7 @@ def main(argv=None) -> int:
         prefill(model, prompt, cache, 2048)
         build_us(model, cache, y, 4)  # warm: first-use work
         ops[label] = step_ops(model, cache, y)
+        ops[label]["(Python calls)"] = python_calls(model, cache, y)
     samples = {label: [] for label in rows}
     for _ in range(args.rounds):
         for label, cache in rows.items():
@@ -81,8 +120,11 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for label, s in samples.items():
         med = statistics.median(s)
-        print(f"| {label} | {ops[label]} | {ops[label] / args.layers:.1f} | {med:.0f} | {med / args.layers:.1f} "
+        n = sum(v for k, v in ops[label].items() if not k.startswith("("))
+        print(f"| {label} | {n} | {n / args.layers:.1f} | {med:.0f} | {med / args.layers:.1f} "
               f"| {min(s):.0f}–{max(s):.0f} | {med / base:.2f}× |")
+    if args.ops_table:
+        print("\n" + "\n".join(op_table(ops, args.layers)))
     return 0
 
 

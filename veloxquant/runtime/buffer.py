@@ -28,10 +28,9 @@ class Buffer:
             return
         if self.data is None or self.used + n > self.data.shape[2]:
             capacity = -(-(self.used + n) // self.step) * self.step
-            grown = mx.zeros((*x.shape[:2], capacity, *x.shape[3:]), x.dtype)
-            if self.used:
-                grown[:, :, : self.used] = self.view()
-            self.data = grown
+            free = mx.zeros((*x.shape[:2], capacity - self.used, *x.shape[3:]), x.dtype)
+            # As KVCache grows: the held tokens then zeros, one copy (not zeros for all, then a copy into them).
+            self.data = mx.concatenate([self.view(), free], axis=2) if self.used else free
         self.data[:, :, self.used : self.used + n] = x
         self.used += n
 

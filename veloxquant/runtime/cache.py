@@ -66,13 +66,13 @@ class TieredCache(_BaseCache):
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        plain = self._plain
+        if plain is not None:  # KVCache's work, nothing else (runtime/plain.py); never scored
+            self.dtype = keys.dtype
+            self.offset += plain.append(keys, values, self.offset)
+            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.fetch(keys.dtype)
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
-        if self._plain is not None:
-            self.dtype = keys.dtype
-            self._plain.append(keys, values, self.offset)
-            self.offset += keys.shape[2]
-            return (keys, values) if self._attend_epoch == hook.epoch() else self._plain.decoded(keys.dtype)
         self._awaiting_attend = self.scored
         if (self.per_head or self._prompt_tiers) and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
@@ -82,7 +82,7 @@ class TieredCache(_BaseCache):
         self._place(0, keys, values, self.offset)
         self.offset += keys.shape[2]
         self._unsettled = True
-        if self._attend_epoch == hook.epoch():
+        if self._attend_epoch == hook.EPOCH[0]:
             # The hook answered the last step and is unchanged: attend() will read the
             # tiers, so skip building the decoded K/V (they would never be computed).
             return keys, values
@@ -96,10 +96,10 @@ class TieredCache(_BaseCache):
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
         self._awaiting_attend = False
-        self._attend_epoch = hook.epoch()
+        self._attend_epoch = hook.EPOCH[0]
         Lq = queries.shape[2]
         if self._plain is not None:  # holds every position up to the last query: causal or no mask
-            k, v = self._plain.decoded(queries.dtype)
+            k, v = self._plain.fetch(queries.dtype)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal" if Lq > 1 else None)
         first_q = self.offset - Lq
         if self.per_head:
@@ -112,21 +112,23 @@ class TieredCache(_BaseCache):
             return self.saliency.attend(held, queries, scale, first_q, observe)
         # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
         # (runtime/tier.py: Tier.answer); the cache only merges.
-        if len(held) == 1 and not self._needs_mask(held[0], first_q, Lq):
+        # One query and no windows (every decode step of kivi & co): each held token is visible to it.
+        seen = Lq == 1 and self._unwindowed
+        needs = [False] * len(held) if seen else [self._needs_mask(t, first_q, Lq) for t in held]
+        if len(held) == 1 and not needs[0]:
             answer = held[0].answer(queries, scale)
             if answer is None:  # one tier, every token visible, decoded (fp16): straight to SDPA
                 k, v = held[0].decoded(queries.dtype)
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
             return merge_partials([answer()]).astype(queries.dtype)
-        needs = [self._needs_mask(t, first_q, Lq) for t in held]
-        answered = [t.answer(queries, scale, self._tier_mask(t, first_q, Lq) if n else None)
-                    for t, n in zip(held, needs)]
+        answered = [t.answer(queries, scale) for t in held] if seen else \
+            [t.answer(queries, scale, self._tier_mask(t, first_q, Lq) if n else None) for t, n in zip(held, needs)]
         rest = [t for t, a in zip(held, answered) if a is None]
         if len(rest) == len(held):
             return self._dense(held, queries, scale, first_q, needs)
         answers = [a for a in answered if a is not None]
         if len(answers) == 1 and rest and getattr(answers[0], "folds_tail", False) \
-                and not any(n for n, a in zip(needs, answered) if a is None):
+                and (seen or not any(n for n, a in zip(needs, answered) if a is None)):
             tail = fused.tail(rest, queries, self.dtype, self._tail_layouts)
             if tail:
                 return answers[0](tail)  # the kernel's reduce also attends over the 16-bit tiers

@@ -52,7 +52,12 @@ def tail(rest: List, queries: mx.array, dtype, layouts: dict):
     `layouts`: the cache's verdicts per (query shape, dtype, tier count): the dense tiers'
     heads, head_dim and dtype are the model's, so a layout checked once holds for the
     cache's life (only the token count changes, checked here every call)."""
-    if not all(t.sixteen_bit for t in rest) or sum(t.count for t in rest) > cuda.TAIL_MAX:
+    held = 0
+    for t in rest:  # one pass: a decode step asks this for every layer
+        if not t.sixteen_bit:
+            return None
+        held += t.count
+    if held > cuda.TAIL_MAX:
         return None
     views = [t.decoded(dtype) for t in rest]
     key = (queries.shape, dtype, len(rest))

@@ -13,11 +13,11 @@ _NAME = "scaled_dot_product_attention"
 NOT_ROUTED = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
               "through it (the attention hook is not installed for this model): load a saved cache with "
               "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first")
-_EPOCH = [0]  # bumped by every install/uninstall: caches trust the hook only within one epoch
+EPOCH = [0]  # bumped by every install/uninstall: caches trust the hook only within one epoch (EPOCH[0])
 
 
 def epoch() -> int:
-    return _EPOCH[0]
+    return EPOCH[0]
 
 
 def _routed(original):
@@ -49,7 +49,7 @@ def install(model) -> int:
         _ORIGINALS[module.__name__] = current
         setattr(module, _NAME, _routed(current))
         count += 1
-    _EPOCH[0] += 1
+    EPOCH[0] += 1
     return count
 
 
@@ -68,6 +68,6 @@ def uninstall(model=None) -> None:
     for name in names:
         if name in _ORIGINALS and name in sys.modules:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
-    _EPOCH[0] += 1
+    EPOCH[0] += 1
     from . import model_pass
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/model_pass.py)

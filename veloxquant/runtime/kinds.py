@@ -13,6 +13,7 @@ from .anchor_tier import AnchorTier
 from .head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
+from .plain import PlainRun
 from .query_aware_tier import QueryAwareTier
 from .sparse_tier import SparseDecodeTier
 from .tier import EXACT_MIN_CHUNK, Tier, fusable
@@ -41,16 +42,17 @@ def build(plan: TierPlan, layer: LayerPlan, exact: bool):
     return KINDS[kind](plan, layer.n_kv_heads, layer.head_dim)
 
 
-def plain_tier(cache) -> Optional[Tier]:
-    """The cache's one tier when the layer is plain 16-bit storage and nothing else: unrouted,
-    unscored, unwindowed, read by SDPA (the fp16 recipe). The cache then skips its routing."""
+def plain_tier(cache) -> Optional[PlainRun]:
+    """The cache's one tier, wrapped for KVCache's work (runtime/plain.py), when the layer is plain
+    16-bit storage and nothing else: unrouted, unscored, unwindowed, read by SDPA (the fp16 recipe).
+    The cache then skips its routing."""
     tiers = cache.tiers
     if len(tiers) != 1 or cache.scored or cache.per_head or cache._prompt_tiers or cache.saliency is not None:
         return None
     tier = tiers[0]
     plain = type(tier) is Tier and tier.route is None and tier.sixteen_bit and not tier.codes_attend \
         and cache._unwindowed and all(c.trivial for c in tier.codecs.values())
-    return tier if plain else None
+    return tier.plain if plain else None
 
 
 def fed_in_chunks(layer: LayerPlan, i: int) -> bool:

@@ -9,6 +9,7 @@ from . import code_attention, fused
 from .buffer import Buffer
 from .codec import Codec
 from .copying import copy_sharing
+from .plain import PlainRun
 
 # Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
 # KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
@@ -41,6 +42,7 @@ class Tier:
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
         self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/saliency.py)
+        self.plain = None
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
@@ -55,6 +57,8 @@ class Tier:
                 name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit))
                 for name, per_unit in codec.units().items()
             }
+        # 16-bit tiers (fp16 windows and sinks, the fp16 recipe) append without codec calls: every step of every layer
+        self.plain = PlainRun(self) if self.sixteen_bit and type(self) is Tier else None
 
     def __deepcopy__(self, memo):
         # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
@@ -68,6 +72,9 @@ class Tier:
 
     def append(self, keys: mx.array, values: mx.array, start: int, scores: Optional[mx.array] = None) -> None:
         """`scores` [B, H, L]: per-token scores for stores that route by them (salient)."""
+        if self.plain is not None and scores is None:
+            self.plain.append(keys, values, start)
+            return
         if self.drops:
             return
         if self.count == 0:
@@ -91,7 +98,7 @@ class Tier:
         `mask`: None when every held token is visible to every query. Plain affine codes go to
         the fused kernel where a verified one takes the call; codecs that score their codes
         answer from them (runtime/code_attention.py)."""
-        if mask is None and self.fusable:
+        if mask is None and self._fusable:
             found = fused.kernel_answer(self, queries, scale)
             if found is not None:
                 return found
