@@ -98,3 +98,14 @@ def test_sliding_window_layers_see_what_fp16_sees():
 def test_votes_need_once(llama_model, tmp_path):
     with pytest.raises(RecipeError, match="votes=0.5 needs once=true"):
         layer_cache(llama_model, tmp_path, "evict(budget=16, score=mean, votes=0.5)")
+
+
+def test_with_adakv_budgets_each_head_keeps_its_allocation(llama_model):
+    """The vote share is taken of each head's allocated budget; the layer's total stays H x budget."""
+    caches = veloxquant.make_prompt_cache(llama_model, "observed_snap", ["budget=12", "heads=adakv", "window=4"])
+    feed(llama_model, TOKENS[:, :39], caches, 16)
+    feed(llama_model, TOKENS[:, 39:40], caches, 1)
+    for c in caches:
+        tier = c.tiers[0]
+        assert tier.budgets is not None and sum(tier.budgets) == 12 * len(tier.budgets)
+        assert [n - 1 for n in tier.lengths()] == tier.budgets  # the allocation, then the appended token
