@@ -31,7 +31,7 @@ from ..runtime import make_prompt_cache, uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
             "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
-            "chunkkv", "curdkv", "rocketkv", "kvzip")
+            "chunkkv", "curdkv", "rocketkv", "kvzip", "observed_snap")
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:

@@ -25,7 +25,8 @@ ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("observed_attention (once)", "observed_attention", []), ("h2o once", "h2o", ["once=true"]),
         ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []), ("expected_attention (once)", "expected_attention", []),
         ("qfilters", "qfilters", []), ("keyformer", "keyformer", []), ("morphkv", "morphkv", []),
-        ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", []), ("kvzip (once)", "kvzip", [])]
+        ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", []), ("kvzip (once)", "kvzip", []),
+        ("observed_snap (once)", "observed_snap", [])]
 
 
 class Recorder:

@@ -144,6 +144,10 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             when = "once, at the end of the prompt" if t.route.once else "every step"
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
                        f"+{8 + extra} bytes/token/head of positions and scores")
+            if getattr(t.route, "votes", 0) > 0:
+                out.append(f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote (last "
+                           f"{t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), the rest by "
+                           f"score={t.route.score}")
             from ..runtime.allocation import rule
             if rule(t.route):
                 out.append(f"    budgets decided once at the end of the prompt by the coordinator: {rule(t.route)}")

@@ -60,6 +60,9 @@ class Evict(_PerHeadRoute):
     many neighbouring tokens (SnapKV's smoothing).
     shared_heads=true: rank by the score averaged over the layer's kv heads,
     so every head keeps the same tokens (kvpress's TOVA averages over heads).
+    votes (once routes): share of each head's budget that goes first to the
+    tokens SnapKV's vote picks (the last `vote_window` prompt queries,
+    max-pooled over `vote_pool`); the rest by `score` (runtime/scorers/votes.py).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
@@ -80,6 +83,9 @@ class Evict(_PerHeadRoute):
     kappa: float = attrs.field(default=10.0, validator=in_range(0.0, 1e3))
     merge: str = attrs.field(default="drop", validator=choices("drop", "prominence", "sample"))
     targets: int = attrs.field(default=4, validator=in_range(1, 1 << 10))
+    votes: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    vote_window: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
+    vote_pool: int = attrs.field(default=7, validator=in_range(1, 1 << 10))
 
     @property
     def floor(self) -> int:
@@ -89,6 +95,8 @@ class Evict(_PerHeadRoute):
     def __attrs_post_init__(self):
         if self.sinks + self.recent >= self.budget:
             raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
+        if self.votes > 0 and not self.once:
+            raise ValueError(f"votes={self.votes} needs once=true (the window votes once, when the prompt ends)")
         if self.merge != "drop" and self.heads != "equal":
             raise ValueError(f"merge={self.merge} needs heads=equal (merging into ragged heads is not built)")
 

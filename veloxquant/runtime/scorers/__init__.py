@@ -136,7 +136,11 @@ def names() -> Tuple[str, ...]:
 
 def make(route) -> Scorer:
     _discover()
-    return SCORERS[route.score](route)
+    base = SCORERS[route.score](route)
+    if getattr(route, "votes", 0) > 0:  # SnapKV's window votes take a share of the budget (votes.py)
+        from .votes import Voted
+        return Voted(route, base)
+    return base
 
 
 _found = False
