@@ -15,7 +15,7 @@ from veloxquant.runtime.attention import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.bit_alloc import allocate
-from veloxquant.stages.latent import Latent
+from veloxquant.stages.latent import Latent, lloyd_distortions
 from conftest import feed, tiny_gemma3, tiny_llama
 
 SHAPE = ModelShape.uniform("one", 1, 3, 64)
@@ -56,6 +56,19 @@ def test_equal_variances_get_floor_of_budget_and_the_remainder_goes_first():
     assert allocate([1.0] * 4, 10, range(9)).tolist() == [3, 3, 2, 2]
     assert allocate([2.5] * 64, 256, range(9)).tolist() == [4] * 64
     assert allocate([1.0] * 7, 20, range(9)).tolist() == [3] * 6 + [2]
+
+
+def test_lloyd_rule_prices_widths_by_the_codebooks_own_error():
+    table = lloyd_distortions()
+    assert table[0] == 1.0 and 0.36 < table[1] < 0.37 and 0.11 < table[2] < 0.12  # a unit gaussian's
+    # equal variances: still floor(budget/n), the remainder first (the table is convex)
+    assert allocate([1.0] * 4, 10, range(9), distortion=table).tolist() == [3, 3, 2, 2]
+    assert allocate([1.0] * 7, 20, range(9), distortion=table).tolist() == [3] * 6 + [2]
+    # 3:1 variances, 2 bits: 4**-b prices (1, 1) lower (1.0 < 1.19); the real 1-bit error (0.36, not 0.25)
+    # makes (2, 0) lower (1.35 < 1.45)
+    assert allocate([3.0, 1.0], 2, range(9)).tolist() == [1, 1]
+    assert allocate([3.0, 1.0], 2, range(9), distortion=table).tolist() == [2, 0]
+    assert Latent(budget=2, rule="lloyd").widths(np.array([[3.0, 1.0]])).tolist() == [2, 0]
 
 
 def test_allocator_drops_weak_components_and_keeps_the_budget():

@@ -13,7 +13,7 @@ from .buffer import Buffer
 from .codec import Codec
 
 BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
-STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
+STATS = ("loc", "std", "keep")  # with quant=gauss each latent's scale; calibrated, the axes kept
 
 
 class SidesHeld:
@@ -210,10 +210,13 @@ class LatentSide:
         return {"x": self.staged} if self.widths is None else self.buffers
 
     def _own(self) -> Dict[str, mx.array]:
-        """The fitted arrays this layer holds: a group's basis is held (and saved) by its anchor only."""
-        if self.basis_of is None:
-            return self.fitted
-        return {n: a for n, a in self.fitted.items() if n not in BASIS}
+        """The fitted arrays this layer saves: a group's basis is held (and saved) by its anchor only;
+        a calibrated basis is the artifact's (the cache saves which of its axes it keeps)."""
+        if self.basis_of is not None:
+            return {n: a for n, a in self.fitted.items() if n not in BASIS}
+        if getattr(self.store, "calibrated", False):
+            return {n: a for n, a in self.fitted.items() if n != "basis"}
+        return self.fitted
 
     def arrays(self) -> Dict[str, mx.array]:
         out = {n: b.view() for n, b in self._live().items() if b.view() is not None}
@@ -225,13 +228,19 @@ class LatentSide:
     @property
     def nbytes(self) -> int:
         """Allocated buffers (growth slack is real memory) plus the basis this layer holds (and, until
-        the fit, the queries' second moment)."""
-        return sum(a.nbytes for a in self.arrays().values()) + sum(
+        the fit, the queries' second moment); a calibrated basis's kept axes are held though not saved."""
+        held_only = self.fitted["basis"].nbytes if "keep" in self.fitted and self.basis_of is None else 0
+        return held_only + sum(a.nbytes for a in self.arrays().values()) + sum(
             b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None)
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
         if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis
             arrays = {**arrays, **{n: self.basis_of()[n] for n in BASIS}}
+        if getattr(self.store, "calibrated", False) and "keep" in arrays:  # the artifact's axes it kept
+            keep, n = arrays["keep"], self.store.axes().shape[-1]
+            if keep.ndim != 1 or keep.shape[0] != arrays.get("widths", keep).shape[0] or int(mx.max(keep)) >= n:
+                return f"array keep does not name kept axes among the artifact's {n} (one per width)"
+            arrays = {**arrays, "basis": mx.contiguous(self.store.axes()[:, :, keep.astype(mx.int32)])}
         if all(name in arrays for name in BASIS):
             self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
         else:
