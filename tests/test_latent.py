@@ -234,3 +234,11 @@ def test_stage_arithmetic_round_trips_codes():
     assert set(enc) == {"f16", "c3.codes"}  # no per-token metadata
     err = gauss.decode(enc, widths, stats) - z
     assert float(mx.mean(err[..., 2:] ** 2)) < 0.06  # Lloyd-Max 3-bit gaussian MSE is 0.0345
+
+
+def test_saved_ppl_scores_the_live_and_the_loaded_cache_alike(tmp_path):
+    from veloxquant.bench.saved_ppl import saved_then_scored
+    model = tiny_llama()
+    window = np.random.default_rng(0).integers(0, 500, 230).tolist()
+    size, live, loaded = saved_then_scored(model, "kvtc", ["window=32"], window, 192, tmp_path)
+    assert size == (tmp_path / "kvtc.safetensors").stat().st_size and live == loaded > 0
