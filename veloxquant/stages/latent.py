@@ -8,14 +8,14 @@ orthonormal components ordered by energy. Each component gets a width:
                       of the energy), the top `hi_fraction` of them at `hi_bits`,
                       the rest at `lo_bits` (16 = float16 latents);
   budget mode      -- widths from the KVTC allocator under `budget` bits per token
-                      and head group (bit_alloc.py); width 0 drops a component.
+                      and kv head (a group of h heads shares h*budget; bit_alloc.py);
+                      width 0 drops a component.
 
 With `layers=N` (xKV) N adjacent layers share one basis, fitted on all their
 vectors at once; each layer holds its own latents (compiler/groups.py).
-With `calibrated=true` (KVTC's global basis) the components come from
-`veloxquant calibrate` (PCA of the model's own vectors over `corpus`): the end
-of the prompt only measures the prompt's variance along them (for the widths)
-and its mean, and a saved cache names the artifact instead of holding a basis.
+With `calibrated=true` (KVTC's global basis) the components come from `veloxquant
+calibrate` (PCA over `corpus`): the prompt gives only its mean and the variances along
+them (the widths), and a saved cache names the artifact's axes instead of a basis.
 
 Latents of width b < 16 are coded per component, packed along the tokens (a
 component's `group` tokens of b bits fill whole 32-bit words, for any b):
@@ -134,28 +134,30 @@ class Latent:
         return self.heads_per_group(n_kv_heads) * head_dim
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Latent bits per K/V element with one head per basis (rank mode, or a budget of Lloyd-Max
-        codes); NaN where the data decides (energy, or how many components get scales)."""
-        if self.heads != 1 or (self.budget and self.quant != "gauss") or not (self.rank or self.budget):
+        """Latent bits per K/V element (a budget of Lloyd-Max codes, or rank mode with one head per
+        basis); NaN where the data decides (energy, or how many components get scales)."""
+        if (self.budget and self.quant != "gauss") or not (self.rank or self.budget):
             return float("nan")
         if self.budget:
             return min(self.budget, 8 * head_dim) / head_dim
+        if self.heads != 1:
+            return float("nan")
         hi = math.ceil(self.hi_fraction * self.rank)
         meta = 32 / self.group if self.quant == "minmax" else 0.0
         return sum(n * (b if b == FLOAT else b + meta)
                    for n, b in ((hi, self.hi_bits), (self.rank - hi, self.lo_bits))) / head_dim
 
     # --- the basis ----------------------------------------------------------------
-    def widths(self, spectra: np.ndarray, weights=None) -> np.ndarray:
-        """Width of each component from the energies [groups, channels] (descending per group);
-        `weights` [groups, channels]: what an error along each component costs (the queries' energy)."""
+    def widths(self, spectra: np.ndarray, weights=None, heads: int = 1) -> np.ndarray:
+        """Width of each component from the energies [groups, channels] (descending per group) of `heads`
+        kv heads per group; `weights` [groups, channels]: what an error along each costs (queries)."""
         n = spectra.shape[1]
         if self.budget:
             variances = (spectra if weights is None else spectra * weights).mean(axis=0)
             if self.rank:
                 variances = variances[:self.rank]
             table = lloyd_distortions() if self.rule == "lloyd" else None
-            w = allocate(variances, self.budget, parse_choices(self.choices), self.beta, table)
+            w = allocate(variances, self.budget * heads, parse_choices(self.choices), self.beta, table)
             return np.concatenate([w, np.zeros(n - len(w), np.int64)])
         if self.rank:
             r = min(self.rank, n)
@@ -188,7 +190,7 @@ class Latent:
             P = evecs.reshape(H // hg, hg, D, hg * D)  # each head's rows of a group's components
             weights = np.einsum("ghdc,ghde,ghec->gc", P, Sq, P)
             weights = np.maximum(weights / np.maximum(weights.mean(axis=1, keepdims=True), 1e-30), 1e-6)
-        w = self.widths(evals, weights)
+        w = self.widths(evals, weights, hg)
         keep = np.flatnonzero(w)
         out = {"basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
                "mean": mx.array(mean.astype(np.float16)), "widths": mx.array(w[keep].astype(np.uint8))}
@@ -203,8 +205,7 @@ class Latent:
         return {"axes": np.ascontiguousarray(evecs, dtype=np.float16)}
 
     def for_calibration(self):
-        """The stage as the artifact's key sees it: only what the axes depend on (budgets, widths and
-        coding may change without calibrating again)."""
+        """The stage as the artifact's key sees it: what the axes depend on (budgets may change freely)."""
         return Latent(budget=1, heads=self.heads, center=self.center, calibrated=True, corpus=self.corpus,
                       tokens=self.tokens)
 
