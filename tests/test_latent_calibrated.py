@@ -95,3 +95,20 @@ def test_a_cache_naming_axes_the_artifact_lacks_is_refused(llama_model, setup):
     arrays["k.keep"] = mx.full(arrays["k.keep"].shape, 999, mx.uint16)
     assert "keep does not name" in vq.make_prompt_cache(llama_model, path)[0].tiers[2].restore(
         tier.start, tier.count, arrays)
+
+
+def test_gemma3_sliding_layers_calibrate_save_and_load(tmp_path, monkeypatch):
+    from conftest import tiny_gemma3
+    monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(chr(1000 + int(i)) for i in np.random.default_rng(1).integers(0, 500, 600)))
+    model, path = tiny_gemma3(), recipe(tmp_path, corpus)
+    binding.calibrate(vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(model)), model, Tokens(),
+                      progress=False)
+    caches = vq.make_prompt_cache(model, path)
+    feed(model, TOKENS[:, :150], caches, 50)  # past the sliding window (32): old latents expire
+    save_prompt_cache(tmp_path / "g.safetensors", caches)
+    loaded, _ = load_prompt_cache(tmp_path / "g.safetensors", expect_fingerprint=caches[0].fingerprint)
+    a = feed(model, TOKENS[:, 150:170], caches, 1)
+    b = feed(model, TOKENS[:, 150:170], loaded, 1)
+    assert float(mx.abs(a - b).max()) == 0.0
