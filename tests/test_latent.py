@@ -15,7 +15,7 @@ from veloxquant.runtime.attention import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.bit_alloc import allocate
-from veloxquant.stages.latent import Latent
+from veloxquant.stages.latent import Latent, lloyd_distortions
 from conftest import feed, tiny_gemma3, tiny_llama
 
 SHAPE = ModelShape.uniform("one", 1, 3, 64)
@@ -56,6 +56,19 @@ def test_equal_variances_get_floor_of_budget_and_the_remainder_goes_first():
     assert allocate([1.0] * 4, 10, range(9)).tolist() == [3, 3, 2, 2]
     assert allocate([2.5] * 64, 256, range(9)).tolist() == [4] * 64
     assert allocate([1.0] * 7, 20, range(9)).tolist() == [3] * 6 + [2]
+
+
+def test_lloyd_rule_prices_widths_by_the_codebooks_own_error():
+    table = lloyd_distortions()
+    assert table[0] == 1.0 and 0.36 < table[1] < 0.37 and 0.11 < table[2] < 0.12  # a unit gaussian's
+    # equal variances: still floor(budget/n), the remainder first (the table is convex)
+    assert allocate([1.0] * 4, 10, range(9), distortion=table).tolist() == [3, 3, 2, 2]
+    assert allocate([1.0] * 7, 20, range(9), distortion=table).tolist() == [3] * 6 + [2]
+    # 3:1 variances, 2 bits: 4**-b prices (1, 1) lower (1.0 < 1.19); the real 1-bit error (0.36, not 0.25)
+    # makes (2, 0) lower (1.35 < 1.45)
+    assert allocate([3.0, 1.0], 2, range(9)).tolist() == [1, 1]
+    assert allocate([3.0, 1.0], 2, range(9), distortion=table).tolist() == [2, 0]
+    assert Latent(budget=2, rule="lloyd").widths(np.array([[3.0, 1.0]])).tolist() == [2, 0]
 
 
 def test_allocator_drops_weak_components_and_keeps_the_budget():
@@ -106,7 +119,7 @@ def test_decode_never_rebuilds_kv_from_latents(monkeypatch):
     monkeypatch.setattr(latent_side.LatentSide, "decoded", refuse)
     logits = mx.concatenate([model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 190)], axis=1)
     mx.eval(logits)
-    assert caches[0].attended and caches[0].tiers[1].count >= 96
+    assert caches[0].attended and caches[0].tiers[-1].count >= 96
 
 
 def test_decode_peak_stays_below_one_fp16_copy_of_the_keys():
@@ -156,7 +169,7 @@ def test_saved_cache_continues_identically(tmp_path, name, sets):
     save_prompt_cache(path, caches)
     loaded, _ = load_prompt_cache(path, expect_fingerprint=caches[0].fingerprint)
     for c, d in zip(caches, loaded):  # the same arrays (the live one may hold growth slack)
-        a, b = c.tiers[1].arrays(), d.tiers[1].arrays()
+        a, b = c.tiers[-1].arrays(), d.tiers[-1].arrays()
         assert a.keys() == b.keys() and all(mx.array_equal(a[n], b[n]) for n in a)
     a = feed(model, TOKENS[:, 150:], caches, 1)
     b = feed(model, TOKENS[:, 150:], loaded, 1)
@@ -221,3 +234,11 @@ def test_stage_arithmetic_round_trips_codes():
     assert set(enc) == {"f16", "c3.codes"}  # no per-token metadata
     err = gauss.decode(enc, widths, stats) - z
     assert float(mx.mean(err[..., 2:] ** 2)) < 0.06  # Lloyd-Max 3-bit gaussian MSE is 0.0345
+
+
+def test_saved_ppl_scores_the_live_and_the_loaded_cache_alike(tmp_path):
+    from veloxquant.bench.saved_ppl import saved_then_scored
+    model = tiny_llama()
+    window = np.random.default_rng(0).integers(0, 500, 230).tolist()
+    size, live, loaded = saved_then_scored(model, "kvtc", ["window=32"], window, 192, tmp_path)
+    assert size == (tmp_path / "kvtc.safetensors").stat().st_size and live == loaded > 0

@@ -62,7 +62,8 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
 def unbound(plan: Plan) -> Plan:
     """The plan as calibration sees it: no artifact, and a stage's `runtime_params` (used only when
     attending, e.g. a2ats's RoPE window) at their defaults, so changing them needs no new artifact."""
-    return _map_stores(plan, lambda i, t, s, st: attrs.evolve(st, artifact="", slot="", **_defaults(st)))
+    return _map_stores(plan, lambda i, t, s, st: st.for_calibration() if hasattr(st, "for_calibration")
+                       else attrs.evolve(st, artifact="", slot="", **_defaults(st)))
 
 
 def _defaults(st) -> Dict:
@@ -130,7 +131,8 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
         if getattr(stage, "fits_layer", False):  # measures attention outputs: needs the layer's raw q, k, v too
             fitted[site] = stage.fit(x, q, samples[i], side[0], plan.layers[i].window)
         else:  # keys are fitted with the real queries too: what matters is the error q.(k - k^)
-            fitted[site] = stage.fit(x, q if side[0] == "k" else None)
+            fit = getattr(stage, "calibration_fit", stage.fit)  # a store that also fits per prompt
+            fitted[site] = fit(x, q if side[0] == "k" else None)
     for cls in {type(s) for _, _, _, s in sites if hasattr(s, "allocate")}:
         # decisions across layers (RateQuant's bits): the stage class sees every site's fit at once
         fitted.update(cls.allocate({site: a for site, a in fitted.items() if type(site[3]) is cls}))

@@ -13,7 +13,7 @@ from .buffer import Buffer
 from .codec import Codec
 
 BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
-STATS = ("loc", "std")  # and, with quant=gauss, each latent's scale
+STATS = ("loc", "std", "keep")  # with quant=gauss each latent's scale; calibrated, the axes kept
 
 
 class SidesHeld:
@@ -104,6 +104,7 @@ class LatentSide:
         self.fitted: Dict[str, mx.array] = {}  # basis [G, hg*D, r], mean [G, hg*D], widths [r]
         self.widths: Optional[np.ndarray] = None
         self.buffers: Dict[str, Buffer] = {}
+        self._keep = None  # calibrated: the artifact's axes this cache keeps (int32)
         self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
         self.shared = getattr(self.store, "layers", 1) > 1
         self.query_moment = None  # keys with queries=true: Σ qᵀq [H, D, D] of the prompt's queries, until the fit
@@ -141,23 +142,30 @@ class LatentSide:
         return () if moment is None else (moment,)
 
     def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
-        self.fitted = dict(fitted)  # as given: a group's members hold the anchor's arrays themselves
+        # As given (a group's members hold the anchor's arrays themselves); a calibrated basis is not
+        # held: its kept axes are gathered from the artifact (held once per process) when attending.
+        self.fitted = {n: a for n, a in fitted.items() if not (n == "basis" and "keep" in fitted)}
+        self._keep = fitted["keep"].astype(mx.int32) if "keep" in fitted else None
         self.widths = np.array(fitted["widths"]).astype(np.int64)
         # Exact-size buffers: latents grow one group at a time (a small copy), and attention
         # then reads contiguous arrays, the same live and after loading (identical logits).
         self.buffers = {name: Buffer(None) for name in self.store.units(self.widths)}
 
     # --- shapes: per kv head views of the group basis -------------------------------
+    def _basis(self) -> mx.array:
+        """[G, hg*D, r]: the fitted basis, or the calibrated axes this cache keeps (gathered, not held)."""
+        return self.fitted["basis"] if self._keep is None else self.store.axes()[:, :, self._keep]
+
     def _per_head(self):
         """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive)."""
-        basis, mean = self.fitted["basis"].astype(mx.float32), self.fitted["mean"].astype(mx.float32)
+        basis, mean = self._basis().astype(mx.float32), self.fitted["mean"].astype(mx.float32)
         H, D = self.n_kv_heads, self.head_dim
         return basis.reshape(H, D, -1), mean.reshape(H, 1, D)
 
     def _project(self, x: mx.array) -> mx.array:
         """x [B, H, L, D] -> latents [B, G, L, r]."""
         B, H, L, D = x.shape
-        G = self.fitted["basis"].shape[0]
+        G = self.fitted["mean"].shape[0]
         basis, mean = self._per_head()
         # z_g = sum over the group's heads of (x_h - mean_h) P_h
         z = (x.astype(mx.float32) - mean) @ basis  # [B, H, L, r]
@@ -197,7 +205,7 @@ class LatentSide:
             return self.staged.view().astype(dtype)
         z = self.latents()
         B, G, L, r = z.shape
-        basis = self.fitted["basis"].astype(mx.float32)  # [G, hg*D, r]
+        basis = self._basis().astype(mx.float32)  # [G, hg*D, r]
         x = (z @ basis.swapaxes(-1, -2)) + self.fitted["mean"].astype(mx.float32)[:, None]  # [B, G, L, hg*D]
         H, D = self.n_kv_heads, self.head_dim
         return x.reshape(B, G, L, H // G, D).swapaxes(2, 3).reshape(B, H, L, D).astype(dtype)
@@ -210,10 +218,11 @@ class LatentSide:
         return {"x": self.staged} if self.widths is None else self.buffers
 
     def _own(self) -> Dict[str, mx.array]:
-        """The fitted arrays this layer holds: a group's basis is held (and saved) by its anchor only."""
-        if self.basis_of is None:
-            return self.fitted
-        return {n: a for n, a in self.fitted.items() if n not in BASIS}
+        """The fitted arrays this layer saves: a group's basis is held (and saved) by its anchor only;
+        a calibrated basis is the artifact's (the cache holds and saves which of its axes it keeps)."""
+        if self.basis_of is not None:
+            return {n: a for n, a in self.fitted.items() if n not in BASIS}
+        return self.fitted
 
     def arrays(self) -> Dict[str, mx.array]:
         out = {n: b.view() for n, b in self._live().items() if b.view() is not None}
@@ -225,17 +234,22 @@ class LatentSide:
     @property
     def nbytes(self) -> int:
         """Allocated buffers (growth slack is real memory) plus the basis this layer holds (and, until
-        the fit, the queries' second moment)."""
+        the fit, the queries' second moment); a calibrated basis is the artifact's, not the cache's."""
         return sum(a.nbytes for a in self.arrays().values()) + sum(
             b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None)
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
         if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis
             arrays = {**arrays, **{n: self.basis_of()[n] for n in BASIS}}
+        if getattr(self.store, "calibrated", False) and "keep" in arrays:  # the artifact's axes it kept
+            keep, n = arrays["keep"], self.store.axes().shape[-1]
+            if keep.ndim != 1 or keep.shape[0] != arrays.get("widths", keep).shape[0] or int(mx.max(keep)) >= n:
+                return f"array keep does not name kept axes among the artifact's {n} (one per width)"
+            arrays = {**arrays, "basis": mx.contiguous(self.store.axes()[:, :, keep.astype(mx.int32)])}
         if all(name in arrays for name in BASIS):
             self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
         else:
-            self.fitted, self.widths, self.buffers = {}, None, {}
+            self.fitted, self.widths, self.buffers, self._keep = {}, None, {}, None
         for name, per_unit in self.units().items():
             arr = arrays.get(name)
             if count and (arr is None or arr.ndim != 4 or arr.shape[2] * per_unit != count):
