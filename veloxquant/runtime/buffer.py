@@ -2,7 +2,9 @@
 
 Unbounded tiers grow in steps (like mlx-lm's KVCache) so decode does not copy
 the whole cache each token; bounded tiers concatenate so nothing is over-held.
-`nbytes` is the allocated buffer: the memory really held.
+A `cap` (sliding-window layers: what the window lets the tier hold) stops the
+steps there: growth past it is exact, so slack never exceeds what the window
+could fill anyway. `nbytes` is the allocated buffer: the memory really held.
 """
 from typing import Optional
 
@@ -10,8 +12,8 @@ import mlx.core as mx
 
 
 class Buffer:
-    def __init__(self, step: Optional[int] = None):
-        self.step = step
+    def __init__(self, step: Optional[int] = None, cap: Optional[int] = None):
+        self.step, self.cap = step, cap
         self.data: Optional[mx.array] = None
         self.used = 0
 
@@ -28,6 +30,8 @@ class Buffer:
             return
         if self.data is None or self.used + n > self.data.shape[2]:
             capacity = -(-(self.used + n) // self.step) * self.step
+            if self.cap:
+                capacity = max(min(capacity, self.cap), self.used + n)
             grown = mx.zeros((*x.shape[:2], capacity, *x.shape[3:]), x.dtype)
             if self.used:
                 grown[:, :, : self.used] = self.view()
