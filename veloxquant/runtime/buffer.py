@@ -2,9 +2,7 @@
 
 Unbounded tiers grow in steps (like mlx-lm's KVCache) so decode does not copy
 the whole cache each token; bounded tiers concatenate so nothing is over-held.
-A `cap` (sliding-window layers: what the window lets the tier hold) stops the
-steps there: growth past it is exact, so slack never exceeds what the window
-could fill anyway. `nbytes` is the allocated buffer: the memory really held.
+`nbytes` is the allocated buffer: the memory really held.
 """
 from typing import Optional
 
@@ -12,8 +10,8 @@ import mlx.core as mx
 
 
 class Buffer:
-    def __init__(self, step: Optional[int] = None, cap: Optional[int] = None):
-        self.step, self.cap = step, cap
+    def __init__(self, step: Optional[int] = None):
+        self.step = step
         self.data: Optional[mx.array] = None
         self.used = 0
 
@@ -30,8 +28,6 @@ class Buffer:
             return
         if self.data is None or self.used + n > self.data.shape[2]:
             capacity = -(-(self.used + n) // self.step) * self.step
-            if self.cap:
-                capacity = max(min(capacity, self.cap), self.used + n)
             grown = mx.zeros((*x.shape[:2], capacity, *x.shape[3:]), x.dtype)
             if self.used:
                 grown[:, :, : self.used] = self.view()

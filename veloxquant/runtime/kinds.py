@@ -37,7 +37,7 @@ def build(plan: TierPlan, layer: LayerPlan, exact: bool):
         return HEAD_KINDS.get(getattr(plan.route, "tier_kind", None), HeadTier)(plan, layer.window)
     kind = kind_of(plan)
     if kind is None:
-        return Tier(plan, exact, layer.window)
+        return Tier(plan, exact)
     return KINDS[kind](plan, layer.n_kv_heads, layer.head_dim)
 
 

@@ -24,11 +24,10 @@ def fusable(plan: TierPlan) -> bool:
 class Tier:
     scorer = None  # only per-head tiers rank their tokens (head_tier.py)
 
-    def __init__(self, plan: TierPlan, exact: bool = False, window: Optional[int] = None):
+    def __init__(self, plan: TierPlan, exact: bool = False):
         """`exact`: buffers hold exactly their tokens (grown by concatenation). For
         tiers fed whole chunks whose codes a kernel reads: a sliced buffer is not
-        row-contiguous, and the kernel launch would copy the whole tier every call.
-        `window`: the layer's sliding window; growth steps stop there (Buffer's cap)."""
+        row-contiguous, and the kernel launch would copy the whole tier every call."""
         self.plan = plan
         self._fusable = fusable(plan)
         self.route = plan.route
@@ -53,8 +52,7 @@ class Tier:
         for side, codec in self.codecs.items():
             bounded = plan.route is not None and plan.route.bounded
             self.buffers[side] = {
-                name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit),
-                             -(-window // per_unit) if window else None)
+                name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit))
                 for name, per_unit in codec.units().items()
             }
 
