@@ -10,7 +10,7 @@ from veloxquant.run import cache_report
 
 pytestmark = pytest.mark.slow
 
-RECIPES = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "polarquant", "spectralquant", "nsnquant", "ratequant"]
+RECIPES = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "polarquant", "spectralquant", "nsnquant", "ratequant", "ratekivi"]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

@@ -9,7 +9,7 @@ from veloxquant.calibration import CalibrationError
 from veloxquant.runtime.make import plan_for
 
 pytestmark = pytest.mark.slow
-CALIBRATED = ("commvq", "a2ats")
+CALIBRATED = ("commvq", "a2ats", "ratekivi")
 CHECKS = {"save_load": contract.test_save_load_round_trip_with_metadata,
           "two_steps": contract.test_generating_in_two_steps_equals_one,
           "trim": contract.test_trim_then_regenerate, "deep_copy": contract.test_deep_copy_continues_identically,

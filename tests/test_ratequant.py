@@ -102,3 +102,57 @@ def test_a_sliding_window_limits_the_keys_the_errors_are_measured_over():
     fit = lambda w: RateBits().fit(k, q, layer, "k", w)["errors"]
     assert np.array_equal(fit(None), fit(256)) and not np.allclose(fit(None), fit(16))
     assert np.all(np.diff(fit(None)) < 0)  # more bits, less error
+
+
+# --- byte-weighted allocation and min/max codes (recipe `ratekivi`) ---------------
+
+def test_unit_weights_are_the_unweighted_allocation_bit_for_bit():
+    rng = np.random.default_rng(1)
+    errors = np.sort(rng.random((12, 5)), axis=1)[:, ::-1]  # convex-ish decreasing curves
+    for target in (2.0, 2.5, 3.0, 3.7, 6.0):
+        assert np.array_equal(allocate_widths(errors, 2, target), allocate_widths(errors, 2, target, np.ones(12)))
+
+
+def test_a_site_that_holds_more_tokens_pays_more_for_its_bits():
+    from veloxquant.stages.ratebits import site_weights
+    assert site_weights(np.array([512, 0]), 0) is None  # context 0: every layer alike
+    w = site_weights(np.array([512, 512, 0, 0]), 4096)  # two 512-token sliding layers, two full ones
+    assert list(w) == [1, 1, 8, 8] and list(site_weights(np.array([512, 0]), 256)) == [1, 1]
+    curve = np.array([1.0, 0.3, 0.08])
+    errors = np.tile(curve, (4, 1))
+    # mean 2.5 over held tokens: 9 bits above 2 to spend; the cheap sites take 2 each (cost 4),
+    # a dear site's one bit costs 8 and no longer fits
+    assert list(allocate_widths(errors, 2, 2.5, w)) == [4, 4, 2, 2]
+    assert sorted(allocate_widths(errors, 2, 2.5)) == [2, 2, 3, 3]  # unweighted: one bit each to two
+    assert list(allocate_widths(errors, 2, 3.0, w)) == [3] * 4  # 18 bits: one bit each is the best spend
+
+
+def test_affine_ratebits_at_a_width_is_affine_bit_for_bit_and_holds_its_group():
+    from veloxquant.stages.ratebits import RateBits, _WIDTHS
+    from veloxquant.stages.store import Affine
+    st = RateBits(codec="affine", group=32, axis="channel", lo=2, hi=5, artifact="t", slot="0.1.k")
+    _WIDTHS[("t", "0.1.k")] = 3
+    try:
+        ref = Affine(bits=3, group=32, axis="channel")
+        x = mx.random.normal((1, 2, 64, 64), key=mx.random.key(2))
+        enc, want = st.encode(x), ref.encode(x)
+        assert all(mx.array_equal(enc[n], want[n]).item() for n in want)
+        assert mx.array_equal(st.decode(enc, mx.float32), ref.decode(want, mx.float32)).item()
+        q = mx.random.normal((1, 2, 5, 64), key=mx.random.key(3))
+        dense = q @ ref.decode(want, mx.float32).swapaxes(-1, -2)
+        assert float(mx.abs(st.scores(q, enc) - dense).max()) < 1e-4
+        assert st.token_multiple == 32 and st.units() == ref.units()
+        assert st.bits_per_element(64) == st.target + 1.0  # a float16 scale and zero per 32 tokens
+    finally:
+        _WIDTHS.pop(("t", "0.1.k"))
+    assert "does not divide" in RateBits(codec="affine", group=48, axis="token").check_head_dim(64)
+
+
+def test_affine_fit_measures_whole_groups_and_more_bits_cut_the_error():
+    from veloxquant.stages.ratebits import RateBits
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((1, 250, 64)).astype(np.float32), rng.standard_normal((1, 250, 64)).astype(np.float32)
+    q = rng.standard_normal((3, 63, 64)).astype(np.float32)
+    fit = RateBits(codec="affine", axis="channel", group=64, lo=2, hi=5).fit(k, q, {"k": k, "v": v, "q": q}, "k", 128)
+    assert np.all(np.diff(fit["errors"]) < 0) and int(fit["held"][0]) == 128
+

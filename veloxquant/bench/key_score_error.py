@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--layers", help="comma-separated (default: six spread over the model)")
     ap.add_argument("--pipelines", default=PIPELINES, help="key pipelines separated by ';'")
+    ap.add_argument("--sinks", type=int, default=0,
+                    help="the first N positions scored exactly, as a recipe's fp16 sink tier holds them")
     ap.add_argument("--recipes", help="built-in recipes (name[:k=v,k=v]) separated by ';', instead of --pipelines")
     args = ap.parse_args(argv)
     from ..compiler import ModelShape, compile_recipe
@@ -87,7 +89,11 @@ def main(argv=None) -> int:
                 (tmp / "r.yaml").write_text(f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n"
                                             "    values: fp16\n")
                 codec = Codec(compile_recipe(load_recipe(str(tmp / "r.yaml")), shape).layers[i].tiers[-1].keys)
-                est = codec.scores(qq, codec.encode(k))
+                enc = codec.encode(k)
+                est = (codec.scores(qq, enc) if codec.scores_from_codes
+                       else qq @ codec.decode(enc, mx.float32).swapaxes(-1, -2))
+            if args.sinks and first < args.sinks:  # a sink tier holds them in fp16: exact scores
+                est = mx.where(kpos[None] < args.sinks, exact, est)
             err = float(mx.sqrt(mx.sum(mx.where(mask, est - exact, 0) ** 2) / mx.sum(mask) / B / H))
             out = mx.softmax(mx.where(mask, est, -mx.inf), -1) @ v
             rel = float(mx.mean(mx.sqrt(mx.sum((out - ref) ** 2, -1) / mx.sum(ref * ref, -1))))

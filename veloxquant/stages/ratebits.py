@@ -1,4 +1,11 @@
-"""`ratebits`: Lloyd-Max codes at a per-layer width allocated by RateQuant (calibrated).
+"""`ratebits`: codes at a per-layer width allocated by RateQuant (calibrated).
+
+The codes are Lloyd-Max's (per-vector norm; the default) or, with codec=affine,
+min/max group codes (`affine`'s group and axis: KIVI's per-channel keys, which
+never clip the tails that real queries attend to -- Gemma-3's keys need that).
+With context=N the allocation counts each site's bits by the tokens it holds at
+N tokens of context (a sliding-window layer holds at most its window), so the
+mean is over bytes held, not over layers; context=0 weighs every layer alike.
 
 Calibration measures, for every layer and every width b in lo..hi, the error
 this stage's codes at b bits cause in the layer's attention output for the
@@ -20,7 +27,8 @@ import numpy as np
 from ..calibration.artifact import CalibrationError, slot_arrays
 from ..calibration.collect import QUERY_STRIDE
 from .codebook import LloydMax
-from .registry import in_range, stage
+from .registry import choices, in_range, stage
+from .store import Affine
 
 QUERIES = 64  # the last calibration queries the errors are measured on
 _WIDTHS: Dict[Tuple[str, str], int] = {}
@@ -31,24 +39,40 @@ def _softmax(s: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def allocate_widths(errors: np.ndarray, lo: int, target: float) -> np.ndarray:
-    """errors [layers, widths] (widths lo, lo+1, ...): the widths minimising the summed error
-    with their sum = round(target * layers) (clipped to what the widths allow)."""
+def allocate_widths(errors: np.ndarray, lo: int, target: float,
+                    weights: Optional[np.ndarray] = None) -> np.ndarray:
+    """errors [sites, widths] (widths lo, lo+1, ...): the widths minimising the summed error with
+    their mean = target, each site's width counted `weights` times (integers: the tokens a site
+    holds, in units; none = 1 each), clipped to what the widths allow."""
     L, W = errors.shape
-    budget = int(np.clip(round(target * L) - lo * L, 0, (W - 1) * L))  # extra bits above lo
+    w = np.ones(L, dtype=np.int64) if weights is None else np.asarray(weights, dtype=np.int64)
+    total = int(w.sum())
+    budget = int(np.clip(round(target * total) - lo * total, 0, (W - 1) * total))  # extra bits above lo
     best = np.full((L + 1, budget + 1), np.inf)
     best[0, 0] = 0.0
     pick = np.zeros((L, budget + 1), dtype=np.int64)
     for i in range(L):
         for c in range(budget + 1):
-            opts = [best[i, c - w] + errors[i, w] if w <= c else np.inf for w in range(W)]
+            opts = [best[i, c - x * w[i]] + errors[i, x] if x * w[i] <= c else np.inf for x in range(W)]
             pick[i, c] = int(np.argmin(opts))
             best[i + 1, c] = opts[pick[i, c]]
-    widths, c = np.zeros(L, dtype=np.int64), budget
+    # the least error within the budget, spending the most bits among equals (with unequal weights
+    # the full budget may be out of reach, or reachable only through a worse mix)
+    c = int(np.flatnonzero(best[L] == best[L].min())[-1])
+    widths = np.zeros(L, dtype=np.int64)
     for i in reversed(range(L)):
         widths[i] = pick[i, c]
-        c -= widths[i]
+        c -= widths[i] * w[i]
     return widths + lo
+
+
+def site_weights(helds: np.ndarray, context: int) -> Optional[np.ndarray]:
+    """Integer weights proportional to the tokens each site holds at `context` tokens
+    (a sliding-window layer holds at most its window); context 0: equal weights."""
+    if not context:
+        return None
+    held = np.array([min(context, h) if h else context for h in helds], dtype=np.int64)
+    return np.maximum(1, np.round(held / held.min())).astype(np.int64)
 
 
 @stage("ratebits", "store")
@@ -60,6 +84,10 @@ class RateBits:
     hi: int = attrs.field(default=4, validator=in_range(1, 8))
     corpus: str = "austen:emma"
     tokens: int = attrs.field(default=2048, validator=in_range(64, 1 << 20))
+    codec: str = attrs.field(default="lloydmax", validator=choices("lloydmax", "affine"))
+    group: int = attrs.field(default=64, validator=in_range(1, 1 << 16))  # affine's group
+    axis: str = attrs.field(default="token", validator=choices("token", "channel"))  # affine's axis
+    context: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     _artifact: str = ""
     _slot: str = ""
 
@@ -67,17 +95,22 @@ class RateBits:
     fit_version = 3  # 3: sliding windows masked; 2: one allocation over keys and values (1: each side alone)
     fits_layer = True
     codes = False  # the width is the artifact's: entropy stages cannot know it from the plan
-    token_multiple = 1
+
+    @property
+    def token_multiple(self) -> int:
+        return self._affine(self.lo).token_multiple if self.codec == "affine" else 1
 
     def units(self) -> Dict[str, int]:
-        return {"codes": 1, "norms": 1}
+        return self._affine(self.lo).units() if self.codec == "affine" else {"codes": 1, "norms": 1}
 
     def bits_per_element(self, head_dim: int) -> float:
-        return self.target + 16 / head_dim
+        return self.target + (32 / self.group if self.codec == "affine" else 16 / head_dim)
 
     def check_head_dim(self, head_dim: int) -> str:
         if self.lo > self.hi:
             return f"lo={self.lo} is above hi={self.hi}"
+        if self.codec == "affine" and self.axis == "token" and head_dim % self.group:
+            return f"group={self.group} does not divide head_dim {head_dim}"
         bad = [b for b in range(self.lo, self.hi + 1) if (head_dim * b) % 32]
         return f"{head_dim} channels of {bad[0]} bits do not fill 32-bit words" if bad else ""
 
@@ -102,16 +135,18 @@ class RateBits:
         weights = _softmax(exact_s)
         ref = weights @ v
         errors = []
+        cut = N - N % self.token_multiple  # whole groups; the tail's error counts as zero
         for b in range(self.lo, self.hi + 1):
-            coder = LloydMax(bits=b)
-            xm = mx.array(x)[None]
-            err = np.array((xm - coder.decode(coder.encode(xm), mx.float32))[0])  # what the codes lose
+            coder = self._coder(b)
+            xm = mx.array(x[:, :cut])[None]
+            err = np.zeros_like(x)
+            err[:, :cut] = np.array((xm - coder.decode(coder.encode(xm), mx.float32))[0])  # what the codes lose
             if side == "k":
                 moved = _softmax(exact_s - (qs @ err.transpose(0, 2, 1)) * scale) @ v - ref
             else:
                 moved = weights @ err  # in the stage's domain: orthogonal transforms keep its size
             errors.append(float(np.mean(np.sum(moved ** 2, -1)) / np.mean(np.sum(ref ** 2, -1))))
-        return {"errors": np.array(errors, dtype=np.float32)}
+        return {"errors": np.array(errors, dtype=np.float32), "held": np.array([window or 0], dtype=np.int64)}
 
     @classmethod
     def allocate(cls, fits: Dict[tuple, Dict[str, np.ndarray]]) -> Dict[tuple, Dict[str, np.ndarray]]:
@@ -128,7 +163,8 @@ class RateBits:
             errors = np.full((len(sites), max(s[3].hi for s in sites) - lo + 1), np.inf)
             for row, s in enumerate(sites):  # a site's own range; widths outside it cost infinity
                 errors[row, s[3].lo - lo:s[3].hi - lo + 1] = fits[s]["errors"]
-            widths = allocate_widths(errors, lo, float(np.mean([s[3].target for s in sites])))
+            weights = site_weights(np.array([fits[s].get("held", [0])[0] for s in sites]), sites[0][3].context)
+            widths = allocate_widths(errors, lo, float(np.mean([s[3].target for s in sites])), weights)
             out.update({s: {**fits[s], "bits": np.array([w], dtype=np.int32)} for s, w in zip(sites, widths)})
         return out
 
@@ -142,8 +178,12 @@ class RateBits:
             _WIDTHS[key] = int(slot_arrays(self._artifact, self._slot)["bits"][0].item())
         return _WIDTHS[key]
 
-    def _coder(self) -> LloydMax:
-        return LloydMax(bits=self.width())
+    def _affine(self, bits: int) -> Affine:
+        return Affine(bits=bits, group=self.group, axis=self.axis)
+
+    def _coder(self, bits: Optional[int] = None):
+        bits = self.width() if bits is None else bits
+        return self._affine(bits) if self.codec == "affine" else LloydMax(bits=bits)
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         return self._coder().encode(x)
@@ -152,4 +192,6 @@ class RateBits:
         return self._coder().decode(enc, dtype)
 
     def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
+        if self.codec == "affine":  # min/max codes have no code-domain scores: decode, then dot
+            return q @ self.decode(enc, q.dtype).swapaxes(-1, -2)
         return self._coder().scores(q, enc)
