@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
                      "hold most of it)")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
     src.add_argument("--corpus", help="prompt from a corpus: 'austen', 'austen:emma' or a text file")
-    p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt)")
+    p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt); a shorter prompt is an error")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")

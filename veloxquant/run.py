@@ -80,6 +80,10 @@ def cmd_run(args) -> int:
         text = sample_prompt()
     model, tokenizer = load_model(args.model)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
+    if args.prompt_tokens and len(tokens) < args.prompt_tokens:  # a shorter run than asked for reads as the asked one
+        print(f"veloxquant run: --prompt-tokens {args.prompt_tokens}: the prompt has only {len(tokens):,} tokens; "
+              "take a longer one (--corpus austen, or --prompt-file)", file=sys.stderr)
+        return 2
     if args.warmup:  # the same generation untimed: kernel variants follow tier lengths reached while decoding
         quiet = argparse.Namespace(**{**vars(args), "json": True, "save_cache": None})
         for recipe in recipes:
