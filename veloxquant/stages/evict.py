@@ -33,6 +33,12 @@ class _PerHeadRoute:
         return 0
 
 
+def _room_after_protected(route) -> None:
+    """The first `sinks` and newest `recent` tokens are never evicted: the budget must hold one more."""
+    if route.sinks + route.recent >= route.budget:
+        raise ValueError(f"sinks={route.sinks} plus recent={route.recent} leave no room in budget={route.budget}")
+
+
 def _known_scorer(instance, attribute, value):
     from ..runtime.scorers import SCORERS, names  # the scorer modules register themselves (runtime/scorers/)
     # SnapKV's vote is the `snap` stage; scores from a model pass (KVzip) come with `reconstruct`
@@ -93,8 +99,7 @@ class Evict(_PerHeadRoute):
         return self.sinks + self.recent + 1
 
     def __attrs_post_init__(self):
-        if self.sinks + self.recent >= self.budget:
-            raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
+        _room_after_protected(self)
         if self.votes > 0 and not self.once:
             raise ValueError(f"votes={self.votes} needs once=true (the window votes once, when the prompt ends)")
         if self.merge != "drop" and self.heads != "equal":

@@ -20,7 +20,7 @@ step: TOVA, bit for bit.
 """
 import attrs
 
-from .evict import HEAD_RULES, LAYER_RULES, _PerHeadRoute, _sinks_below_budget
+from .evict import HEAD_RULES, LAYER_RULES, _PerHeadRoute, _room_after_protected, _sinks_below_budget
 from .registry import choices, in_range, stage
 
 
@@ -63,8 +63,7 @@ class Reconstruct(_PerHeadRoute):
         return self.sinks + self.recent + 1
 
     def __attrs_post_init__(self):
-        if self.sinks + self.recent >= self.budget:
-            raise ValueError(f"sinks={self.sinks} plus recent={self.recent} leave no room in budget={self.budget}")
+        _room_after_protected(self)
 
     def explain_pass(self) -> str:
         if self.probe != "context":
