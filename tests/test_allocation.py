@@ -121,9 +121,11 @@ def test_adakv_heads_hold_their_budgets_without_padding(model, tmp_path, once):
             continue
         bufs = [b for side in (*tier.buffers.values(), tier.meta) for b in side.values()]
         assert sum(b.flat.nbytes for b in bufs) == sum(tier.ragged.lens) * per_token  # no padded slot held
-        assert cache.nbytes == sum(b.flat.nbytes + b.tail.nbytes for b in bufs)
+        books = 4 * len(tier.ragged.lens) + 4 * len(tier.budgets)  # saved int32 lengths and budgets, counted
+        assert cache.nbytes == sum(b.flat.nbytes + b.tail.nbytes for b in bufs) + books
+        assert sum(a.nbytes for a in cache.state) <= cache.nbytes  # what is saved is counted
         if once == "false":
-            assert cache.nbytes == sum(lens) * per_token
+            assert cache.nbytes == sum(lens) * per_token + books
     assert unequal  # the allocation did move budget between heads
 
 

@@ -126,3 +126,13 @@ def test_eviction_cost_prints_ratios_against_interleaved_fp16(capsys, tmp_path):
     assert "| fp16 | " in out and "| knorm | " in out and "before: peak ÷ fp16" in out
     row = next(line for line in out.splitlines()[::-1] if line.startswith("| tova |"))
     assert len(row.split("|")) == 12  # the before columns are filled
+
+
+def test_contract_prints_a_row_per_recipe_and_fails_on_an_error(capsys, tmp_path):
+    from veloxquant.bench import contract
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("veloxquant: 1\nname: bad\npipeline: evict(budget=8, sinks=8)\n")
+    assert contract.main(["kivi", str(bad), "--prompt", "200", "--tokens", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "| kivi | ok (" in out and "identical" in out and "WRONG" not in out
+    assert f"| {bad} | error: " in out and "1 of 2 recipes pass" in out

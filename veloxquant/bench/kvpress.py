@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--model", default=None)
     ap.add_argument("--corpus", default="austen")
+    ap.add_argument("--dtype", default=None,
+                    help="model dtype (default: float32 on the CPU, float16 on a GPU; kvpress's figures are float32)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--baseline-ppl", type=float, default=None,
                     help="fp16 PPL on the same windows, from an earlier run of this bench (skips measuring it)")
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     cfg = EvalConfig(windows=args.windows)
     fractions = [float(f) for f in args.fractions.split(",")]
     budgets = [int(cfg.prefix * (1 - f)) for f in fractions]
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, args.dtype)
     wins = windows(tokenizer.encode(load_text(args.corpus)), cfg.windows, cfg.window_len)
     started = time.perf_counter()
     from ..eval.ppl import window_nll

@@ -217,7 +217,9 @@ class HeadTier:
     @property
     def nbytes(self) -> int:
         held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
-        return held + self.scorer.nbytes
+        # the int32 bookkeeping that arrays() saves beside the tokens: per-head lengths, allocated budgets
+        books = 4 * (len(self.ragged.lens) if self.ragged is not None else 0) + 4 * len(self.budgets or ())
+        return held + self.scorer.nbytes + books
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
