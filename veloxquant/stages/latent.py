@@ -58,8 +58,21 @@ def principal_axes(x, hg: int, center: bool):
     X = grouped(x, hg)
     mean = X.mean(axis=1) if center else np.zeros(X[:, 0].shape)
     Xc = X - mean[:, None]
-    evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(X.shape[1], 1))
+    evals, evecs = symmetric_eigh(Xc.transpose(0, 2, 1) @ Xc / max(X.shape[1], 1))
     return mean, evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
+
+
+def symmetric_eigh(m: np.ndarray):
+    """Eigenvalues (ascending) and eigenvectors of symmetric matrices m [..., C, C], float64.
+
+    MLX's LAPACK on its CPU stream (mx.linalg runs only there, whatever the default device):
+    numpy's bundled OpenBLAS spins its threads on these small matrices, 10-100x slower when
+    other processes share the cores. Each vector's sign is fixed (its largest entry positive) so
+    the basis does not depend on the LAPACK build."""
+    vals, vecs = mx.linalg.eigh(mx.array(np.ascontiguousarray(m, dtype=np.float64)), stream=mx.cpu)
+    vals, vecs = np.array(vals), np.array(vecs)
+    top = np.take_along_axis(vecs, np.abs(vecs).argmax(axis=-2)[..., None, :], axis=-2)
+    return vals, vecs * np.where(top < 0, -1.0, 1.0)
 
 
 @lru_cache(maxsize=1)
@@ -181,7 +194,7 @@ class Latent:
             evecs = np.array(self.axes(), dtype=np.float64)
             X = grouped(x, hg)
             mean = X.mean(axis=1) if self.center else np.zeros(X[:, 0].shape)
-            evals = np.mean(np.einsum("gni,gij->gnj", X - mean[:, None], evecs) ** 2, axis=1)
+            evals = np.mean(((X - mean[:, None]) @ evecs) ** 2, axis=1)
         else:
             mean, evals, evecs = principal_axes(x, hg, self.center)
         weights = None
