@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compiler.plan import CodecPlan
+from ..stages.latent_reader import LatentReader, readable
 from .buffer import Buffer
 from .codec import Codec
 
@@ -105,6 +106,7 @@ class LatentSide:
         self.widths: Optional[np.ndarray] = None
         self.buffers: Dict[str, Buffer] = {}
         self._keep = None  # calibrated: the artifact's axes this cache keeps (int32)
+        self._reader = None  # reads the latents back at every attention (stages/latent_reader.py)
         self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
         self.shared = getattr(self.store, "layers", 1) > 1
         self.query_moment = None  # keys with queries=true: Σ qᵀq [H, D, D] of the prompt's queries, until the fit
@@ -147,6 +149,7 @@ class LatentSide:
         self.fitted = {n: a for n, a in fitted.items() if not (n == "basis" and "keep" in fitted)}
         self._keep = fitted["keep"].astype(mx.int32) if "keep" in fitted else None
         self.widths = np.array(fitted["widths"]).astype(np.int64)
+        self._reader = LatentReader(self.store, self.widths) if readable(self.widths) else None
         # Exact-size buffers: latents grow one group at a time (a small copy), and attention
         # then reads contiguous arrays, the same live and after loading (identical logits).
         self.buffers = {name: Buffer(None) for name in self.store.units(self.widths)}
@@ -172,7 +175,11 @@ class LatentSide:
         return z.reshape(B, G, H // G, L, -1).sum(axis=2)
 
     def latents(self) -> mx.array:
-        return self.store.decode({n: b.view() for n, b in self.buffers.items()}, self.widths, self.fitted)
+        """[B, G, L, r] float32, read at every attention: one gather for all widths where it applies."""
+        enc = {n: b.view() for n, b in self.buffers.items()}
+        if self._reader is not None:
+            return self._reader(enc, self.fitted)
+        return self.store.decode(enc, self.widths, self.fitted)
 
     # --- attention from the latents --------------------------------------------------
     def scores(self, q: mx.array) -> mx.array:
@@ -249,7 +256,7 @@ class LatentSide:
         if all(name in arrays for name in BASIS):
             self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
         else:
-            self.fitted, self.widths, self.buffers, self._keep = {}, None, {}, None
+            self.fitted, self.widths, self.buffers, self._keep, self._reader = {}, None, {}, None, None
         for name, per_unit in self.units().items():
             arr = arrays.get(name)
             if count and (arr is None or arr.ndim != 4 or arr.shape[2] * per_unit != count):
