@@ -160,10 +160,11 @@ class LatentSide:
         return self.fitted["basis"] if self._keep is None else self.store.axes()[:, :, self._keep]
 
     def _per_head(self):
-        """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive)."""
-        basis, mean = self._basis().astype(mx.float32), self.fitted["mean"].astype(mx.float32)
+        """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive); the mean is None
+        when uncentred (it is zero: two ops per side and step fewer)."""
         H, D = self.n_kv_heads, self.head_dim
-        return basis.reshape(H, D, -1), mean.reshape(H, 1, D)
+        basis = self._basis().astype(mx.float32).reshape(H, D, -1)
+        return basis, self.fitted["mean"].astype(mx.float32).reshape(H, 1, D) if self.store.center else None
 
     def _project(self, x: mx.array) -> mx.array:
         """x [B, H, L, D] -> latents [B, G, L, r]."""
@@ -171,7 +172,7 @@ class LatentSide:
         G = self.fitted["mean"].shape[0]
         basis, mean = self._per_head()
         # z_g = sum over the group's heads of (x_h - mean_h) P_h
-        z = (x.astype(mx.float32) - mean) @ basis  # [B, H, L, r]
+        z = (x.astype(mx.float32) - mean if mean is not None else x.astype(mx.float32)) @ basis  # [B, H, L, r]
         return z.reshape(B, G, H // G, L, -1).sum(axis=2)
 
     def latents(self) -> mx.array:

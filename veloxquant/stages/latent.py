@@ -69,8 +69,11 @@ def symmetric_eigh(m: np.ndarray):
     numpy's bundled OpenBLAS spins its threads on these small matrices, 10-100x slower when
     other processes share the cores. Each vector's sign is fixed (its largest entry positive) so
     the basis does not depend on the LAPACK build."""
-    vals, vecs = mx.linalg.eigh(mx.array(np.ascontiguousarray(m, dtype=np.float64)), stream=mx.cpu)
-    vals, vecs = np.array(vals), np.array(vecs)
+    try:
+        vals, vecs = mx.linalg.eigh(mx.array(np.ascontiguousarray(m, dtype=np.float64)), stream=mx.cpu)
+        vals, vecs = np.array(vals), np.array(vecs)
+    except (RuntimeError, ValueError):  # an MLX build without float64 LAPACK: numpy's, slower but the same
+        vals, vecs = np.linalg.eigh(m)
     top = np.take_along_axis(vecs, np.abs(vecs).argmax(axis=-2)[..., None, :], axis=-2)
     return vals, vecs * np.where(top < 0, -1.0, 1.0)
 
