@@ -161,7 +161,7 @@ class LatentSide:
 
     def _per_head(self):
         """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive); the mean is None
-        when uncentred (it is zero: two ops per side and step fewer)."""
+        when uncentred (it is zero, and nothing reads it then)."""
         H, D = self.n_kv_heads, self.head_dim
         basis = self._basis().astype(mx.float32).reshape(H, D, -1)
         return basis, self.fitted["mean"].astype(mx.float32).reshape(H, 1, D) if self.store.center else None
