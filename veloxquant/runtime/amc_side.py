@@ -28,6 +28,7 @@ class AmcSide(LatentSide):
         self.buffers = {f"{name}.{n}": Buffer(None) for name, _, bits in self.layout for n in self.store.names(bits)}
         self.buffers["tier"] = Buffer(None)
         self._order = None
+        self._at = np.zeros(0, np.int64)  # the tier ids on the host too: no device sync to re-sort them
 
     def finish_prompt(self, basis=None) -> None:
         x = self.staged.view()
@@ -50,14 +51,14 @@ class AmcSide(LatentSide):
                 for n, arr in self.store.encode(z[:, :, mx.array(idx), :rank], bits).items():
                     self.buffers[f"{name}.{n}"].append(mx.contiguous(arr))
         self.buffers["tier"].append(tier.reshape(1, 1, -1, 1))
+        self._at = np.concatenate([self._at, at.ravel()])
         self._order = None
 
     # --- the tiers' latents, and the way back to position order ---------------------------
     def _routing(self) -> Tuple[mx.array, mx.array]:
         """(order: positions grouped by tier, inverse: each position's place in that order)."""
         if self._order is None:
-            at = np.array(self.buffers["tier"].view()).ravel()
-            order = np.argsort(at, kind="stable")
+            order = np.argsort(self._at, kind="stable")
             self._order = (mx.array(order.astype(np.int32)), mx.array(np.argsort(order).astype(np.int32)))
         return self._order
 
@@ -116,7 +117,7 @@ class AmcSide(LatentSide):
         if self.widths is None:
             (self.staged.drop_front if front else self.staged.drop_back)(n)
             return
-        at = np.array(self.buffers["tier"].view()).ravel()
+        at = self._at
         gone = at[:n] if front else at[len(at) - n:]
         for t, (name, _, bits) in enumerate(self.layout):
             k = int((gone == t).sum())
@@ -124,6 +125,7 @@ class AmcSide(LatentSide):
                 if k:
                     (b.drop_front if front else b.drop_back)(k)
         (self.buffers["tier"].drop_front if front else self.buffers["tier"].drop_back)(n)
+        self._at = at[n:] if front else at[:len(at) - n]
         self._order = None
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
@@ -137,7 +139,7 @@ class AmcSide(LatentSide):
             held = self.staged.used
         else:
             at = np.array(self.buffers["tier"].view()).ravel() if self.buffers["tier"].used else np.zeros(0)
-            held = len(at)
+            self._at, held = at.astype(np.int64), len(at)
             for t, (name, _, bits) in enumerate(self.layout):
                 if any(self.buffers[f"{name}.{m}"].used != int((at == t).sum()) for m in self.store.names(bits)):
                     return f"array {name}.* does not hold the {int((at == t).sum())} tokens routed to {name}"

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compiler.plan import CodecPlan
+from ..stages.latent_reader import LatentReader, readable
 from .buffer import Buffer
 from .codec import Codec
 
@@ -105,6 +106,7 @@ class LatentSide:
         self.widths: Optional[np.ndarray] = None
         self.buffers: Dict[str, Buffer] = {}
         self._keep = None  # calibrated: the artifact's axes this cache keeps (int32)
+        self._reader = None  # reads the latents back at every attention (stages/latent_reader.py)
         self.basis_of = None  # in a cross-layer group (xKV): () -> the anchor's fitted basis, once it exists
         self.shared = getattr(self.store, "layers", 1) > 1
         self.query_moment = None  # keys with queries=true: Σ qᵀq [H, D, D] of the prompt's queries, until the fit
@@ -147,6 +149,7 @@ class LatentSide:
         self.fitted = {n: a for n, a in fitted.items() if not (n == "basis" and "keep" in fitted)}
         self._keep = fitted["keep"].astype(mx.int32) if "keep" in fitted else None
         self.widths = np.array(fitted["widths"]).astype(np.int64)
+        self._reader = LatentReader(self.store, self.widths) if readable(self.widths) else None
         # Exact-size buffers: latents grow one group at a time (a small copy), and attention
         # then reads contiguous arrays, the same live and after loading (identical logits).
         self.buffers = {name: Buffer(None) for name in self.store.units(self.widths)}
@@ -157,10 +160,11 @@ class LatentSide:
         return self.fitted["basis"] if self._keep is None else self.store.axes()[:, :, self._keep]
 
     def _per_head(self):
-        """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive)."""
-        basis, mean = self._basis().astype(mx.float32), self.fitted["mean"].astype(mx.float32)
+        """basis as [H, D, r] and mean as [H, 1, D] (a group's heads are consecutive); the mean is None
+        when uncentred (it is zero, and nothing reads it then)."""
         H, D = self.n_kv_heads, self.head_dim
-        return basis.reshape(H, D, -1), mean.reshape(H, 1, D)
+        basis = self._basis().astype(mx.float32).reshape(H, D, -1)
+        return basis, self.fitted["mean"].astype(mx.float32).reshape(H, 1, D) if self.store.center else None
 
     def _project(self, x: mx.array) -> mx.array:
         """x [B, H, L, D] -> latents [B, G, L, r]."""
@@ -168,11 +172,15 @@ class LatentSide:
         G = self.fitted["mean"].shape[0]
         basis, mean = self._per_head()
         # z_g = sum over the group's heads of (x_h - mean_h) P_h
-        z = (x.astype(mx.float32) - mean) @ basis  # [B, H, L, r]
+        z = (x.astype(mx.float32) - mean if mean is not None else x.astype(mx.float32)) @ basis  # [B, H, L, r]
         return z.reshape(B, G, H // G, L, -1).sum(axis=2)
 
     def latents(self) -> mx.array:
-        return self.store.decode({n: b.view() for n, b in self.buffers.items()}, self.widths, self.fitted)
+        """[B, G, L, r] float32, read at every attention: one gather for all widths where it applies."""
+        enc = {n: b.view() for n, b in self.buffers.items()}
+        if self._reader is not None:
+            return self._reader(enc, self.fitted)
+        return self.store.decode(enc, self.widths, self.fitted)
 
     # --- attention from the latents --------------------------------------------------
     def scores(self, q: mx.array) -> mx.array:
@@ -249,7 +257,7 @@ class LatentSide:
         if all(name in arrays for name in BASIS):
             self._set_basis({name: arrays[name] for name in BASIS + STATS if name in arrays})
         else:
-            self.fitted, self.widths, self.buffers, self._keep = {}, None, {}, None
+            self.fitted, self.widths, self.buffers, self._keep, self._reader = {}, None, {}, None, None
         for name, per_unit in self.units().items():
             arr = arrays.get(name)
             if count and (arr is None or arr.ndim != 4 or arr.shape[2] * per_unit != count):

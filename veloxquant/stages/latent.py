@@ -36,6 +36,7 @@ from ..calibration.artifact import CalibrationError, slot_arrays
 from .bit_alloc import allocate, parse_choices
 from .bitpack import pack, unpack
 from .codebook import lloyd_max
+from .principal import grouped, principal_axes  # noqa: F401 -- principal_axes: amc's too
 from .registry import choices as one_of, in_range, stage
 
 FLOAT = 16  # width that stores a latent as float16
@@ -43,23 +44,6 @@ FLOAT = 16  # width that stores a latent as float16
 
 def _choices(instance, attribute, value):
     parse_choices(value)
-
-
-def grouped(x, hg: int) -> np.ndarray:
-    """Vectors x [B, H, L, D] (mlx or numpy) -> [G, B*L, hg*D] float64, a group's heads side by side."""
-    B, H, L, D = x.shape
-    X = np.array(x.astype(mx.float32) if isinstance(x, mx.array) else x, dtype=np.float64)
-    return X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
-
-
-def principal_axes(x, hg: int, center: bool):
-    """PCA of vectors x [B, H, L, D], one per group of hg heads (their channels side by side):
-    (mean [G, hg*D], variances [G, hg*D] descending, axes [G, hg*D, hg*D] as columns), float64."""
-    X = grouped(x, hg)
-    mean = X.mean(axis=1) if center else np.zeros(X[:, 0].shape)
-    Xc = X - mean[:, None]
-    evals, evecs = np.linalg.eigh(np.einsum("gni,gnj->gij", Xc, Xc) / max(X.shape[1], 1))
-    return mean, evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
 
 
 @lru_cache(maxsize=1)
@@ -181,7 +165,7 @@ class Latent:
             evecs = np.array(self.axes(), dtype=np.float64)
             X = grouped(x, hg)
             mean = X.mean(axis=1) if self.center else np.zeros(X[:, 0].shape)
-            evals = np.mean(np.einsum("gni,gij->gnj", X - mean[:, None], evecs) ** 2, axis=1)
+            evals = np.mean(((X - mean[:, None]) @ evecs) ** 2, axis=1)
         else:
             mean, evals, evecs = principal_axes(x, hg, self.center)
         weights = None
