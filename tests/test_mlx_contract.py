@@ -35,10 +35,19 @@ def prompt(smollm2):
     return mx.array(smollm2[1].encode(load_text("austen"))[:PROMPT])
 
 
+_PREFILLED = {}
+
+
 def _prefilled(model, recipe, tokens):
-    caches = vq.make_prompt_cache(model, recipe)
-    model(tokens[None, :-1], cache=caches)
-    return caches
+    """A fresh copy of the recipe's caches right after the prompt. The prompt is run once per recipe
+    for the module (prefills are most of these tests' time on a CPU) and deep-copied for each test:
+    copies are what test_deep_copy_continues_identically pins to continue exactly like the original."""
+    if recipe not in _PREFILLED:
+        caches = vq.make_prompt_cache(model, recipe)
+        model(tokens[None, :-1], cache=caches)
+        _PREFILLED[recipe] = caches
+    vq.install(model)  # conftest uninstalls the hook after every test; make_prompt_cache would install it
+    return copy.deepcopy(_PREFILLED[recipe])
 
 
 def _steps_n(model, tokens, caches, n):
