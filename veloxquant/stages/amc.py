@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from .bitpack import pack, unpack
-from .latent import FLOAT, latent_width, principal_axes
+from .latent import FLOAT, latent_width
+from .principal import principal_axes
 from .registry import in_range, stage
 
 TIERS = ("high", "mid", "low")

@@ -36,7 +36,7 @@ from ..calibration.artifact import CalibrationError, slot_arrays
 from .bit_alloc import allocate, parse_choices
 from .bitpack import pack, unpack
 from .codebook import lloyd_max
-from .principal import grouped, principal_axes  # noqa: F401 -- principal_axes: amc's too
+from .principal import centred, principal_axes
 from .registry import choices as one_of, in_range, stage
 
 FLOAT = 16  # width that stores a latent as float16
@@ -163,9 +163,8 @@ class Latent:
         hg = self.heads_per_group(H)
         if self.calibrated:  # the calibrated components, the prompt's variance along each (not sorted)
             evecs = np.array(self.axes(), dtype=np.float64)
-            X = grouped(x, hg)
-            mean = X.mean(axis=1) if self.center else np.zeros(X[:, 0].shape)
-            evals = np.mean(((X - mean[:, None]) @ evecs) ** 2, axis=1)
+            Xc, mean = centred(x, hg, self.center)
+            evals = np.mean((Xc @ evecs) ** 2, axis=1)
         else:
             mean, evals, evecs = principal_axes(x, hg, self.center)
         weights = None

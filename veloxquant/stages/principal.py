@@ -14,13 +14,18 @@ def grouped(x, hg: int) -> np.ndarray:
     return X.reshape(B, H // hg, hg, L, D).transpose(1, 0, 3, 2, 4).reshape(H // hg, B * L, hg * D)
 
 
+def centred(x, hg: int, center: bool):
+    """(Xc [G, B*L, hg*D], mean [G, hg*D]): x grouped, minus its per-group mean (zero when not `center`)."""
+    X = grouped(x, hg)
+    mean = X.mean(axis=1) if center else np.zeros(X[:, 0].shape)
+    return X - mean[:, None], mean
+
+
 def principal_axes(x, hg: int, center: bool):
     """PCA of vectors x [B, H, L, D], one per group of hg heads (their channels side by side):
     (mean [G, hg*D], variances [G, hg*D] descending, axes [G, hg*D, hg*D] as columns), float64."""
-    X = grouped(x, hg)
-    mean = X.mean(axis=1) if center else np.zeros(X[:, 0].shape)
-    Xc = X - mean[:, None]
-    evals, evecs = symmetric_eigh(Xc.transpose(0, 2, 1) @ Xc / max(X.shape[1], 1))
+    Xc, mean = centred(x, hg, center)
+    evals, evecs = symmetric_eigh(Xc.transpose(0, 2, 1) @ Xc / max(Xc.shape[1], 1))
     return mean, evals[:, ::-1].clip(min=0), evecs[:, :, ::-1]  # descending energy
 
 
