@@ -2,6 +2,7 @@
 
     python -m veloxquant.bench.eviction_cost --tokens 8192 --decode 32 --json after.json
     python -m veloxquant.bench.eviction_cost --tokens 8192 --decode 32 --before before.json
+    python -m veloxquant.bench.eviction_cost h2o 'h2o[slack=32]' --decode 64 --rounds 5
 
 Feeds `--tokens` corpus tokens (Austen) to the model through mlx-lm's
 generate_step (prefill in `--chunk`-token steps, as generate does), then
@@ -11,6 +12,10 @@ the bytes the caches hold. An fp16 row is measured before every
 `--fp16-every` recipes (a busy machine drifts), and each recipe's ratios are
 against the fp16 row measured nearest before it. `--before` adds the peak and
 decode ratios of an earlier run's JSON (the same command on an older checkout).
+`--rounds N` measures the whole list N times, interleaved, and reports per
+recipe the median of its rows (each ratio taken against the fp16 row just
+before it, in its own round): on a GPU whose speed drifts between rows.
+Rows are recipe specs as `veloxquant eval` takes them (`h2o[slack=32]`).
 
 Each recipe first runs untimed on a shorter prompt (one prefill step and part of
 a second, then a few decoded tokens): on CUDA, MLX compiles a kernel the first
@@ -19,6 +24,7 @@ measured the compiler, not the cache (`--no-warmup` measures that too).
 """
 import argparse
 import json
+import statistics
 import time
 from typing import Dict, List
 
@@ -27,7 +33,8 @@ from mlx_lm.generate import generate_step
 
 from ..data import load_text
 from ..models import load_model
-from ..runtime import make_prompt_cache, uninstall
+from ..eval.rows import recipe_caches
+from ..runtime import uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
             "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
@@ -35,7 +42,7 @@ EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeatten
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:
-    caches = make_prompt_cache(model, recipe)
+    caches = recipe_caches(model, recipe)
     mx.synchronize()
     start_bytes = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -58,15 +65,21 @@ def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Di
 
 
 def _ratios(rows: List[Dict]) -> Dict[str, Dict]:
-    """recipe -> its row with peak and decode ratios against the fp16 row measured nearest before it."""
-    out, base = {}, None
+    """recipe -> its row with peak and decode ratios against the fp16 row measured nearest before it;
+    a recipe measured in several rounds: the median of each figure over its rows."""
+    each, base = {}, None
     for r in rows:
         if r["recipe"] == "fp16":
             base = r
             continue
-        out[r["recipe"]] = dict(r, peak_x=r["peak"] / base["peak"], over_x=r["over_start"] / base["over_start"],
-                                decode_x=r["decode_tps"] / base["decode_tps"])
-    return out
+        each.setdefault(r["recipe"], []).append(
+            dict(r, peak_x=r["peak"] / base["peak"], over_x=r["over_start"] / base["over_start"],
+                 decode_x=r["decode_tps"] / base["decode_tps"]))
+    return {name: _median_row(rs) for name, rs in each.items()}
+
+
+def _median_row(rows: List[Dict]) -> Dict:
+    return {k: (statistics.median(r[k] for r in rows) if isinstance(v, (int, float)) else v) for k, v in rows[0].items()}
 
 
 def table(rows: List[Dict], before: List[Dict] = ()) -> str:
@@ -76,6 +89,8 @@ def table(rows: List[Dict], before: List[Dict] = ()) -> str:
     extra = " before: peak ÷ fp16 | before: decode ÷ fp16 |" if before else ""
     lines = [head + extra, "|" + "---|" * (head.count("|") - 1 + extra.count("|"))]
     ratios = _ratios(rows)
+    if any(r.get("round") for r in rows):  # several rounds: one median row per recipe, fp16's first
+        rows = [_median_row([r for r in rows if r["recipe"] == "fp16"]), *ratios.values()]
     for r in rows:
         x = ratios.get(r["recipe"]) if r["recipe"] != "fp16" else None
         cols = [r["recipe"], f"{r['peak'] / mib:,.0f}", f"{r['over_start'] / mib:,.0f}",
@@ -99,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each recipe before its row")
+    ap.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved; medians")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--before", default=None, help="an earlier run's --json, shown beside")
     args = ap.parse_args(argv)
@@ -112,22 +128,24 @@ def main(argv=None) -> int:
     warm = prompt[: min(args.tokens, args.chunk + 512)]
     measure(model, warm, "fp16", 4, args.chunk)  # warm-up: first-call compilation is no row's cost
     rows = []
-    for i, name in enumerate(args.recipes):
-        if i % args.fp16_every == 0:
-            rows.append(measure(model, prompt, "fp16", args.decode, args.chunk))
+    for round_ in range(args.rounds):
+        for i, name in enumerate(args.recipes):
+            if i % args.fp16_every == 0:
+                rows.append(dict(measure(model, prompt, "fp16", args.decode, args.chunk), round=round_))
+                print(rows[-1], flush=True)
+            if not args.no_warmup and round_ == 0:
+                measure(model, warm, name, 4, args.chunk)
+            rows.append(dict(measure(model, prompt, name, args.decode, args.chunk), round=round_))
             print(rows[-1], flush=True)
-        if not args.no_warmup:
-            measure(model, warm, name, 4, args.chunk)
-        rows.append(measure(model, prompt, name, args.decode, args.chunk))
-        print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "layers": args.layers, "rows": rows},
                       f, indent=1)
     before = json.load(open(args.before))["rows"] if args.before else ()
     layers = f"; the first {args.layers} layers only" if args.layers else ""
+    rounds = f"; medians of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     print(f"\n{args.tokens}-token prompt in {args.chunk}-token steps, then {args.decode} decoded tokens; "
-          f"device {mx.default_device()}{layers}\n")
+          f"device {mx.default_device()}{layers}{rounds}\n")
     print(table(rows, before))
     return 0
 

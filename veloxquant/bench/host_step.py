@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..eval.feed import prefill
-from ..runtime import make_prompt_cache
+from ..eval.rows import recipe_caches, split_specs
 from .e2e import random_llama
 
 
@@ -100,8 +100,8 @@ def main(argv=None) -> int:
     model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
-    for r in filter(None, args.recipes.split(",")):
-        rows[r] = make_prompt_cache(model, r)  # installs the hook (KVCache falls through it: one getattr)
+    for r in split_specs(args.recipes):
+        rows[r] = recipe_caches(model, r)  # installs the hook (KVCache falls through it: one getattr)
     y = mx.array([[1]])
     ops = {}
     for label, cache in rows.items():

@@ -84,6 +84,20 @@ def parse_row(spec: str, common_sets: Sequence[str] = ()) -> Row:
     return Row(spec if not common_sets else f"{spec}[{','.join(common_sets)}]", "recipe", ref, sets)
 
 
+def recipe_caches(model, spec: str, sets: Sequence[str] = ()):
+    """make_prompt_cache for a row spec (`h2o`, `h2o[slack=32]`, a YAML path): the benches' one way in."""
+    from ..runtime import make_prompt_cache
+    row = parse_row(spec)
+    if row.kind != "recipe":
+        raise VeloxError(f"{spec}: not a veloxquant recipe")
+    return make_prompt_cache(model, row.ref, (*row.sets, *sets))
+
+
+def split_specs(text: str) -> List[str]:
+    """`fp16,h2o[slack=32,sinks=8],tova` -> the three specs (commas inside brackets stay)."""
+    return [s for s in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if s.strip()]
+
+
 def expand(specs: Sequence[str], mlx_bits: Sequence[int], common_sets: Sequence[str] = ()) -> List[Row]:
     """The rows of one evaluation: fp16 first (the baseline), then the recipes
     asked for ('all' = every built-in), then mlx-lm's cache at `mlx_bits`."""

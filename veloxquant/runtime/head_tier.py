@@ -146,11 +146,11 @@ class HeadTier:
         budgets = self.budgets or [self.route.budget] * len(self.lengths())
         return [min(b, self.window) for b in budgets] if self.window else budgets
 
-    def over(self) -> bool:
-        """Some head holds more than its budget."""
+    def over(self, slack: int = 0) -> bool:
+        """Some head holds more than its budget (plus `slack`)."""
         if self.budgets is None:
-            return self.count > self.budget
-        return any(n > b for n, b in zip(self.lengths(), self.head_budgets()))
+            return self.count > self.budget + slack
+        return any(n > b + slack for n, b in zip(self.lengths(), self.head_budgets()))
 
     @property
     def budget(self) -> int:
@@ -190,9 +190,12 @@ class HeadTier:
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
         # While budgets are open the prompt is held whole: they are decided before any eviction.
-        if not self.route.once and not self.collecting and self.over():
+        # `slack` lets heads grow past the budget and cuts them back in one ranking (evict.py);
+        # on a sliding layer too (tokens past the window are masked until then, never seen).
+        slack = getattr(self.route, "slack", 0)
+        if not self.route.once and not self.collecting and self.over(slack):
             self.keep(self.scorer.priority(self, offset, None), offset)
-        elif self.window and self.count > self.window:
+        elif self.window and self.count > self.window + slack:
             # `once` routes append until (and after) their decision; on a sliding layer the
             # expired tokens are dropped meanwhile, so the tier stays within the window.
             self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)

@@ -60,6 +60,10 @@ class Evict(_PerHeadRoute):
     once=true: rank once, when the prompt ends, then append (kvpress's
     protocol); false: keep the budget every step (the papers' decode loop).
     The first `sinks` positions and the newest `recent` are never evicted.
+    slack (every-step routes): a head may grow to budget + slack tokens before
+    it is cut back to budget, so ranking and gathering run once per `slack`
+    decode steps instead of every step (held tokens, and bytes, range from
+    budget to budget + slack; 0 = the papers' one token per step).
     window: queries a scorer looks back on (morph rows, expected/qfilters
     statistics); tau: keyformer's noise temperature; chunk: chunkkv's chunk
     size; rank: curdkv's rank cap; pool: max-pool `mean` scores over that
@@ -75,6 +79,7 @@ class Evict(_PerHeadRoute):
     score: str = attrs.field(default="mass", validator=_known_scorer)
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     once: bool = False
+    slack: int = attrs.field(default=0, validator=in_range(0, 1 << 20))
     shared_heads: bool = False
     window: int = attrs.field(default=8, validator=in_range(1, 1 << 16))
     tau: float = attrs.field(default=1.0, validator=in_range(0.0, 1e6))
@@ -100,6 +105,8 @@ class Evict(_PerHeadRoute):
 
     def __attrs_post_init__(self):
         _room_after_protected(self)
+        if self.slack and self.once:
+            raise ValueError(f"slack={self.slack} needs once=false (a `once` route cuts a single time)")
         if self.votes > 0 and not self.once:
             raise ValueError(f"votes={self.votes} needs once=true (the window votes once, when the prompt ends)")
         if self.merge != "drop" and self.heads != "equal":
