@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import fused, hook, kinds, per_head, trimming
+from . import deferred, fused, hook, kinds, per_head, trimming
 from .attention import merge_partials, partial_attention
 from .copying import copy_sharing
 from .saliency import Saliency
@@ -190,7 +190,7 @@ class TieredCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         self._settle()
-        return sum(t.nbytes for t in self.tiers)  # scorers' pending state (SnapKV's queries) included
+        return sum(t.nbytes for t in self.tiers) + deferred.nbytes(self)  # scorers' pending queries included
 
     def finish_prompt(self) -> None:
         """The prompt is over: prompt-time eviction (SnapKV, evict(once=true)) decides now. Idempotent."""
@@ -219,6 +219,7 @@ class TieredCache(_BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
+        deferred.settle(self)  # held decode queries are scored before a cut (evict(slack))
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue

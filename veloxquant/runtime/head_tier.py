@@ -18,7 +18,7 @@ from .codec import Codec
 from .copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
-from .ragged import FREE_AFTER, PAD, Ragged, RaggedBuffer, keep_ragged
+from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
 from .tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
@@ -189,16 +189,28 @@ class HeadTier:
 
     def evict(self, offset: int) -> None:
         """Every-step routes (H2O, TOVA) evict on settle; `once` routes wait for the prompt's end."""
+        cut = self._cut()
+        if cut == "score":
+            self.keep(self.scorer.priority(self, offset, None), offset)
+        elif cut == "window":
+            # `once` routes append until (and after) their decision; on a sliding layer the
+            # expired tokens are dropped meanwhile, so the tier stays within the window.
+            self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
+
+    def cut_due(self) -> bool:
+        """Settling would drop tokens now (runtime/deferred.py scores held queries first)."""
+        return self._cut() is not None
+
+    def _cut(self) -> Optional[str]:
         # While budgets are open the prompt is held whole: they are decided before any eviction.
         # `slack` lets heads grow past the budget and cuts them back in one ranking (evict.py);
         # on a sliding layer too (tokens past the window are masked until then, never seen).
         slack = getattr(self.route, "slack", 0)
         if not self.route.once and not self.collecting and self.over(slack):
-            self.keep(self.scorer.priority(self, offset, None), offset)
-        elif self.window and self.count > self.window + slack:
-            # `once` routes append until (and after) their decision; on a sliding layer the
-            # expired tokens are dropped meanwhile, so the tier stays within the window.
-            self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
+            return "score"
+        if self.window and self.count > self.window + slack:
+            return "window"
+        return None
 
     # --- trimming (only while nothing was evicted: TieredCache.is_trimmable) ---
     def drop_back(self, n: int) -> None:
@@ -252,7 +264,7 @@ class HeadTier:
         if "alloc.budgets" in arrays:
             self.budgets = [int(b) for b in arrays["alloc.budgets"].tolist()]
         if "ragged.lens" in arrays:
-            return self._restore_ragged(arrays)
+            return restore_ragged(self, arrays)
         for key in self.expected_names():
             side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
             buf = self.buffers[side][name] if side else self.meta[name]  # residual arrays: "k.r0.idx"
@@ -267,35 +279,5 @@ class HeadTier:
             buf.set(arr)
         pos = self.positions
         if count and (pos.dtype != mx.int32 or bool(mx.any(pos[..., 1:] <= pos[..., :-1]).item())):
-            return "positions are not increasing int32 per head"
-        return None
-
-    def _restore_ragged(self, arrays: Dict[str, mx.array]) -> Optional[str]:
-        lens = arrays["ragged.lens"].tolist()
-        if not lens or min(lens) < 1:
-            return f"ragged.lens {lens} gives a kv head no tokens"
-        layout = Ragged(lens)
-        step = UNBOUNDED_STEP if self.route.once else None
-        for key in self.expected_names():
-            side, _, name = key.partition(".") if key.split(".")[0] in self.buffers else ("", "", key)
-            bufs = self.buffers[side] if side else self.meta
-            arr = arrays.get(key)
-            if arr is None:
-                return f"missing array {key}"
-            if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
-                return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
-            bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
-            tail = arrays.get(f"tail.{key}")
-            if tail is not None:
-                bufs[name].tail.append(tail)
-        tails = {b.tail.used for bufs in (*self.buffers.values(), self.meta) for b in bufs.values()}
-        if len(tails) != 1:
-            return f"the tail arrays hold different token counts ({sorted(tails)})"
-        self.ragged, self.count = layout, layout.width + tails.pop()
-        pos = self.positions
-        valid = pos < PAD
-        before = mx.cummax(mx.where(valid, pos, -1), axis=-1)  # the newest valid position so far
-        ordered = (pos[..., 1:] > before[..., :-1]) | ~valid[..., 1:]
-        if pos.dtype != mx.int32 or not bool(mx.all(ordered).item()):
             return "positions are not increasing int32 per head"
         return None

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from . import deferred
 from .scorers import Seen
 from .scoring import additive, attend_blocked, block_size, expand_heads, position_mask
 
@@ -93,9 +94,15 @@ def _block(queries: mx.array, keys: mx.array) -> int:
 
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
-    """The layer's attention over everything held; feeds each listening scorer what it declared."""
+    """The layer's attention over everything held; feeds each listening scorer what it declared
+    (now, or, for slack routes, when a cut is due: runtime/deferred.py)."""
     Lq, Hq = queries.shape[2], queries.shape[1]
-    listeners = [(t, i) for i, t in enumerate(held) if observe and t.scorer is not None and t.listening]
+    listeners = _listeners(held) if observe else []
+    if deferred.defers(cache, listeners, Lq):
+        deferred.hold(cache, queries, first_q)
+        listeners = []  # attends as an unscored layer does
+    elif observe:
+        deferred.flush(cache)  # queries held earlier are scored first, in order
     needs = set().union(*(t.needs for t, _ in listeners))  # the scorer's, plus weights while budgets are open
     live = "weights" in needs
     rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.needs] or [1])
@@ -115,18 +122,40 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
             queries, k, v, scale=scale,
             mask=mask if mask is None or isinstance(mask, str) else additive(expand_heads(mask, Hq), queries.dtype))
     if listeners:
-        weigh = _weigher(cache, held, k.astype(mx.float32), kpos, slices, scale)
-        for t, i in listeners:
-            where = slices[i]
-            t.scorer.observe(t, Seen(first_q=first_q,
-                                     received=None if total is None else total[..., where],
-                                     rows=None if tail is None else tail[..., where],
-                                     queries=queries if "queries" in t.scorer.needs else None,
-                                     new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
-                                     weigh=lambda q, f, where=where: weigh(q, f, where)))
-            if "seen" in t.meta:
-                t.collect(total[..., where])
+        _feed(cache, held, listeners, queries, first_q, k.astype(mx.float32), kpos, slices, total, tail)
     return out.astype(queries.dtype)
+
+
+def _listeners(held: List) -> List:
+    return [(t, i) for i, t in enumerate(held) if t.scorer is not None and t.listening]
+
+
+def _feed(cache, held, listeners, queries, first_q, k, kpos, slices, total, tail) -> None:
+    weigh = _weigher(cache, held, k, kpos, slices, cache.scale_seen)
+    for t, i in listeners:
+        where = slices[i]
+        t.scorer.observe(t, Seen(first_q=first_q,
+                                 received=None if total is None else total[..., where],
+                                 rows=None if tail is None else tail[..., where],
+                                 queries=queries if "queries" in t.scorer.needs else None,
+                                 new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
+                                 weigh=lambda q, f, where=where: weigh(q, f, where)))
+        if "seen" in t.meta:
+            t.collect(total[..., where])
+
+
+def observe_block(cache, queries: mx.array, first_q: int) -> None:
+    """Feed the listening scorers the weights of a block of earlier queries over what is held
+    (masked by position: tokens newer than a query stay unseen by it); no attention output."""
+    held = cache.held()
+    listeners = _listeners(held)
+    if not listeners:
+        return
+    k, _, kpos, slices = _gather(cache, held, mx.float32)
+    rows = max(t.scorer.rows for t, _ in listeners)
+    _, total, tail = attend_blocked(queries, k, None, cache.scale_seen, _masker(cache, held, kpos, slices, first_q),
+                                    _block(queries, k), rows, sync_bytes=SYNC_BYTES)
+    _feed(cache, held, listeners, queries, first_q, k, kpos, slices, total, tail)
 
 
 def finish_prompt(cache) -> None:

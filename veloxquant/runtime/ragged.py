@@ -10,7 +10,7 @@ last token and carry position PAD, which every query's position mask hides.
 Tokens appended after the layout was fixed (decode steps) go to a uniform tail
 that every head shares, so an append is not a re-gather.
 """
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -137,3 +137,35 @@ def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None
     tier.ragged, tier.count, tier.uniform = layout, layout.width, False
     if dropped >= FREE_AFTER:
         mx.eval([b.flat for bufs in (*tier.buffers.values(), tier.meta) for b in bufs.values()])
+
+
+def restore_ragged(tier, arrays: Dict[str, mx.array]) -> Optional[str]:
+    """A saved ragged tier (runtime/head_tier.py: arrays()) back into `tier`; an error text, or None."""
+    lens = arrays["ragged.lens"].tolist()
+    if not lens or min(lens) < 1:
+        return f"ragged.lens {lens} gives a kv head no tokens"
+    layout = Ragged(lens)
+    step = UNBOUNDED_STEP if tier.route.once else None
+    for key in tier.expected_names():
+        side, _, name = key.partition(".") if key.split(".")[0] in tier.buffers else ("", "", key)
+        bufs = tier.buffers[side] if side else tier.meta
+        arr = arrays.get(key)
+        if arr is None:
+            return f"missing array {key}"
+        if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
+            return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
+        bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
+        tail = arrays.get(f"tail.{key}")
+        if tail is not None:
+            bufs[name].tail.append(tail)
+    tails = {b.tail.used for bufs in (*tier.buffers.values(), tier.meta) for b in bufs.values()}
+    if len(tails) != 1:
+        return f"the tail arrays hold different token counts ({sorted(tails)})"
+    tier.ragged, tier.count = layout, layout.width + tails.pop()
+    pos = tier.positions
+    valid = pos < PAD
+    before = mx.cummax(mx.where(valid, pos, -1), axis=-1)  # the newest valid position so far
+    ordered = (pos[..., 1:] > before[..., :-1]) | ~valid[..., 1:]
+    if pos.dtype != mx.int32 or not bool(mx.all(ordered).item()):
+        return "positions are not increasing int32 per head"
+    return None

@@ -7,6 +7,7 @@ is_trimmable() is False and trim changes nothing and returns 0. Which recipe
 trims when: docs/architecture.md, "Trimming and deep copies".
 """
 from ..compiler.groups import shared_tiers
+from . import deferred
 
 
 def trimmable(cache) -> bool:
@@ -44,6 +45,7 @@ def trim(cache, n: int) -> int:
             refill = (k[:, :, :whole - take], v[:, :, :whole - take], start)
         left -= take
     cache.offset -= n
+    deferred.rewind(cache, n)  # decode queries held unscored (evict(slack)): the newest n are gone
     for tier in cache.tiers:  # SnapKV's pending query window: its newest queries are gone too
         if getattr(tier, "scorer", None) is not None:
             tier.scorer.rewind(n)
