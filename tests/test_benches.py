@@ -136,3 +136,19 @@ def test_contract_prints_a_row_per_recipe_and_fails_on_an_error(capsys, tmp_path
     out = capsys.readouterr().out
     assert "| kivi | ok (" in out and "identical" in out and "WRONG" not in out
     assert f"| {bad} | error: " in out and "1 of 2 recipes pass" in out
+
+
+def test_eviction_cost_rounds_print_one_median_row_per_spec(capsys):
+    from veloxquant.bench import eviction_cost
+    assert eviction_cost.main(["h2o[slack=8]", "--tokens", "200", "--chunk", "64", "--decode", "2",
+                               "--rounds", "2", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in table[1:]] == ["fp16", "h2o[slack=8]"] and "medians of 2" in out
+
+
+def test_peak_phases_prints_a_row_per_recipe(capsys):
+    from veloxquant.bench import peak_phases
+    assert peak_phases.main(["fp16", "tova[slack=4]", "--tokens", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp16 | " in out and "| tova[slack=4] | " in out and "first decode" in out
