@@ -18,7 +18,7 @@ import mlx.core as mx
 ALLOWED_NEEDS = frozenset({"weights"})  # scorers fed only this step's weights (received, rows)
 
 
-def defers(cache, listeners: List, Lq: int) -> bool:
+def defers(listeners: List, Lq: int) -> bool:
     """This step's scoring can wait: one query, and every listening tier cuts with slack, once its
     prompt is over (no budgets still being collected), from weights alone."""
     return Lq == 1 and bool(listeners) and all(

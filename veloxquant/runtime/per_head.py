@@ -98,7 +98,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     (now, or, for slack routes, when a cut is due: runtime/deferred.py)."""
     Lq, Hq = queries.shape[2], queries.shape[1]
     listeners = _listeners(held) if observe else []
-    if deferred.defers(cache, listeners, Lq):
+    if deferred.defers(listeners, Lq):
         deferred.hold(cache, queries, first_q)
         listeners = []  # attends as an unscored layer does
     elif observe:
