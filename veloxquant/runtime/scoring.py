@@ -61,14 +61,14 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
     summation order. The first block is the short one, so the newest rows lie in the last block.
 
     `sync_bytes` (> 0): once the blocks' weights built since the last evaluation reach this many bytes,
-    what the blocks have answered so far is evaluated, and with several queries (prefill) the answer
-    is evaluated once more at the end. A lazy graph would otherwise hold every block's
+    what the blocks have answered so far is evaluated, and a call that did so is evaluated once more
+    at its end. A lazy graph would otherwise hold every block's
     temporaries until the device has run them (on CUDA the host runs far ahead; a 2048-query prefill
     step over 8k keys builds 0.56 GiB of float32 weights per layer, plus masked and softmaxed copies)."""
     B, Hq, Lq, _ = queries.shape
     first = Lq - (Lq - 1) // block * block  # 1..block queries
     outs, total, tail = [], None, None
-    pending = 0  # bytes of weights built since the last evaluation
+    pending, synced = 0, False  # bytes of weights built since the last evaluation; evaluated at all
     for s in [0, *range(first, Lq, block)]:
         n = first if s == 0 else block
         q = queries[:, :, s:s + n]
@@ -84,14 +84,15 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
         pending += w.nbytes
         if sync_bytes and pending >= sync_bytes and s + n < Lq:
             mx.eval([a for a in (outs[-1] if outs else None, total, tail) if a is not None])
-            pending = 0
+            pending, synced = 0, True
     if weigh and tail.shape[2] < min(rows, Lq):  # more rows asked than one block holds
         _, tail = received(attention_weights(queries[:, :, -rows:], keys, scale, mask_for(Lq - rows, rows)), rows)
     out = None if not outs else outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    if sync_bytes and Lq > 1:
+    if synced:
         # The last block too: left lazy, it would hold its inputs (this layer's float32 keys and values,
         # the earlier blocks' outputs) until the whole prefill step is evaluated, every layer's at once
-        # (observed_attention, SmolLM2 at 4k on the CPU: 635 -> 169 MiB over start). Decode never syncs.
+        # (observed_attention, SmolLM2 at 4k on the CPU: 635 -> 169 MiB over start). Calls too small to
+        # have synced (decode steps, deferred scoring's held queries) stay lazy: no host wait.
         mx.eval([a for a in (out, total, tail) if a is not None])
     return out, total, tail
 
