@@ -62,17 +62,15 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
     """PPL of the continuation at each budget, summed over the windows."""
     import mlx.core as mx
     from ..eval.feed import score, settle
-    from ..eval.rows import parse_row
-    from ..runtime import make_prompt_cache
+    from ..eval.rows import recipe_caches
     if spec == "streaming":
         path = where / "streaming.yaml"
         path.write_text(STREAMING)
         spec = str(path)
-    row = parse_row(spec, ())
     nll, n = [0.0] * len(budgets), 0
     for w in windows:
         x = mx.array(w)[None]
-        caches = make_prompt_cache(model, row.ref, (*row.sets, f"budget={max(budgets)}"))
+        caches = recipe_caches(model, spec, (f"budget={max(budgets)}",))
         for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
             model(x[:, s:min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
             settle(caches)

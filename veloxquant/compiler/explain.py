@@ -141,7 +141,7 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
         if getattr(t.route, "per_head", False):
             from ..runtime.scorers import make  # the scorer says what it keeps per token
             extra = 4 * sum(math.prod(shape) for shape in make(t.route).token_state.values())
-            slack = getattr(t.route, "slack", 0)
+            slack = t.route.slack
             when = "once, at the end of the prompt" if t.route.once else \
                 f"once a head holds {slack} past the budget" if slack else "every step"
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "

@@ -22,7 +22,7 @@ def defers(listeners: List, Lq: int) -> bool:
     """This step's scoring can wait: one query, and every listening tier cuts with slack, once its
     prompt is over (no budgets still being collected), from weights alone."""
     return Lq == 1 and bool(listeners) and all(
-        getattr(t.route, "slack", 0) and not t.route.once and not t.collecting and t.needs <= ALLOWED_NEEDS
+        t.route.slack and not t.route.once and not t.collecting and t.needs <= ALLOWED_NEEDS
         for t, _ in listeners)
 
 
@@ -39,8 +39,8 @@ def settle(cache) -> None:
     held = _held(cache)
     if not held:
         return
-    most = max((getattr(t.route, "slack", 0) for t in cache.tiers if getattr(t, "per_head", False)), default=0)
-    if len(held) >= most or any(t.cut_due() for t in cache.tiers if getattr(t, "per_head", False)):
+    tiers = [t for t in cache.tiers if getattr(t, "per_head", False)]
+    if len(held) >= max(t.route.slack for t in tiers) or any(t.cut_due() for t in tiers):
         flush(cache)
 
 

@@ -205,7 +205,7 @@ class HeadTier:
         # While budgets are open the prompt is held whole: they are decided before any eviction.
         # `slack` lets heads grow past the budget and cuts them back in one ranking (evict.py);
         # on a sliding layer too (tokens past the window are masked until then, never seen).
-        slack = getattr(self.route, "slack", 0)
+        slack = self.route.slack
         if not self.route.once and not self.collecting and self.over(slack):
             return "score"
         if self.window and self.count > self.window + slack:

@@ -25,6 +25,7 @@ class _PerHeadRoute:
     bounded = False
     spills = False
     per_head = True
+    slack = 0  # tokens past the budget before a cut; `evict` makes it a field (the others cut exactly)
 
     def take(self, start: int, count: int, held: int) -> int:
         return count

@@ -78,11 +78,11 @@ class Scorer:
         old = getattr(self, "queries", None)
         if old is not None and new.shape[2] < window:
             new = mx.concatenate([old[:, :, -(window - new.shape[2]):], new], axis=2)
-        window = mx.contiguous(new)
+        kept = mx.contiguous(new)
         # Computed as soon as the device reaches it, not when the prefill step ends: until then the
         # lazy copy holds the whole block of queries it was cut from, in every layer at once.
-        mx.async_eval(window)
-        return window
+        mx.async_eval(kept)
+        return kept
 
     def state(self) -> Dict[str, mx.array]:
         """Per-head arrays a saved cache must carry to keep ranking the same way (not per token)."""
