@@ -13,6 +13,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from ..paths import kernels_dir
+from .source import split_sections, strip as _strip
 from . import split
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
@@ -71,17 +72,8 @@ def mma_supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspe
 
 @lru_cache(maxsize=None)
 def sections() -> Dict[str, str]:
-    """The .cu file split on its '//@@ name' lines: header, attend, reduce."""
-    text = (kernels_dir() / SOURCE).read_text()
-    parts: Dict[str, str] = {}
-    name = None
-    for line in text.splitlines(keepends=True):
-        if line.startswith("//@@ "):
-            name = line[5:].strip()
-            parts[name] = ""
-        elif name is not None:
-            parts[name] += line
-    return parts
+    """The .cu file's sections: header, attend, reduce, ..."""
+    return split_sections((kernels_dir() / SOURCE).read_text())
 
 
 def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
@@ -118,18 +110,6 @@ def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
     if not choose_chunk(D, 1 if rows == 1 else 2 if rows == 2 else MAX_ROWS, (kb, kg, kax), (vb, vg, vax)):
         return "no chunk size fits shared memory"
     return ""
-
-
-def _strip(src: str) -> str:
-    """The source without comment lines and blank lines: MLX rebuilds the full
-    kernel text on every call (graph construction), so shorter is cheaper."""
-    out = []
-    for line in src.splitlines():
-        t = line.strip()
-        if not t or t.startswith("//"):
-            continue
-        out.append(line)
-    return "\n".join(out) + "\n"
 
 
 def attend_header(threads: int) -> str:

@@ -121,6 +121,23 @@ def dequantizer():
 CODE_KERNELS: Dict[Tuple[str, Tuple[str, ...]], object] = {}
 
 
+def _register_code_kernels() -> None:
+    from . import lut  # Lloyd-Max look-ups (turboquant_rvq), once its parity passed
+    if lut.LUT_VERIFIED:
+        CODE_KERNELS.update({("cuda", chain): lut.partial_attention for chain in lut.CHAINS})
+
+
+_register_code_kernels()
+
+
+def encode_kernel(codec):
+    """A verified kernel coding a block for this codec in one launch (`fn(codec, x) -> arrays`), or None."""
+    if os.environ.get(_ENV, "").lower() in ("off", "0", "reference") or backend() != "cuda":
+        return None
+    from . import lut
+    return lut.encode if lut.ENCODE_VERIFIED and not lut.encode_unsupported(codec) else None
+
+
 def code_kernel(tier_plan, q: mx.array, mask=None):
     """A verified fused kernel for attention from this tier's key/value codes, or None (the MLX-ops reference)."""
     if not CODE_KERNELS or os.environ.get(_ENV, "").lower() in ("off", "0", "reference"):

@@ -57,6 +57,25 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
                   _strip(sections()["attend_split"]), ins, outs, template)
 
 
+def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") -> str:
+    """The LUT kernel's translation unit (kernels/cuda/lut_attention.cu), as MLX would build it."""
+    from . import lut
+    if section == "lloyd_encode":
+        ins, outs = [("x", "__half"), ("lv", "float")], [("c1", "uint32_t"), ("n1", "__half"), ("c2", "uint32_t"),
+                                                       ("n2", "__half")]
+        return render("custom_kernel_vq_lloyd_encode", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
+                      [("T", "float16"), ("D", D), ("B1", bits[0]), ("B2", bits[1]), ("H", 1)])
+    if section == "lut_reduce":
+        ins, outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")], [("out", "float"), ("lse", "float")]
+        return render("custom_kernel_vq_lut_reduce", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
+                      [("D", D), ("VH", 1)])
+    ins = [("q", "float"), ("kc1", "uint32_t"), ("kn1", "__half"), ("kc2", "uint32_t"), ("kn2", "__half"),
+           ("vc1", "uint32_t"), ("vn1", "__half"), ("vc2", "uint32_t"), ("vn2", "__half"), ("lv", "float")]
+    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
+    return render("custom_kernel_vq_lut_attend", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
+                  lut.template(D, rows, tuple(bits), True))
+
+
 def compile_unit(src: str, arch: str = "sm_90") -> str:
     """ptxas's report (raises CalledProcessError with nvcc's output on a compile error)."""
     nvcc = shutil.which("nvcc")

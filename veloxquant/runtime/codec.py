@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ..compiler.plan import CodecPlan
+from ..kernels import dispatch
 
 _RESIDUAL = re.compile(r"r\d+\.")  # names of residual stages' arrays
 
@@ -48,6 +49,9 @@ class Codec:
         self.fitted: Dict[str, mx.array] = {}
         self.compilable = not (self.trivial or self.positional or self.fits or self.scored) and all(
             getattr(r, "compilable", True) for r in self.residuals)
+        # A verified CUDA kernel that codes a block in one launch (Lloyd-Max stores): decode steps
+        # append a token per layer, and the ops of an encode cost more host time than the launch.
+        self.kernel_encode = None if self.trivial else dispatch.encode_kernel(self)
 
     def __deepcopy__(self, memo):
         # The plan's stages are frozen and shared; only what a fitted store learned is the tier's own.
@@ -59,6 +63,8 @@ class Codec:
     def encode(self, x: mx.array, start: int = 0, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
         if self.trivial:  # fp16 / identity: at most a cast (every decode step of every layer)
             return self.store.encode(x)
+        if self.kernel_encode is not None:
+            return self.kernel_encode(self, x)
         if x.shape[2] <= COMPILED_BLOCK and self.compilable:
             return _compiled_encode(self.plan)(x)
         return self.encode_ops(x, start, scores)
