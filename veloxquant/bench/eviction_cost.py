@@ -38,7 +38,7 @@ from ..runtime import uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
             "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
-            "chunkkv", "curdkv", "rocketkv", "kvzip", "observed_snap")
+            "chunkkv", "curdkv", "rocketkv", "kvzip", "observed_snap", "anchorkv")
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:

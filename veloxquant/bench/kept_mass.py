@@ -26,7 +26,10 @@ ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []), ("expected_attention (once)", "expected_attention", []),
         ("qfilters", "qfilters", []), ("keyformer", "keyformer", []), ("morphkv", "morphkv", []),
         ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", []), ("kvzip (once)", "kvzip", []),
-        ("observed_snap (once)", "observed_snap", [])]
+        ("observed_snap (once)", "observed_snap", []), ("squeezeattention", "squeezeattention", []),
+        ("adakv (once)", "adakv", []), ("nestedkv (once)", "nestedkv", []), ("cam", "cam", []),
+        ("rocketkv (once)", "rocketkv", [])]
+# anchorkv has no row: it evicts nothing (every token stays, as an anchor or as coefficients on one).
 
 
 class Recorder:
@@ -62,22 +65,34 @@ def fp16_weights(model, tokens: mx.array, n_prompt: int) -> List[mx.array]:
     out = []
     for r in rec:
         (q,) = r.queries
-        k, _ = r.cache.tiers[0].decoded(mx.float32)
-        kpos = mx.broadcast_to(mx.arange(k.shape[2], dtype=mx.int32), k.shape[:3])
-        w = attention_weights(q, k, r.scale, position_mask(kpos, n_prompt, q.shape[2], None))
-        out.append(w[..., :n_prompt])
+        tier = r.cache.tiers[0]
+        k, _ = tier.decoded(mx.float32)
+        # A sliding-window layer (Gemma-3) has forgotten its oldest tokens: key i is position start + i,
+        # and the queries see only the window's newest prompt tokens.
+        held = np.arange(tier.start, tier.start + k.shape[2])
+        kpos = mx.broadcast_to(mx.array(held, dtype=mx.int32), k.shape[:3])
+        w = np.array(attention_weights(q, k, r.scale, position_mask(kpos, n_prompt, q.shape[2], r.cache.plan.window)))
+        full = np.zeros((*w.shape[:-1], n_prompt), np.float32)
+        full[..., held[held < n_prompt]] = w[..., held < n_prompt]
+        out.append(mx.array(full))
     return out
 
 
 def kept_positions(caches) -> List[np.ndarray]:
+    """Per layer [B, Hkv, W]; a ragged tier (heads with their own budgets) pads with positions >= the prompt."""
     return [np.array(c.tiers[-1].positions) for c in caches]
+
+
+def held_per_head(kept: List[np.ndarray], n_prompt: int) -> float:
+    return float(np.mean([(pos < n_prompt).sum(-1).mean() for pos in kept]))
 
 
 def kept_mass(weights: List[mx.array], kept: List[np.ndarray], n_prompt: int) -> List[float]:
     per_layer = []
     for w, pos in zip(weights, kept):
         onehot = np.zeros((*pos.shape[:2], n_prompt), np.float32)
-        np.put_along_axis(onehot, pos, 1.0, axis=2)
+        b, h, _ = np.nonzero(pos < n_prompt)
+        onehot[b, h, pos[pos < n_prompt]] = 1.0
         w = np.array(w)  # [B, Hkv, rep, Lq, n_prompt]
         share = (w * onehot[:, :, None, None, :]).sum(-1) / np.maximum(w.sum(-1), 1e-30)
         per_layer.append(float(share.mean()))
@@ -129,7 +144,7 @@ def main(argv=None) -> int:
             c._settle()
         kept[label] = kept_positions(caches)  # the whole prompt went in: every position is < n
         per_layer = kept_mass(weights, kept[label], n)
-        held = np.mean([p.shape[2] for p in kept[label]])
+        held = held_per_head(kept[label], n)
         worst = int(np.argmin(per_layer))
         print(f"| {label} | {held:.0f} | {np.mean(per_layer):.4f} | {per_layer[worst]:.4f} (layer {worst}) |")
     if "h2o" not in kept or "h2o proxy" not in kept:
