@@ -138,3 +138,22 @@ def test_encode_kernel_codes_as_the_mlx_ops_do(case):
             gap = mx.abs(got[name].astype(mx.float32) - want[name].astype(mx.float32))
             assert bool(mx.all(gap <= 1e-3 * mx.abs(want[name].astype(mx.float32)) + 1e-6)), name
     _record(f"[lloyd encode] H{Hkv} D{D} n{n} {sets}: codes differing {worst:.2e}", worst)
+
+
+def test_turboquant_rvq_decode_step_on_the_cuda_path_is_four_launches_per_layer():
+    """Counted on the CUDA path's graph (bench decode-ops --as-cuda: each launch one Depends node plus a
+    Full constant per output): attend + reduce + one encode per side, no look-up tables built as arrays."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+
+    from veloxquant.bench.decode_ops import stand_in_for_cuda, step
+    from veloxquant.bench.e2e import random_llama
+    from veloxquant.runtime import make_prompt_cache, uninstall
+    mx.random.seed(0)
+    model = random_llama(2, 9, 3, 64, 500, mx.float16)
+    with stand_in_for_cuda():
+        base, _ = step(model, mlx_cache(model), 64, 1)
+        ops, _ = step(model, make_prompt_cache(model, "turboquant_rvq"), 64, 2)
+        uninstall(model)
+    extra = ops - base
+    assert ops["Depends"] - base["Depends"] == 3 * 2  # 4 launches a layer where KVCache has its SDPA
+    assert not extra["Gather"] and not extra["Matmul"] and not extra["Sum"], extra

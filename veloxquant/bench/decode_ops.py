@@ -10,7 +10,9 @@ mlx-lm's KVCache and each recipe, on a random-init Llama (no weights needed).
 fused kernel's entry point is answered by a stand-in: two ops (Sin, Depends) where
 the kernel's reduce folds in the dense tiers, four (AsType, Sin, Depends, Sum)
 where it returns a partial, for the kernel's two launches; the binding's own host
-time is not included.
+time is not included. The Lloyd-Max kernels (kernels/lut.py: attention, encode)
+run their real bindings with each launch answered by one Depends node (plus a
+Full constant per output).
 """
 import argparse
 import collections
@@ -24,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..eval.feed import prefill
-from ..kernels import cuda, dispatch
+from ..kernels import cuda, dispatch, lut
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_llama
 
@@ -54,14 +56,24 @@ def stand_in_for_cuda():
         return out, mx.sum(out, axis=-1)
     def fused_sdpa(q, k, v, scale=None, mask=None, sinks=None):
         return mx.depends(q, [k, v])  # one op, as on CUDA; the CPU splits SDPA into matmuls + softmax
-    saved = dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        return mx.depends([mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
+    code_kernels = {(dispatch.backend(), chain): lut.partial_attention for chain in lut.CHAINS}
+    saved = (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
+             dispatch.encode_kernel, dict(dispatch.CODE_KERNELS))
     dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
     cuda.launcher = lambda *a, **k: stand_in
     mx.fast.scaled_dot_product_attention = fused_sdpa
+    lut._kernels, lut._encoder = lambda: (launch, launch), lambda: launch
+    dispatch.encode_kernel = lambda codec: None if lut.encode_unsupported(codec) else lut.encode
+    dispatch.CODE_KERNELS.update(code_kernels)
     try:
         yield
     finally:
-        dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention = saved
+        (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
+         dispatch.encode_kernel, kernels) = saved
+        dispatch.CODE_KERNELS.clear()
+        dispatch.CODE_KERNELS.update(kernels)
 
 
 def step(model, cache, context: int, steps: int):
