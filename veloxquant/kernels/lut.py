@@ -178,6 +178,8 @@ def _encoder():
 def encode(codec, x: mx.array) -> Dict[str, mx.array]:
     """codec.encode(x)'s arrays for x [B, H, n, D], in one launch (the caller checked encode_unsupported)."""
     B, H, n, D = x.shape
+    if D % 32 or D > 1024:  # one block of D threads, whole warps
+        return codec.encode_ops(x)
     R = B * H * n
     residual = codec.residuals[0] if codec.residuals else None
     b1, b2 = codec.store.bits, residual.bits if residual else 0
