@@ -56,7 +56,7 @@ def prompt_through(model, caches, prompt: mx.array) -> None:
     mx.eval([c.state for c in caches])
 
 
-def fp16_weights(model, tokens: mx.array, n_prompt: int) -> List[mx.array]:
+def fp16_weights(model, tokens: mx.array, n_prompt: int) -> List[np.ndarray]:
     """Per layer: attention of the continuation queries over the prompt [B, Hkv, rep, Lq, n_prompt]."""
     caches = make_prompt_cache(model, "fp16")
     model(tokens[:, :n_prompt], cache=caches)
@@ -74,7 +74,7 @@ def fp16_weights(model, tokens: mx.array, n_prompt: int) -> List[mx.array]:
         w = np.array(attention_weights(q, k, r.scale, position_mask(kpos, n_prompt, q.shape[2], r.cache.plan.window)))
         full = np.zeros((*w.shape[:-1], n_prompt), np.float32)
         full[..., held[held < n_prompt]] = w[..., held < n_prompt]
-        out.append(mx.array(full))
+        out.append(full)
     return out
 
 
@@ -87,13 +87,14 @@ def held_per_head(kept: List[np.ndarray], n_prompt: int) -> float:
     return float(np.mean([(pos < n_prompt).sum(-1).mean() for pos in kept]))
 
 
-def kept_mass(weights: List[mx.array], kept: List[np.ndarray], n_prompt: int) -> List[float]:
+def kept_mass(weights: List[np.ndarray], kept: List[np.ndarray], n_prompt: int) -> List[float]:
     per_layer = []
     for w, pos in zip(weights, kept):
         onehot = np.zeros((*pos.shape[:2], n_prompt), np.float32)
-        b, h, _ = np.nonzero(pos < n_prompt)
-        onehot[b, h, pos[pos < n_prompt]] = 1.0
-        w = np.array(w)  # [B, Hkv, rep, Lq, n_prompt]
+        held = pos < n_prompt
+        b, h, _ = np.nonzero(held)
+        onehot[b, h, pos[held]] = 1.0
+        w = np.asarray(w)  # [B, Hkv, rep, Lq, n_prompt]
         share = (w * onehot[:, :, None, None, :]).sum(-1) / np.maximum(w.sum(-1), 1e-30)
         per_layer.append(float(share.mean()))
     return per_layer

@@ -40,13 +40,21 @@ def _lloydmax(stage) -> bool:
     return getattr(stage, "stage_name", "") == "lloydmax" and 32 % stage.bits == 0
 
 
+def _chain_unsupported(codec, kernel: str) -> str:
+    """Why `kernel` cannot take this codec's stage chain ('' when it can): both Lloyd-Max kernels read the same."""
+    if [t.stage_name for t in codec.transforms] not in ([], ["hadamard"]):
+        return f"{kernel}: a Hadamard rotation or none"
+    if not _lloydmax(codec.store) or len(codec.residuals) > 1 or not all(_lloydmax(r) for r in codec.residuals):
+        return f"{kernel}: a lloydmax store and at most one lloydmax residual"
+    return ""
+
+
 def side_unsupported(codec, enc: Dict[str, mx.array], shape: Tuple[int, int, int]) -> str:
     """Why the kernel cannot read this codec's arrays ('' when it can). shape: (B, Hkv, L)."""
-    if [t.stage_name for t in codec.transforms] not in ([], ["hadamard"]):
-        return "lut kernel: a Hadamard rotation or none"
-    if not _lloydmax(codec.store) or len(codec.residuals) > 1 or not all(_lloydmax(r) for r in codec.residuals):
-        return "lut kernel: a lloydmax store and at most one lloydmax residual"
-    for prefix, stage in zip(("", "r0."), [codec.store] + codec.residuals):
+    why = _chain_unsupported(codec, "lut kernel")
+    if why:
+        return why
+    for prefix in ("", "r0.")[:1 + len(codec.residuals)]:
         codes, norms = enc.get(prefix + "codes"), enc.get(prefix + "norms")
         if codes is None or norms is None or codes.dtype != mx.uint32 or norms.dtype != mx.float16:
             return "lut kernel: uint32 codes and float16 norms"
@@ -162,11 +170,7 @@ def partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict
 # ---------------------------------------------------------------- encode (section lloyd_encode)
 def encode_unsupported(codec) -> str:
     """Why the encode kernel cannot code for this codec ('' when it can)."""
-    if [t.stage_name for t in codec.transforms] not in ([], ["hadamard"]):
-        return "lloyd encode kernel: a Hadamard rotation or none"
-    if not _lloydmax(codec.store) or len(codec.residuals) > 1 or not all(_lloydmax(r) for r in codec.residuals):
-        return "lloyd encode kernel: a lloydmax store and at most one lloydmax residual"
-    return ""
+    return _chain_unsupported(codec, "lloyd encode kernel")
 
 
 @lru_cache(maxsize=None)
