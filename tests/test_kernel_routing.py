@@ -29,17 +29,17 @@ def kernel_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch, "choice", lambda *a, **k: ("cuda", "reference standing in for the kernel"))
 
     def launcher(qshape, qdtype, cshape, ks, vs, scale, **kw):
-        def run(q, ke, ve, tail=None):
+        def run(q, ke, ve, tail=None, hidden=0):
             if tail is None:
-                return reference.affine_partial_attention(q, ke, ve, ks, vs, scale)
-            return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail)
+                return reference.affine_partial_attention(q, ke, ve, ks, vs, scale, hidden)
+            return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail, hidden)
         return run
     monkeypatch.setattr(cuda, "launcher", launcher)
     served = []
     real = fused.kernel_answer
 
-    def counted(tier, queries, scale, encoded=None):
-        answer = real(tier, queries, scale, encoded)
+    def counted(tier, queries, scale, encoded=None, hidden=0):
+        answer = real(tier, queries, scale, encoded, hidden)
         if queries.shape[2] == 1:
             served.append((id(tier), answer is not None))
         return answer

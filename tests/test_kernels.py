@@ -336,3 +336,46 @@ def test_dequant_refuses_a_place_outside_the_buffer():
     enc = Affine(**sp).encode(mx.zeros((1, 2, 8, 64)))
     with pytest.raises(ValueError, match="do not fit at 5 of 10"):
         dequant.dequantize(enc, sp, mx.float16, 10, 5)
+
+
+HIDE_CASES = [  # (Hq, Hkv, D, L, hidden, chunk, tail W): Gemma-3's sliding layers, SmolLM2's heads
+    (4, 1, 256, 416, 17, 0, 128),
+    (4, 1, 256, 544, 31, 0, 0),
+    (9, 3, 64, 512, 300, 64, 0),  # whole chunks hidden: their weights are 0, not NaN
+    (8, 2, 128, 256, 255, 0, 33),  # one visible coded token
+]
+
+
+@pytest.mark.parametrize("case", HIDE_CASES, ids=lambda c: f"H{c[0]}/{c[1]}-D{c[2]}-L{c[3]}-hide{c[4]}-tail{c[6]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_kernel_hides_the_tiers_front(case):
+    """`hidden`: a sliding window's expired tokens at the coded tier's front are left out by count."""
+    from veloxquant.kernels import cuda
+    from veloxquant.runtime.attention import merge_partials
+    Hq, Hkv, D, L, hidden, chunk, W = case
+    ks, vs = KIVI2
+    q, ke, ve = make(1, Hq, Hkv, 1, D, L, ks, vs)
+    scale = D ** -0.5
+    part = on_cpu(reference, q, ke, ve, ks, vs, scale, hidden)
+    if W:
+        tail = [_dense_tier(1, Hkv, W, D, mx.float16, 0)]
+        got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, hides=True)(
+            q, ke, ve, tail, hidden).astype(mx.float32)
+        want = on_cpu(lambda: merge_partials([part, partial_attention(q, *tail[0], scale)]))
+        err = float(mx.abs(got - want).max())
+        ok = bool(mx.all(mx.abs(got - want) <= TOL + 2.0 ** -11 * mx.abs(want)))
+    else:
+        got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, chunk=chunk or None, hidden=hidden)
+        err, ok = maxerr(got, part), None
+        ok = err <= TOL and not any(bool(mx.any(mx.isnan(x))) for x in got)
+    _record(f"[v1 hidden {hidden}] Hq{Hq}/Hkv{Hkv} D{D} L{L} chunk {chunk} tail {W}", err)
+    assert ok, err
+
+
+def test_reference_hides_the_tiers_front():
+    ks, vs = KIVI2
+    q, ke, ve = make(1, 8, 2, 1, 128, 96, ks, vs)
+    k, v = Affine(**ks).decode(ke, mx.float32), Affine(**vs).decode(ve, mx.float32)
+    want = on_cpu(partial_attention, q, k[:, :, 17:], v[:, :, 17:], 0.1)
+    assert maxerr(on_cpu(reference, q, ke, ve, ks, vs, 0.1, 17), want) < 1e-5

@@ -194,13 +194,13 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
     sets = ["window=32", "bits=8"]
     dense = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
 
-    def reference_launcher(tier, queries, k_enc, v_enc, scale):
+    def reference_launcher(tier, queries, k_enc, v_enc, scale, hides=False):
         specs = tier.plan.keys.store, tier.plan.values.store
 
-        def run(q, k, v, tail=None):  # the launch's contract: a partial, or the whole answer with dense tiers
+        def run(q, k, v, tail=None, hidden=0):  # the launch's contract: a partial, or the whole answer with dense tiers
             if tail is None:
-                return reference.affine_partial_attention(q, k, v, *specs, scale)
-            return reference.attention_with_tail(q, k, v, *specs, scale, tail)
+                return reference.affine_partial_attention(q, k, v, *specs, scale, hidden)
+            return reference.attention_with_tail(q, k, v, *specs, scale, tail, hidden)
         return run
 
     monkeypatch.setattr(fused, "_launcher", reference_launcher)

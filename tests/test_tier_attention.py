@@ -35,11 +35,11 @@ def fused_on_cpu(monkeypatch):
     """Route affine tiers through the kernel entry point, answered by the reference."""
     monkeypatch.setattr(dispatch, "choice", lambda *a, **k: ("cuda", "reference standing in for the kernel"))
     def launcher(qshape, qdtype, cshape, ks, vs, scale, **kw):
-        def run(q, ke, ve, tail=None):
+        def run(q, ke, ve, tail=None, hidden=0):
             if tail is None:
-                return reference.affine_partial_attention(q, ke, ve, ks, vs, scale)
+                return reference.affine_partial_attention(q, ke, ve, ks, vs, scale, hidden)
             calls.append(len(tail))
-            return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail)
+            return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail, hidden)
         return run
     calls = []
     monkeypatch.setattr(cuda, "launcher", launcher)
@@ -203,3 +203,40 @@ def test_prefill_decodes_tiers_into_one_buffer(model, recipe, placed_dequant_on_
     concatenated, _ = _run(model, recipe, tokens, decode=3)
     assert not bool(mx.any(mx.isnan(placed)))
     assert float(mx.abs(placed - concatenated).max()) == 0.0
+
+
+
+def test_sliding_layers_leave_expired_tokens_out_by_count(fused_on_cpu, monkeypatch):
+    """Gemma-3's sliding layers: expiry drops whole key groups, so up to a group of expired tokens
+    stays at the coded tier's front. A decode step hands the kernel their count (`hidden`) instead
+    of taking the decoded, masked path, and answers what that path answers."""
+    from conftest import tiny_gemma3
+    from veloxquant.runtime import cache as cache_module, fused
+    counts = []
+    real = fused.kernel_answer
+
+    def counted(tier, queries, scale, encoded=None, hidden=0):
+        counts.append(hidden)
+        return real(tier, queries, scale, encoded, hidden)
+    monkeypatch.setattr(fused, "kernel_answer", counted)
+    masked = lambda self, tier, q, scale, first_q, Lq: tier.answer(q, scale, self._tier_mask(tier, first_q, Lq))
+    model = tiny_gemma3(window=96)
+    caches = make_prompt_cache(model, "kivi", ["window=32"])
+    tokens = mx.random.randint(0, 500, (1, 200), key=mx.random.key(4))
+    try:
+        mx.eval([model(tokens[:, s:s + 100], cache=caches) for s in (0, 100)])
+        worst = 0.0
+        for t in range(40):  # more than a key group expires
+            mx.eval(model(mx.array([[t + 3]]), cache=caches))
+            for c in (c for c in caches if c.plan.window):
+                q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(t)) * 3
+                by_count = np.array(c.attend(q, 0.125, observe=False), dtype=np.float64)
+                with monkeypatch.context() as m:
+                    m.setattr(cache_module.TieredCache, "_answer", masked)
+                    by_mask = np.array(c.attend(q, 0.125, observe=False), dtype=np.float64)
+                worst = max(worst, np.abs(by_count - by_mask).max() / np.abs(by_mask).max())
+    finally:
+        uninstall(model)
+    assert any(0 < h < 32 for h in counts), counts  # sliding layers took the kernel with a count
+    assert set(fused_on_cpu) == {1}  # and folded the fp16 window into its reduce
+    assert worst < 1e-4, worst  # float32 rounding apart (measured: 1.7e-5 of the largest output)

@@ -139,7 +139,9 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 
 //@@ attend
   // inputs: q [B*Hkv, ROWS, D] (T), kc/vc uint32 codes [B, Hkv, L, D*B/32],
-  //   ks/kz, vs/vz fp16 meta ([B, Hkv, L/G, D] for axis=channel, [B, Hkv, L, D/G] for token)
+  //   ks/kz, vs/vz fp16 meta ([B, Hkv, L/G, D] for axis=channel, [B, Hkv, L, D/G] for token),
+  //   lo int32 [1]: tokens [0, lo[0]) are hidden (a sliding window's expired
+  //   tokens still held in their key group; 0 = every token visible)
   // outputs: pm, pl [B*Hkv*ROWS, NC] and pacc [B*Hkv*ROWS, NC, D] float32, one
   //   entry per CH-token chunk (NC = ceil(L / CH)): max and sum of 2^score, and
   //   sum of 2^(score - max) v, all relative to the chunk's own max.
@@ -188,6 +190,7 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   const int nsub = (NC + gridDim.x - 1) / gridDim.x;  // chunks per block
   const int cfirst = blockIdx.x * nsub;
   const int cend = min(cfirst + nsub, NC);
+  const int hide = lo[0];
 
   // Stage chunk ci into buffer (ci - cfirst) & 1, as one cp.async group.
   auto stage = [&](int ci) {
@@ -303,7 +306,7 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
           }
         }
         vq_team_reduce<R, TPT>(sc, li);
-        if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = sc[0];
+        if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = ci * CH + t < hide ? vq_ninf() : sc[0];
       }
     }
     __syncthreads();
@@ -313,9 +316,10 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
       float m = vq_ninf();
       for (int t = lane; t < n; t += 32) m = fmaxf(m, sp[t * R + r]);
       m = vq_warp_max(m);
+      const float mo = m == vq_ninf() ? 0.0f : m;  // a chunk of hidden tokens only: weights 0, not NaN
       float l = 0.0f;
       for (int t = lane; t < n; t += 32) {
-        const float p = exp2f(sp[t * R + r] - m);
+        const float p = exp2f(sp[t * R + r] - mo);
         sp[t * R + r] = p;
         l += p;
       }

@@ -47,7 +47,7 @@ def stand_in_for_cuda():
     two or four primitives for the kernel's two launches (module docstring), and
     count fused SDPA as the one op it is on CUDA. The numbers it returns are
     meaningless; only the graph around it is counted."""
-    def stand_in(q, ke, ve, tail=None):
+    def stand_in(q, ke, ve, tail=None, hidden=0):
         # Depends keeps the inputs' producers (e.g. the window's append) in the graph.
         deps = [*ke.values(), *ve.values(), *(x for kv in tail or () for x in kv)]
         if tail:

@@ -1,6 +1,8 @@
-"""End-to-end generation under recipes on a random-init Llama (no weights needed).
+"""End-to-end generation under recipes on a random-init Llama or Gemma 3 (no weights needed).
 
     python -m veloxquant.bench.e2e --context 32768 --layers 8 --heads 32/8 --head-dim 128 --recipes fp16,kivi
+    python -m veloxquant.bench.e2e --arch gemma3 --context 8192 --layers 18 --heads 4/1 --head-dim 256 \
+        --hidden 640 --intermediate 2048 --vocab 262144 --window 512   # Gemma-3-270M's shapes
 
 Prefills `--context` random tokens through mlx-lm's generate_step (2048-token
 chunks), then decodes `--decode` tokens; prints prefill and decode tok/s, peak
@@ -16,18 +18,33 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..runtime import make_prompt_cache, uninstall
 
 
-def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype) -> llama.Model:
-    hidden = heads * head_dim
+def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype,
+                 hidden: int = 0, intermediate: int = 0) -> llama.Model:
+    hidden = hidden or heads * head_dim
     args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-                           intermediate_size=hidden * 2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                           rms_norm_eps=1e-5, vocab_size=vocab, head_dim=head_dim)
-    model = llama.Model(args)
+                           intermediate_size=intermediate or hidden * 2, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=vocab, head_dim=head_dim)
+    return _ready(llama.Model(args), dtype)
+
+
+def random_gemma3(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype, hidden: int = 0,
+                  intermediate: int = 0, window: int = 512, pattern: int = 6) -> gemma3_text.Model:
+    """Gemma 3's text model: every `pattern`-th layer global, the others sliding over `window` tokens."""
+    hidden = hidden or heads * head_dim
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=hidden, num_hidden_layers=layers,
+                                 intermediate_size=intermediate or hidden * 2, num_attention_heads=heads,
+                                 head_dim=head_dim, num_key_value_heads=kv_heads, vocab_size=vocab,
+                                 sliding_window=window, sliding_window_pattern=pattern)
+    return _ready(gemma3_text.Model(args), dtype)
+
+
+def _ready(model, dtype):
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
@@ -56,14 +73,25 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--arch", default="llama", choices=("llama", "gemma3"))
+    ap.add_argument("--hidden", type=int, default=0, help="model width (default heads x head_dim)")
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 x hidden)")
+    ap.add_argument("--window", type=int, default=512, help="gemma3: sliding layers' window")
+    ap.add_argument("--sliding-pattern", type=int, default=6, help="gemma3: every n-th layer is global")
     ap.add_argument("--recipes", default="fp16,kivi")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden,
+             args.intermediate)
+    if args.arch == "gemma3":
+        model = random_gemma3(*shape, window=args.window, pattern=args.sliding_pattern)
+        name = f"random Gemma 3 (window {args.window}, every {args.sliding_pattern}th layer global)"
+    else:
+        model, name = random_llama(*shape), "random Llama"
     prompt = mx.random.randint(0, args.vocab, (args.context,))
-    print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
+    print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
           f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
     print("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | peak memory GiB | cache MiB |")
     print("|---|---|---|---|---|---|")

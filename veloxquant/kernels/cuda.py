@@ -121,9 +121,20 @@ def attend_header(threads: int) -> str:
 def _attend_kernel(smem: int, threads: int):
     return mx.fast.cuda_kernel(
         name=f"vq_affine_attend_{smem}_{threads}_{blocks_per_sm(threads)}",
-        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
+        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "lo"],
         output_names=["pm", "pl", "pacc"],
         source=_strip(sections()["attend"]), header=_strip(attend_header(threads)), shared_memory=smem)
+
+
+_HIDDEN: Dict[int, mx.array] = {}
+
+
+def hidden_count(n: int) -> mx.array:
+    """The attend kernel's `lo` input: how many tokens at the tier's front are hidden. One
+    array per count, made once (a decode step then passes it without building a node)."""
+    if n not in _HIDDEN:
+        _HIDDEN[n] = mx.array([n], dtype=mx.int32)
+    return _HIDDEN[n]
 
 
 @lru_cache(maxsize=None)
@@ -166,6 +177,7 @@ class _Launch(NamedTuple):
     reduce: object
     r_kw: dict
     scale: float
+    hides: bool = False  # the attend kernel takes `lo` (tokens hidden at the tier's front): v1
 
 
 @lru_cache(maxsize=256)
@@ -198,7 +210,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
     f32 = mx.float32
     a_kw = dict(template=list(p.template), grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
                 output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
-    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale)
+    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale, True)
 
 
 @lru_cache(maxsize=None)
@@ -239,13 +251,14 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
 
 
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
-             impl: Optional[str] = None, chunk: int = 0):
+             impl: Optional[str] = None, chunk: int = 0, hides: bool = False):
     """`run(q, k_enc, v_enc) -> (out, lse)` for calls of these shapes, with the kernel
     choice and launch parameters resolved now: per call only the two launches remain
-    (a cache keeps one per tier between decode steps)."""
+    (a cache keeps one per tier between decode steps). `hides`: calls may hide tokens at
+    the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
     B, Hq, Lq, D = qshape
     ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
-    which = "v1" if chunk else (impl or default_impl(D, cshape[2]))
+    which = "v1" if chunk or hides else (impl or default_impl(D, cshape[2]))
     tensor_core = which != "v1" and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp)
     if tensor_core and which == "mma":
         la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
@@ -255,11 +268,16 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     else:
         la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
-    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None):
-        """(out f32, lse) of this tier; with `tail` (dense (k, v) tiers, every token
-        visible, `tail_unsupported` empty) the final attention over all of them, in q's dtype."""
-        pm, pl, pacc = la.attend(inputs=[q, k_enc["codes"], k_enc["scales"], k_enc["zeros"],
-                                         v_enc["codes"], v_enc["scales"], v_enc["zeros"]], **la.a_kw)
+    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden: int = 0):
+        """(out f32, lse) of this tier, its first `hidden` tokens left out; with `tail` (dense
+        (k, v) tiers, every token visible, `tail_unsupported` empty) the final attention over
+        all of them, in q's dtype."""
+        inputs = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
+        if la.hides:
+            inputs.append(hidden_count(hidden))
+        elif hidden:
+            raise ValueError("this launch plan cannot hide tokens: build it with hides=True")
+        pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
         if not tail:
             return tuple(la.reduce(inputs=[pm, pl, pacc], **la.r_kw))
         (k0, v0), (k1, v1) = tail[0], tail[-1]
@@ -270,11 +288,12 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
 
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
                              k_spec: Spec, v_spec: Spec, scale: float,
-                             chunk: Optional[int] = None, impl: Optional[str] = None) -> Tuple[mx.array, mx.array]:
+                             chunk: Optional[int] = None, impl: Optional[str] = None,
+                             hidden: int = 0) -> Tuple[mx.array, mx.array]:
     """The fused kernel. Same contract as reference.affine_partial_attention; the
     caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
     other op: inputs go in as they are (4-D, row-contiguous), outputs come out
     in their final shapes. The launch parameters are prepared once per
     (shapes, specs, scale) (`_launch`)."""
     return launcher(tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
-                    impl, chunk or 0)(q, k_enc, v_enc)
+                    impl, chunk or 0, hides=hidden > 0)(q, k_enc, v_enc, hidden=hidden)

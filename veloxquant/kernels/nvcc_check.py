@@ -1,6 +1,6 @@
 """Compile an attend kernel offline with nvcc, as MLX would build it, without a GPU.
 
-`python -m veloxquant.kernels.nvcc_check --impl split --shape 32/8/128 --seq 32768 --bits 4`
+`python -m veloxquant.kernels.nvcc_check --impl split|v1 --shape 32/8/128 --seq 32768 --bits 4`
 renders the source the way `mx.fast.cuda_kernel` does (MLX's default header,
 our header, the generated `__global__` signature, the template arguments as
 constexprs, the body; mlx/backend/cuda/custom_kernel.cpp: build_kernel), with
@@ -57,6 +57,18 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
                   _strip(sections()["attend_split"]), ins, outs, template)
 
 
+def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
+    """The CUDA-core attend kernel's translation unit (section attend), as MLX would build it."""
+    from .cuda import _strip, attend_header, sections
+    from .geometry import plan
+    p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
+    ins = [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
+           ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half"), ("lo", "int32_t")]
+    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
+    return render("custom_kernel_vq_affine_attend", _strip(attend_header(D)), _strip(sections()["attend"]),
+                  ins, outs, list(p.template))
+
+
 def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") -> str:
     """The LUT kernel's translation unit (kernels/cuda/lut_attention.cu), as MLX would build it."""
     from . import lut
@@ -99,10 +111,12 @@ def main(argv=None) -> int:
     a.add_argument("--bits", type=int, default=4)
     a.add_argument("--group", type=int, default=32)
     a.add_argument("--qtype", default="float16", choices=sorted(_CTYPES))
+    a.add_argument("--impl", default="split", choices=("split", "v1"))
     a.add_argument("--print", action="store_true", help="print the rendered source, do not compile")
     o = a.parse_args(argv)
     Hq, Hkv, D = (int(x) for x in o.shape.split("/"))
-    src = split_unit(1, Hq, 1, D, Hkv, o.seq, (o.bits, o.group, "channel"), (o.bits, o.group, "token"), o.qtype)
+    unit = v1_unit if o.impl == "v1" else split_unit
+    src = unit(1, Hq, 1, D, Hkv, o.seq, (o.bits, o.group, "channel"), (o.bits, o.group, "token"), o.qtype)
     if o.print:
         print(src)
         return 0

@@ -85,8 +85,9 @@ def _weighted_values(p: mx.array, v_enc: Dict[str, mx.array], bits: int, group: 
 
 
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                             k_spec: Spec, v_spec: Spec, scale: float) -> Tuple[mx.array, mx.array]:
-    """softmax(scale q K^T) V over one affine-coded tier, every token visible.
+                             k_spec: Spec, v_spec: Spec, scale: float, hidden: int = 0) -> Tuple[mx.array, mx.array]:
+    """softmax(scale q K^T) V over one affine-coded tier, every token visible but the
+    first `hidden` (a sliding window's expired tokens still held in their key group).
 
     q [B, Hq, Lq, D]; K/V stored as Affine encodings of [B, Hkv, L, D] with
     Hq = Hkv * rep (query head h reads kv head h // rep). Returns out
@@ -100,6 +101,8 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     # Rows of one kv head: (rep head i, query j) -> i * Lq + j, as in q's memory order.
     qf = q.astype(mx.float32).reshape(B, Hkv, rep * Lq, D) * scale
     scores = _scores(qf, k_enc, kb, kg, kax)  # [B, Hkv, R, L]
+    if hidden:
+        scores = mx.where(mx.arange(scores.shape[-1]) < hidden, -mx.inf, scores)
     peak = mx.max(scores, axis=-1, keepdims=True)
     weights = mx.exp(scores - peak)
     total = mx.sum(weights, axis=-1, keepdims=True)
@@ -109,11 +112,12 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
 
 
 def attention_with_tail(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec,
-                        v_spec: Spec, scale: float, tail) -> mx.array:
-    """What the CUDA launch answers with a tail: attention over the coded tier and
-    the dense (k, v) tiers of `tail` together, every token visible, in q's dtype."""
+                        v_spec: Spec, scale: float, tail, hidden: int = 0) -> mx.array:
+    """What the CUDA launch answers with a tail: attention over the coded tier (but its
+    first `hidden` tokens) and the dense (k, v) tiers of `tail` together, in q's dtype."""
     from ..runtime.attention import merge_partials, partial_attention  # runtime imports this module
     k = mx.concatenate([k for k, _ in tail], axis=2)
     v = mx.concatenate([v for _, v in tail], axis=2)
-    parts = [affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale), partial_attention(q, k, v, scale)]
+    parts = [affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale, hidden),
+             partial_attention(q, k, v, scale)]
     return merge_partials(parts).astype(q.dtype)

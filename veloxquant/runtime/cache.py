@@ -14,11 +14,11 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import deferred, fused, hook, kinds, per_head, trimming
-from .attention import merge_partials, partial_attention
+from . import decoded_attention, deferred, fused, hook, kinds, per_head, trimming
+from .attention import merge_partials
 from .copying import copy_sharing
 from .saliency import Saliency
-from .scoring import additive, position_mask
+from .scoring import position_mask
 from .tier import Tier, decoded_run
 
 _start = attrgetter("start")
@@ -122,10 +122,11 @@ class TieredCache(_BaseCache):
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
             return merge_partials([answer()]).astype(queries.dtype)
         answered = [t.answer(queries, scale) for t in held] if seen else \
-            [t.answer(queries, scale, self._tier_mask(t, first_q, Lq) if n else None) for t, n in zip(held, needs)]
+            [self._answer(t, queries, scale, first_q, Lq) if n else t.answer(queries, scale)
+             for t, n in zip(held, needs)]
         rest = [t for t, a in zip(held, answered) if a is None]
         if len(rest) == len(held):
-            return self._dense(held, queries, scale, first_q, needs)
+            return decoded_attention.dense(self, held, queries, scale, first_q, needs)
         answers = [a for a in answered if a is not None]
         if len(answers) == 1 and rest and getattr(answers[0], "folds_tail", False) \
                 and (seen or not any(n for n, a in zip(needs, answered) if a is None)):
@@ -134,7 +135,7 @@ class TieredCache(_BaseCache):
                 return answers[0](tail)  # the kernel's reduce also attends over the 16-bit tiers
         parts = [a() for a in answers]
         if rest:  # decoded together: one partial
-            parts.append(self._partial(rest, queries, scale, first_q))
+            parts.append(decoded_attention.partial(self, rest, queries, scale, first_q))
         return merge_partials(parts).astype(queries.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -261,39 +262,19 @@ class TieredCache(_BaseCache):
         window = self.windows[self.tiers.index(tier)] if len(self.tiers) > 1 else self.windows[0]
         return window is not None and (first_q + Lq - 1) - tier.start >= window
 
+    def _answer(self, tier: Tier, queries, scale, first_q: int, Lq: int):
+        """A tier's answer where some of its tokens are masked. One decode query and a window
+        that has passed the tier's first tokens (a sliding layer: expiry drops whole key groups,
+        so up to a group of expired tokens stays): the hidden tokens are a prefix, which the
+        fused kernel leaves out by count (`hidden`), with no mask array built."""
+        window = self._window(tier)
+        if Lq == 1 and window is not None and tier.end - 1 <= first_q:
+            hidden = first_q - window + 1 - tier.start
+            if 0 < hidden < tier.count:
+                return tier.answer(queries, scale, hidden=hidden)
+        return tier.answer(queries, scale, self._tier_mask(tier, first_q, Lq))
+
     def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
         return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
-
-    def _dense(self, held: List[Tier], queries, scale, first_q, needs: List[bool]):
-        """All tiers decoded, in position order, through mlx's fused SDPA (no scores in memory).
-        `needs`: which tiers a mask must cover (`_needs_mask`)."""
-        Lq = queries.shape[2]
-        k, v = decoded_run(held, queries.dtype)
-        if not any(needs):
-            mask = None
-        elif self._causal_ok(held, first_q + Lq):
-            mask = "causal"  # one contiguous run ending at the last query: bottom-right aligned
-        else:
-            mask = additive(mx.concatenate([self._tier_mask(t, first_q, Lq) for t in held], axis=1), queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-
-    def _causal_ok(self, held: List[Tier], end: int) -> bool:
-        """The string mask "causal" (fused SDPA, no mask array) is exact for these keys."""
-        contiguous = sum(t.count for t in held) == held[-1].end - held[0].start
-        return contiguous and held[-1].end == end and all(self._window(t) is None for t in held)
-
-    def _partial(self, tiers: List[Tier], queries, scale, first_q):
-        """One partial over the decoded tokens of `tiers` (any order: masks go by position)."""
-        Lq = queries.shape[2]
-        mask = None
-        if any(self._needs_mask(t, first_q, Lq) for t in tiers):
-            mask = mx.concatenate([self._tier_mask(t, first_q, Lq) for t in tiers], axis=1)
-        # 16-bit stores decode exactly in their own dtype; partial_attention accumulates in float32.
-        pairs = [t.decoded(self.dtype if t.sixteen_bit else mx.float32) for t in tiers]
-        if len(pairs) == 1:
-            k, v = pairs[0]
-        else:
-            k, v = (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
-        return partial_attention(queries, k, v, scale, mask)
 
     _position_mask = staticmethod(position_mask)

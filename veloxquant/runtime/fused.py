@@ -16,33 +16,35 @@ from ..kernels import cuda, dispatch
 
 class KernelAnswer:
     """A tier's answer from the kernel: `()` -> partial (out f32, lse), `(tail)` -> final output."""
-    __slots__ = ("run", "queries", "k_enc", "v_enc")
+    __slots__ = ("run", "queries", "k_enc", "v_enc", "hidden")
     folds_tail = True  # TieredCache hands it the layer's 16-bit tiers when they are all it has besides
 
-    def __init__(self, run, queries, k_enc, v_enc):
-        self.run, self.queries, self.k_enc, self.v_enc = run, queries, k_enc, v_enc
+    def __init__(self, run, queries, k_enc, v_enc, hidden=0):
+        self.run, self.queries, self.k_enc, self.v_enc, self.hidden = run, queries, k_enc, v_enc, hidden
 
     def __call__(self, tail=None):
-        return self.run(self.queries, self.k_enc, self.v_enc, tail)
+        return self.run(self.queries, self.k_enc, self.v_enc, tail, self.hidden)
 
 
-def kernel_answer(tier, queries: mx.array, scale: float, encoded=None) -> Optional[KernelAnswer]:
+def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: int = 0) -> Optional[KernelAnswer]:
     """The kernel's answer for this (unmasked, plain affine) tier, or None where no verified kernel applies.
-    `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default."""
+    `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default.
+    `hidden`: tokens at the tier's front the queries do not see (Tier.answer)."""
     encoded = encoded or tier.encoded
     k_enc, v_enc = encoded("k"), encoded("v")
     # Decided once per (tier length, query shape): every layer asks again each step.
-    key = (tier.count, queries.shape, queries.dtype, scale)
+    key = (tier.count, queries.shape, queries.dtype, scale, hidden > 0)
     if tier.launch_key != key:
-        tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale)
-    return None if tier.launch is None else KernelAnswer(tier.launch, queries, k_enc, v_enc)
+        tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale, hidden > 0)
+    return None if tier.launch is None else KernelAnswer(tier.launch, queries, k_enc, v_enc, hidden)
 
 
-def _launcher(tier, queries, k_enc, v_enc, scale):
+def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
     k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
     if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
         return None
-    return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
+    return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
+                         hides=hides)
 
 
 def tail(rest: List, queries: mx.array, dtype, layouts: dict):

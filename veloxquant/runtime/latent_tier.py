@@ -21,7 +21,7 @@ from ..compiler.plan import TierPlan
 from .attention import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
-from .tier import expire_front
+from .tier import expire_front, front_mask
 
 SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
@@ -97,8 +97,10 @@ class LatentTier(SidesHeld):
             self.sides["k"].observe(q)  # before the fit: the queries weigh the key allocation (queries=true)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
 
-    def answer(self, queries: mx.array, scale: float, mask=None):
+    def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
         """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        if hidden:
+            mask = front_mask(self.count, hidden)
         return lambda: self.partial(queries, scale, mask)
 
     def expire(self, oldest_visible: int) -> None:

@@ -24,7 +24,7 @@ from ..errors import VeloxError
 from .attention import Partial, partial_from_scores
 from .buffer import Buffer
 from .latent_side import PlainSide, SidesHeld
-from .tier import expire_front
+from .tier import expire_front, front_mask
 
 OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
 HINT = "feed every layer of the model in order (mlx-lm does) and trim all layers together"
@@ -231,8 +231,10 @@ class MergedTier(SidesHeld):
                         f"anchor layer {self.link.anchor} directions for {s.peer().merged} from {self._anchor().start}")
         return None
 
-    def answer(self, queries: mx.array, scale: float, mask=None):
+    def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
         """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        if hidden:
+            mask = front_mask(self.count, hidden)
         return lambda: self.partial(queries, scale, mask)
 
     def expire(self, oldest_visible: int) -> None:

@@ -29,9 +29,9 @@ class QueryAwareTier(Tier):
         super().__init__(plan)
         self.n_kv_heads = n_kv_heads
 
-    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None):
+    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None, hidden: int = 0):
         self._observe(queries)
-        return super().answer(queries, scale, mask)
+        return super().answer(queries, scale, mask, hidden)
 
     def _observe(self, queries: mx.array) -> None:
         B, Hq, Lq, D = queries.shape

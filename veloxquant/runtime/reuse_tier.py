@@ -73,12 +73,12 @@ class ReuseTier(Tier):
         self.kernel_reads = plan.plain_affine and all(
             isinstance(c, ReuseCodec) and not c.store.residual_bits for c in self.codecs.values())
 
-    def answer(self, queries: mx.array, scale: float, mask=None):
+    def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
         if mask is None and self.kernel_reads:
-            found = fused.kernel_answer(self, queries, scale, self._kernel_encoded)
+            found = fused.kernel_answer(self, queries, scale, self._kernel_encoded, hidden)
             if found is not None:
                 return found
-        return super().answer(queries, scale, mask)
+        return super().answer(queries, scale, mask, hidden)
 
     def _kernel_encoded(self, side: str) -> Dict[str, mx.array]:
         own = self.encoded(side)

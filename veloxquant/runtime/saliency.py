@@ -20,6 +20,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..errors import VeloxError
+from . import decoded_attention
 from .scoring import position_mask
 
 QUERY_BLOCK = 128
@@ -45,7 +46,7 @@ class Saliency:
         outs = []
         for s in range(0, Lq, QUERY_BLOCK):
             q = queries[:, :, s:s + QUERY_BLOCK]
-            out, lse = cache._partial(held, q, scale, first_q + s)
+            out, lse = decoded_attention.partial(cache, held, q, scale, first_q + s)
             outs.append(out)
             if observe:
                 self._observe(q, lse, scale, first_q + s)

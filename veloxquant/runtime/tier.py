@@ -91,17 +91,21 @@ class Tier:
             self._views[side] = {name: buf.view() for name, buf in self.buffers[side].items()}
         return self._views[side]
 
-    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None):
+    def answer(self, queries: mx.array, scale: float, mask: Optional[mx.array] = None, hidden: int = 0):
         """The tier-kind protocol's attention method: a callable answering this tier's partial
         (out, lse) from its own storage, or None (decode me: the cache attends over my values).
 
-        `mask`: None when every held token is visible to every query. Plain affine codes go to
-        the fused kernel where a verified one takes the call; codecs that score their codes
-        answer from them (runtime/code_attention.py)."""
+        `mask`: None when every held token is visible to every query. `hidden` (given without a
+        mask): the first `hidden` tokens are invisible, every other one visible (one decode query
+        past a sliding window's edge); a kind that cannot leave them out by count masks them
+        (`front_mask`). Plain affine codes go to the fused kernel where a verified one takes the
+        call; codecs that score their codes answer from them (runtime/code_attention.py)."""
         if mask is None and self._fusable:
-            found = fused.kernel_answer(self, queries, scale)
+            found = fused.kernel_answer(self, queries, scale, hidden=hidden)
             if found is not None:
                 return found
+        if hidden:
+            mask = front_mask(self.count, hidden)
         if self.codes_attend and queries.shape[2] <= code_attention.CODES_MAX_QUERIES:
             return lambda: code_attention.tier_partial(self, queries, scale, mask)
         return None
@@ -228,6 +232,12 @@ class Tier:
                 if count and not codec.fitted:
                     return f"missing the fitted arrays {side}.fit.*"
         return None
+
+
+def front_mask(count: int, hidden: int) -> mx.array:
+    """The [1, count] mask of one query that sees a tier's tokens but its first `hidden`
+    (Tier.answer's `hidden` for kinds that attend with a mask)."""
+    return (mx.arange(count) >= hidden)[None]
 
 
 def expire_front(tier, oldest_visible: int) -> None:

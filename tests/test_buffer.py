@@ -1,0 +1,32 @@
+"""runtime/buffer.py: a stepped buffer forgets its front by moving its start; what it holds stays exact."""
+import mlx.core as mx
+import numpy as np
+
+from veloxquant.runtime.buffer import Buffer
+
+
+def tokens(a, b):
+    return mx.arange(a, b, dtype=mx.float32).reshape(1, 1, b - a, 1)
+
+
+def test_a_sliding_window_writes_in_place_and_moves_to_a_fresh_buffer_at_the_end():
+    buf, window = Buffer(step=8), 12
+    buf.append(tokens(0, window))
+    grown = []
+    for t in range(window, 60):  # one decode step: forget the oldest, append the newest
+        before = buf.data
+        buf.drop_front(1)
+        buf.append(tokens(t, t + 1))
+        grown.append(buf.data is not before and buf.lo == 0)
+        assert np.array_equal(np.array(buf.view()).ravel(), np.arange(t + 1 - window, t + 1))
+        assert buf.used == window and buf.data.shape[2] <= window + 8  # at most a step of forgotten tokens
+    assert 0 < sum(grown) <= (60 - window) // 4  # fresh buffers only when the end is reached
+
+
+def test_unstepped_buffers_copy_what_stays():
+    buf = Buffer(step=None)
+    buf.append(tokens(0, 10))
+    buf.drop_front(3)
+    assert buf.data.shape[2] == buf.used == 7 and np.array(buf.view()).ravel()[0] == 3
+    buf.drop_front(7)
+    assert buf.data is None and buf.used == 0
