@@ -22,6 +22,15 @@ def test_decode_ops_prints_its_table(capsys):
     assert "graph of the CUDA path" in out and "| kivi |" in out
 
 
+def test_decode_ops_counts_a_gemma3_with_sliding_layers(capsys):
+    # Past the window every sliding layer's kivi tier leaves expired tokens out by count: all on the kernel.
+    assert decode_ops.main(["--arch", "gemma3", "--layers", "6", "--heads", "2/1", "--head-dim", "64",
+                            "--window", "256", "--context", "512", "--steps", "4", "--dtype", "float32",
+                            "--recipes", "kivi", "--as-cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "random Gemma 3 (window 256, every 6th layer global)" in out and "Sin 6" in out
+
+
 @pytest.mark.slow
 def test_prefill_peak_prints_its_table(capsys):
     assert prefill_peak.main(["fp16", "h2o", "--tokens", "256", "--chunk", "128"]) == 0

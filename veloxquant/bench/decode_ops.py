@@ -5,7 +5,8 @@
 On a GPU every op is a kernel launch or at least a scheduler node, so at short
 contexts decode speed follows this count, not the bytes read. The graph of
 `model(token)` is exported (mx.export_to_dot) and its primitives counted, for
-mlx-lm's KVCache and each recipe, on a random-init Llama (no weights needed).
+mlx-lm's KVCache and each recipe, on a random-init Llama or Gemma 3 (`--arch gemma3`: sliding-window
+layers; no weights needed).
 `--as-cuda` counts the graph the CUDA backend would build, on any machine: the
 fused kernel's entry point is answered by a stand-in: two ops (Sin, Depends) where
 the kernel's reduce folds in the dense tiers, four (AsType, Sin, Depends, Sum)
@@ -28,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from ..eval.feed import prefill
 from ..kernels import cuda, dispatch, lut
 from ..runtime import make_prompt_cache, uninstall
-from .e2e import random_llama
+from .e2e import random_model
 
 _OP = re.compile(r'label ="([^"]+)", shape=rectangle')
 
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed (crossing spills)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--as-cuda", action="store_true", help="count the CUDA backend's graph (see above)")
+    ap.add_argument("--arch", default="llama", choices=("llama", "gemma3"),
+                    help="gemma3: every 6th layer global, the others sliding over --window tokens")
+    ap.add_argument("--window", type=int, default=512)
     args = ap.parse_args(argv)
     with stand_in_for_cuda() if args.as_cuda else contextlib.nullcontext():
         table(args)
@@ -108,8 +112,9 @@ def main(argv=None) -> int:
 def table(args) -> None:
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model = random_llama(args.layers, heads, kv_heads, args.head_dim, 1000, getattr(mx, args.dtype))
-    print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; "
+    shape = (args.layers, heads, kv_heads, args.head_dim, 1000, getattr(mx, args.dtype))
+    model, name = random_model(args.arch, shape, args.window)
+    print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; "
           f"context {args.context}, {args.steps} decode steps; device {mx.default_device()}"
           + ("; graph of the CUDA path" if args.as_cuda else ""))
     print("| cache | ops per step | ops per layer over KVCache | host build ms per step | most frequent extra ops |")

@@ -44,6 +44,14 @@ def random_gemma3(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: 
     return _ready(gemma3_text.Model(args), dtype)
 
 
+def random_model(arch: str, shape: tuple, window: int = 512, pattern: int = 6):
+    """(model, its name in a table's title): random_llama, or random_gemma3 for arch "gemma3"."""
+    if arch == "gemma3":
+        return (random_gemma3(*shape, window=window, pattern=pattern),
+                f"random Gemma 3 (window {window}, every {pattern}th layer global)")
+    return random_llama(*shape), "random Llama"
+
+
 def _ready(model, dtype):
     model.set_dtype(dtype)
     mx.eval(model.parameters())
@@ -85,11 +93,7 @@ def main(argv=None) -> int:
     mx.random.seed(0)
     shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden,
              args.intermediate)
-    if args.arch == "gemma3":
-        model = random_gemma3(*shape, window=args.window, pattern=args.sliding_pattern)
-        name = f"random Gemma 3 (window {args.window}, every {args.sliding_pattern}th layer global)"
-    else:
-        model, name = random_llama(*shape), "random Llama"
+    model, name = random_model(args.arch, shape, args.window, args.sliding_pattern)
     prompt = mx.random.randint(0, args.vocab, (args.context,))
     print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
           f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
