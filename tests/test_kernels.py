@@ -165,7 +165,19 @@ GPU_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype)
     (1, 4, 1, 1, 256, 1024, S(8, 32, "channel"), S(8, 16, "token"), mx.float16),
     (1, 4, 2, 2, 128, 640, S(2, 64, "channel"), S(4, 32, "token"), mx.bfloat16),
     (2, 6, 2, 1, 64, 4096, S(4, 32, "channel"), S(4, 32, "token"), mx.float16),
+    # attend_tc: up to 16 rows (9 and 16: both mma row halves), a last half stage (L % 32 = 16)
+    (1, 32, 8, 4, 128, 2048, S(4, 32, "channel"), S(4, 32, "token"), mx.float16),
+    (1, 9, 3, 3, 64, 1024, S(2, 32, "channel"), S(8, 32, "token"), mx.float32),
+    (1, 8, 2, 1, 128, 1040, S(4, 16, "channel"), S(2, 32, "token"), mx.float16),
 ]
+
+
+def _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs):
+    from veloxquant.kernels import cuda, tc
+    from veloxquant.kernels.reference import spec_fields
+    why = tc.supported if impl == "tc" else cuda.mma_supported if impl in ("mma", "split") else None
+    if why and why(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
+        pytest.skip(f"not a call the {impl} kernel takes")
 
 
 _WANT = {}
@@ -178,17 +190,15 @@ def _record(name, err):
             f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
                          f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_cuda_kernel_matches_reference(case, impl):
     from veloxquant.kernels import cuda
-    from veloxquant.kernels.reference import spec_fields
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
-    if impl in ("mma", "split") and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
-        pytest.skip("not a call the mma / split kernels take")
+    _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     scale = D ** -0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
@@ -223,7 +233,7 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL
-    for impl in ("mma", "split"):
+    for impl in ("mma", "split", "tc"):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl=impl), want)
         _record(f"[{impl}] sliced views (V group {vgroup})", err)
         assert err <= TOL
@@ -256,7 +266,7 @@ TAIL_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, q dtype, [(W, cap), ...])
 ]
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-tail{c[9]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
@@ -264,11 +274,9 @@ def test_cuda_reduce_folds_dense_tiers(case, impl):
     """reduce_tail: the coded tier's partials plus exact attention over 16-bit
     tiers (contiguous or strided views), written in q's dtype."""
     from veloxquant.kernels import cuda
-    from veloxquant.kernels.reference import spec_fields
     from veloxquant.runtime.attention import merge_partials
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
-    if impl in ("mma", "split") and cuda.mma_supported(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
-        pytest.skip("not a call the mma / split kernels take")
+    _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
     scale = D ** -0.5

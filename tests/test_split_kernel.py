@@ -167,12 +167,13 @@ def test_emulated_lanes_read_what_attend_mma_reads(case):
         assert sorted(steps) == list(range(L // 16))
 
 
-def test_split_is_the_default_only_where_it_was_verified_and_measured_faster(monkeypatch):
+def test_split_is_the_default_nowhere_and_tc_from_128k(monkeypatch):
     from veloxquant.kernels import cuda
     monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
-    chosen = {(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072) if cuda.default_impl(D, L) == "split"}
-    assert chosen == ({(128, 131072)} if cuda.SPLIT_VERIFIED else set())
-    assert cuda.default_impl(128, 32768) == "mma"  # measured faster than split at 32k
+    chosen = {(D, L): cuda.default_impl(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072)}
+    assert "split" not in chosen.values()  # tc measured faster wherever split was the default
+    assert {k for k, v in chosen.items() if v == "tc"} == ({(128, 131072)} if cuda.TC_VERIFIED else set())
+    assert cuda.default_impl(128, 32768) == "mma"  # measured at least even with tc at 32k
     monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "split")
     assert cuda.default_impl(64, 4096) == "split"
 
@@ -202,13 +203,14 @@ SDPA_CASES = [  # (Hq, Hkv, D, L, bits): the issue's shapes at 32k, KIVI group 3
 ]
 
 
+@pytest.mark.parametrize("impl", ["split", "tc"])
 @pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: f"{c[0]}/{c[1]}/{c[2]}-L{c[3]}-{c[4]}b")
 @pytest.mark.gpu
 @pytest.mark.skipif(__import__("veloxquant.kernels", fromlist=["backend"]).backend() != "cuda",
                     reason="needs MLX's CUDA backend")
-def test_split_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case):
+def test_split_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case, impl):
     """Issue 18's parity bar: against the float32 reference (CPU), attend_split's
-    output differs by <= 1e-3 and by no more than fp16 SDPA over the decoded cache."""
+    (and attend_tc's) output differs by <= 1e-3 and by no more than fp16 SDPA over the decoded cache."""
     import mlx.core as mx
     from test_kernels import TOL, _record, make, maxerr, on_cpu, spec
 
@@ -220,9 +222,9 @@ def test_split_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case):
     q, ke, ve = make(1, Hq, Hkv, 1, D, L, ks, vs, mx.float16)
     scale = D ** -0.5
     want = on_cpu(reference, q, ke, ve, ks, vs, scale)[0]
-    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl="split")[0]
+    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl=impl)[0]
     k16, v16 = Affine(**ks).decode(ke, mx.float16), Affine(**vs).decode(ve, mx.float16)
     sdpa = mx.fast.scaled_dot_product_attention(q, k16, v16, scale=scale)
     e_kernel, e_sdpa = maxerr((got,), (want,)), maxerr((sdpa,), (want,))
-    _record(f"[split vs sdpa] {Hq}/{Hkv}/{D} L{L} {bits}-bit: kernel {e_kernel:.2e}, fp16 sdpa {e_sdpa:.2e}", e_kernel)
+    _record(f"[{impl} vs sdpa] {Hq}/{Hkv}/{D} L{L} {bits}-bit: kernel {e_kernel:.2e}, fp16 sdpa {e_sdpa:.2e}", e_kernel)
     assert e_kernel <= TOL and e_kernel <= e_sdpa

@@ -8,8 +8,8 @@ Times, per (head shape, sequence length, bits):
              keys per-channel, values per-token)
   fused      veloxquant's CUDA kernel over the same codes (CUDA backend only;
              the default attend kernel, cuda.default_impl / VELOXQUANT_CUDA_IMPL)
-  fused-v1, fused-mma, fused-split   one attend kernel explicitly (A/B rows; not in
-             the default list; split = attend_split, issue 18)
+  fused-v1, fused-mma, fused-split, fused-tc   one attend kernel explicitly (A/B rows;
+             not in the default list; split = attend_split, tc = attend_tc, issue 18)
 and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
 and each method's peak transient memory.
@@ -106,8 +106,10 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                                 coded)
         methods["fused-split"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale,
                                                                         impl="split"), coded)
+        methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"),
+                               coded)
     else:
-        for name in ("fused", "fused-v1", "fused-mma", "fused-split"):
+        for name in ("fused", "fused-v1", "fused-mma", "fused-split", "fused-tc"):
             methods[name] = (None, "n/a (no CUDA)")
     return methods
 
@@ -169,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
-                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split")
+                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split, fused-tc")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")
     p.add_argument("--rounds", type=int, default=1,

@@ -1,9 +1,8 @@
-"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`.
+"""Binding of kernels/cuda/affine_attention.cu (and tc_attention.cu) through `mx.fast.cuda_kernel`.
 
-Two launches per call (either attend kernel, see `default_impl`): `attend` (blocks over runs of CH-token chunks x kv
-heads x row blocks, double-buffering each chunk through shared memory and
-writing one max/sum/accumulator partial per chunk) and `reduce` (exact merge
-of the partials). See kernels/CONTRACT.md for the contract and the format.
+Two launches per call: an attend kernel (see `default_impl`) writing one max/sum/accumulator
+partial per block along the sequence, and `reduce` (exact merge of the partials).
+See kernels/CONTRACT.md for the contract and the format.
 """
 import math
 import os
@@ -14,7 +13,7 @@ import mlx.core as mx
 
 from ..paths import kernels_dir
 from .source import split_sections, strip as _strip
-from . import split
+from . import split, tc
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
@@ -23,7 +22,7 @@ SOURCE = "cuda/affine_attention.cu"
 TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# Two attend kernels share the contract and the reduce:
+# The attend kernels share the contract and the reduce:
 #   "mma" -- tensor-core kernel (section attend_mma): per-channel keys,
 #            per-token values (KIVI), rows = rep * Lq <= 4;
 #   "v1"  -- the CUDA-core kernel (section attend): every supported call.
@@ -32,35 +31,37 @@ _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # default only at D = 128 from 16k tokens: at 32/8/128 2-bit it measured 41.3 vs 40.3 us
 # per call at 16k and 42.1 vs 45.1 at 32k, and a 32k-context kivi decode (tier from
 # ~32.7k tokens) ran at 562.6 instead of 381.5 tok/s (docs/kernels.md); at 4k and for
-# 9/3/64 it measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL (mma / v1)
-# overrides the default, e.g. for A/B timing.
+# 9/3/64 it measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL overrides it.
 MMA_VERIFIED = True
 MMA_MIN_TOKENS = 16384  # default_impl: from here mma measured at least even with v1
 MMA_WARPS = 4  # warps per attend_mma block
 MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
 _IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
 # "split" (section attend_split, module split.py, issue 18): attend_mma's scope and
-# arithmetic behind a cp.async pipeline. SPLIT_VERIFIED: its parity tests passed on an
-# NVIDIA H200 (mlx 0.32.4; 68 passed, docs/kernels.md). Default only where it measured
-# faster than attend_mma: 32/8/128 4-bit at 128k, 91.6 vs 101.5 us per call; at 32k it
-# measured slower at every shape (46.2-64.7 vs 37.7-56.2 us at 32/8/128).
+# arithmetic behind a cp.async pipeline; parity passed on an NVIDIA H200 (68 passed).
+# Default nowhere since "tc" measured faster wherever split was (32/8/128 at 128k).
 SPLIT_VERIFIED = True
-SPLIT_MIN_TOKENS = 131072  # default_impl: from here split measured faster than mma (D = 128)
+# "tc" (kernels/cuda/tc_attention.cu, module tc.py, issue 18): lean tensor-core kernel,
+# rows <= 16. TC_VERIFIED: its parity tests passed on an NVIDIA H200 (mlx 0.32.4;
+# docs/kernels.md). Default from 128k tokens at D = 128, where it measured fastest
+# (4-bit 81.9 vs attend_mma 101.5 us per call, 2-bit 80.0 vs 77.4; split 89.7 / 88.8).
+TC_VERIFIED = True
+TC_MIN_TOKENS = 131072
 
 
 def default_impl(D: int = 0, L: int = 0) -> str:
     """The attend kernel a call of head_dim D over L tokens gets by default."""
     forced = os.environ.get(_IMPL_ENV, "").lower()
-    if forced in ("mma", "v1", "split"):
+    if forced in ("mma", "v1", "split", "tc"):
         return forced
-    if SPLIT_VERIFIED and D == 128 and L >= SPLIT_MIN_TOKENS:
-        return "split"
+    if TC_VERIFIED and D == 128 and L >= TC_MIN_TOKENS:
+        return "tc"
     return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
 
 
 def mma_supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
     """Why attend_mma cannot take a call the kernel family supports ('' when it can)."""
-    (kb, kg, kax), (vb, vg, vax) = kspec, vspec
+    (_, kg, kax), (_, vg, vax) = kspec, vspec
     if kax != "channel" or vax != "token":
         return "mma kernel: keys per-channel and values per-token only"
     if (Hq // Hkv) * Lq > 4:
@@ -196,10 +197,6 @@ def _reduce_kw(qshape: tuple) -> dict:
                 output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[mx.float32, mx.float32])
 
 
-def _spec_key(spec: Spec) -> tuple:
-    return spec_fields(spec)
-
-
 @lru_cache(maxsize=1024)
 def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float,
             chunk: int) -> _Launch:
@@ -257,10 +254,13 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     (a cache keeps one per tier between decode steps). `hides`: calls may hide tokens at
     the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
     B, Hq, Lq, D = qshape
-    ksp, vsp = _spec_key(k_spec), _spec_key(v_spec)
+    ksp, vsp = spec_fields(k_spec), spec_fields(v_spec)
     which = "v1" if chunk or hides else (impl or default_impl(D, cshape[2]))
     tensor_core = which != "v1" and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp)
-    if tensor_core and which == "mma":
+    if which == "tc" and not tc.supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp):
+        attend, a_kw = tc.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
+        la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
+    elif tensor_core and which == "mma":
         la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
     elif tensor_core and which == "split":  # same partials as attend_mma, same reduce
         attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))

@@ -64,7 +64,7 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
     hit = _CHOICES.get(key) if key is not None else None
     if hit is not None:
         return hit
-    from . import cuda  # imported late: only this path needs the kernel source
+    from . import cuda, tc  # imported late: only this path needs the kernel source
     why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
     if why:
         res = ("reference", why)
@@ -72,12 +72,13 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
         B, Hq, Lq, D = q.shape
         L = k_enc["codes"].shape[2]
         impl = cuda.default_impl(D, L)
-        if impl != "v1" and cuda.mma_supported(Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec),
-                                               spec_fields(v_spec)):
+        scope = tc.supported if impl == "tc" else cuda.mma_supported
+        if impl != "v1" and scope(Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec), spec_fields(v_spec)):
             impl = "v1"
-        names = {"v1": "CUDA-core attend", "mma": "tensor-core attend_mma",
-                 "split": "pipelined tensor-core attend_split"}
-        res = ("cuda", f"fused split-K kernel (kernels/cuda/affine_attention.cu, {names[impl]})")
+        names = {"v1": "affine_attention.cu, CUDA-core attend", "mma": "affine_attention.cu, tensor-core attend_mma",
+                 "split": "affine_attention.cu, pipelined tensor-core attend_split",
+                 "tc": "tc_attention.cu, lean tensor-core attend_tc"}
+        res = ("cuda", f"fused split-K kernel (kernels/cuda/{names[impl]})")
     if key is not None and len(_CHOICES) < 4096:
         _CHOICES[key] = res
     return res

@@ -1,6 +1,6 @@
 """Compile an attend kernel offline with nvcc, as MLX would build it, without a GPU.
 
-`python -m veloxquant.kernels.nvcc_check --impl split|v1 --shape 32/8/128 --seq 32768 --bits 4`
+`python -m veloxquant.kernels.nvcc_check --impl split|v1|tc --shape 32/8/128 --seq 32768 --bits 4`
 renders the source the way `mx.fast.cuda_kernel` does (MLX's default header,
 our header, the generated `__global__` signature, the template arguments as
 constexprs, the body; mlx/backend/cuda/custom_kernel.cpp: build_kernel), with
@@ -25,6 +25,13 @@ using Strides = cuda::std::array<long long, 8>;
 }
 """
 _CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_PARTIALS = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
+
+
+def _ATTEND_INPUTS(qtype: str) -> list:
+    """The attend kernels' inputs (v1 adds `lo`)."""
+    return [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
+            ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
 
 
 def render(name: str, header: str, body: str, inputs, outputs, template) -> str:
@@ -50,11 +57,18 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     from .cuda import _strip, sections
     p = split.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
     template = [(n, str(v) if n == "T" else v) for n, v in p.template]
-    ins = [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
-           ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
-    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
     return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)),
-                  _strip(sections()["attend_split"]), ins, outs, template)
+                  _strip(sections()["attend_split"]), _ATTEND_INPUTS(qtype), _PARTIALS, template)
+
+
+def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
+    """attend_tc's translation unit (kernels/cuda/tc_attention.cu), as MLX would build it."""
+    from . import tc
+    from .source import strip
+    p = tc.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
+    template = [(n, str(v) if n == "T" else v) for n, v in p.template]
+    return render("custom_kernel_vq_affine_attend_tc", strip(tc.header(p.bps)), strip(tc.sections()["attend_tc"]),
+                  _ATTEND_INPUTS(qtype), _PARTIALS, template)
 
 
 def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
@@ -62,11 +76,8 @@ def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     from .cuda import _strip, attend_header, sections
     from .geometry import plan
     p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
-    ins = [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
-           ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half"), ("lo", "int32_t")]
-    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
     return render("custom_kernel_vq_affine_attend", _strip(attend_header(D)), _strip(sections()["attend"]),
-                  ins, outs, list(p.template))
+                  _ATTEND_INPUTS(qtype) + [("lo", "int32_t")], _PARTIALS, list(p.template))
 
 
 def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") -> str:
@@ -83,8 +94,7 @@ def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") 
                       [("D", D), ("VH", 1)])
     ins = [("q", "float"), ("kc1", "uint32_t"), ("kn1", "__half"), ("kc2", "uint32_t"), ("kn2", "__half"),
            ("vc1", "uint32_t"), ("vn1", "__half"), ("vc2", "uint32_t"), ("vn2", "__half"), ("lv", "float")]
-    outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
-    return render("custom_kernel_vq_lut_attend", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
+    return render("custom_kernel_vq_lut_attend", lut.header(), lut.strip(lut.sections()[section]), ins, _PARTIALS,
                   lut.template(D, rows, tuple(bits), True))
 
 
@@ -111,11 +121,11 @@ def main(argv=None) -> int:
     a.add_argument("--bits", type=int, default=4)
     a.add_argument("--group", type=int, default=32)
     a.add_argument("--qtype", default="float16", choices=sorted(_CTYPES))
-    a.add_argument("--impl", default="split", choices=("split", "v1"))
+    a.add_argument("--impl", default="split", choices=("split", "v1", "tc"))
     a.add_argument("--print", action="store_true", help="print the rendered source, do not compile")
     o = a.parse_args(argv)
     Hq, Hkv, D = (int(x) for x in o.shape.split("/"))
-    unit = v1_unit if o.impl == "v1" else split_unit
+    unit = {"v1": v1_unit, "tc": tc_unit}.get(o.impl, split_unit)
     src = unit(1, Hq, 1, D, Hkv, o.seq, (o.bits, o.group, "channel"), (o.bits, o.group, "token"), o.qtype)
     if o.print:
         print(src)

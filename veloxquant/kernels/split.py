@@ -157,16 +157,21 @@ def kernel(smem: int, bps: int):
         header=_strip(header(sections(), bps)), shared_memory=smem)
 
 
+def partials_kw(qshape: tuple, hkv: int, ns: int, threads: int, template) -> dict:
+    """Keyword arguments of an attend launch writing one partial per block along the
+    sequence (pm, pl [rows, ns], pacc [rows, ns, D]): grid (ns blocks, B*Hkv)."""
+    import mlx.core as mx
+    B, Hq, Lq, D = qshape
+    nrows, f32 = B * Hq * Lq, mx.float32
+    return dict(template=list(template), grid=(ns * threads, B * hkv, 1), threadgroup=(threads, 1, 1),
+                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+
+
 @lru_cache(maxsize=1024)
 def launch_kw(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
     """(kernel, keyword arguments) of the attend launch, prepared once per signature
     (callers pass them on, never change them); the reduce follows as for attend_mma."""
-    import mlx.core as mx
     B, Hq, Lq, D = qshape
     _, Hkv, L, _ = cshape
     p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale)
-    nrows = B * Hq * Lq
-    f32 = mx.float32
-    kw = dict(template=list(p.template), grid=(p.ns * NW * 32, B * Hkv, 1), threadgroup=(NW * 32, 1, 1),
-              output_shapes=[(nrows, p.ns), (nrows, p.ns), (nrows, p.ns, D)], output_dtypes=[f32, f32, f32])
-    return kernel(p.smem, p.bps), kw
+    return kernel(p.smem, p.bps), partials_kw(qshape, Hkv, p.ns, NW * 32, p.template)

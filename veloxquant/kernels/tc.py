@@ -1,0 +1,138 @@
+"""Geometry and binding of `attend_tc` (kernels/cuda/tc_attention.cu), the lean
+tensor-core decode kernel (issue 18).
+
+attend_mma's scope (per-channel keys, per-token values) with up to 16 rows
+(rep * Lq) per kv head, one fp16 operand per product (no hi/lo pairs), scores
+laid out as the value mma's operand, and each warp streaming its own run of
+32-token stages through NST shared-memory buffers. Partials and the reduce are
+attend_mma's. Pure arithmetic here except `kernel`.
+"""
+import math
+import os
+from functools import lru_cache
+from typing import NamedTuple
+
+from .geometry import SM_COUNT, float_bits
+from .split import partials_kw, row_strides
+
+NW = 4  # warps per block
+ST = 32  # tokens per stage
+SMEM_PER_SM = 228 * 1024  # sm_90 (a block also reserves 1 KiB)
+SMEM_BLOCK_MAX = 227 * 1024
+MAX_ROWS = 16
+# Resident blocks per SM the grid is sized for (the launch bounds' minimum): 3 at
+# D <= 128 with <= 8 rows, else 2 (16 rows at D = 128 spill 116 bytes under 3's
+# register cap; ptxas -v). VELOXQUANT_TC_BLOCKS_PER_SM overrides (benchmarks).
+_BLOCKS_PER_SM = int(os.environ.get("VELOXQUANT_TC_BLOCKS_PER_SM", "0") or 0)
+_STAGES = int(os.environ.get("VELOXQUANT_TC_STAGES", "0") or 0)
+
+
+def blocks_per_sm(D: int, rows: int) -> int:
+    return _BLOCKS_PER_SM or (2 if D > 128 or rows > 8 else 3)
+
+
+def supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    """Why attend_tc cannot take a call the kernel family supports ('' when it can)."""
+    (_, kg, kax), (_, vg, vax) = kspec, vspec
+    if kax != "channel" or vax != "token":
+        return "tc kernel: keys per-channel and values per-token only"
+    rows = (Hq // Hkv) * Lq
+    if rows > MAX_ROWS or (D > 128 and rows > 8):
+        return f"tc kernel: {rows} rows (rep x queries) per kv head"
+    if kg % 16 or vg < 8 or L % 16:
+        return "tc kernel: groups / tier length"
+    return ""
+
+
+def stage_bytes(D: int, kb: int, gk: int, vb: int, gv: int) -> int:
+    """One warp's stage (mirrors the kernel's O_* offsets): ST tokens' key and value
+    codes (rows KRS / VRS apart), the key scale rows they use, their value scales."""
+    krs, vrs = row_strides(D, kb, vb)
+    kg_rows = ST // gk if ST >= gk else 1
+    return (ST * (krs + vrs) + 2 * kg_rows * D * 2 + 2 * ST * (D // gv) * 2 + 15) // 16 * 16
+
+
+def merge_bytes(D: int, rows: int) -> int:
+    """The warps' partials at the end, written over the drained stages."""
+    return NW * (16 if rows > 8 else 8) * D * 4
+
+
+def static_bytes(D: int, rows: int) -> int:
+    return 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4
+
+
+class TcPlan(NamedTuple):
+    bps: int
+    nst: int
+    smem: int
+    ns: int
+    template: tuple
+
+
+def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int):
+    """(blocks per SM, stages): up to 4 stages per warp for `bps` blocks per SM; fewer
+    blocks when not even two fit."""
+    (kb, gk, _), (vb, gv, _) = kspec, vspec
+    st = stage_bytes(D, kb, gk, vb, gv)
+    for b in range(max(1, bps), 0, -1):
+        room = min(SMEM_BLOCK_MAX, SMEM_PER_SM // b - 1024) - static_bytes(D, rows)
+        nst = min(_STAGES or 4, room // (NW * st))
+        if nst >= 2 and merge_bytes(D, rows) <= room:
+            return b, nst
+    return 0, 0
+
+
+@lru_cache(maxsize=512)
+def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple,
+         scale: float) -> TcPlan:
+    """One wave of about bps blocks per SM over B*Hkv heads; each block a run of
+    consecutive stages, split between its warps."""
+    (kb, gk, _), (vb, gv, _) = kspec, vspec
+    rows = (Hq // Hkv) * Lq
+    bps, nst = stages_for(D, rows, kspec, vspec, blocks_per_sm(D, rows))
+    if not nst:
+        raise ValueError(f"attend_tc: no pipeline fits shared memory (D={D}, specs {kspec} {vspec})")
+    smem = (max(NW * nst * stage_bytes(D, kb, gk, vb, gv), merge_bytes(D, rows)) + 127) // 128 * 128
+    nstage = math.ceil(L / ST)
+    ns = max(1, min(math.ceil(nstage / 2), SM_COUNT * bps // (B * Hkv)))  # >= 2 stages per block
+    ns = math.ceil(nstage / math.ceil(nstage / ns))
+    krs, vrs = row_strides(D, kb, vb)
+    template = (("T", qdtype), ("D", D), ("ROWS", rows), ("BK", kb), ("GK", gk), ("BV", vb), ("GV", gv),
+                ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", NW), ("NST", nst),
+                ("KRS", krs), ("VRS", vrs))
+    return TcPlan(bps, nst, smem, ns, template)
+
+
+@lru_cache(maxsize=None)
+def sections() -> dict:
+    from ..paths import kernels_dir
+    from .source import split_sections
+    return split_sections((kernels_dir() / "cuda/tc_attention.cu").read_text())
+
+
+def header(bps: int) -> str:
+    """Launch bounds (see affine_attention.cu's header), its helpers and mma helpers, ours."""
+    from .cuda import sections as affine
+    return f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n" + affine()["header"] + affine()["mma_header"] \
+        + sections()["tc_header"]
+
+
+@lru_cache(maxsize=None)
+def kernel(smem: int, bps: int):
+    """The bound kernel (one per shared-memory size and launch bounds)."""
+    import mlx.core as mx
+
+    from .source import strip
+    return mx.fast.cuda_kernel(
+        name=f"vq_affine_attend_tc_{smem}_{bps}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
+        output_names=["pm", "pl", "pacc"], source=strip(sections()["attend_tc"]), header=strip(header(bps)),
+        shared_memory=smem)
+
+
+@lru_cache(maxsize=1024)
+def launch_kw(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
+    """(kernel, keyword arguments) of the attend launch, prepared once per signature."""
+    B, Hq, Lq, D = qshape
+    _, Hkv, L, _ = cshape
+    p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale)
+    return kernel(p.smem, p.bps), partials_kw(qshape, Hkv, p.ns, NW * 32, p.template)
