@@ -2,10 +2,10 @@
 tensor-core decode kernel (issue 18).
 
 attend_mma's scope (per-channel keys, per-token values) with up to 16 rows
-(rep * Lq) per kv head, one fp16 operand per product (no hi/lo pairs), scores
-laid out as the value mma's operand, and each warp streaming its own run of
-32-token stages through NST shared-memory buffers. Partials and the reduce are
-attend_mma's. Pure arithmetic here except `kernel`.
+(rep * Lq) per kv head: values and probabilities as single fp16 operands, q*s as
+an exact fp16 hi + lo, scores laid out as the value mma's operand, and each warp
+streaming its own run of 32-token stages through NST shared-memory buffers.
+Partials and the reduce are attend_mma's. Pure arithmetic here except `kernel`.
 """
 import math
 import os
