@@ -57,8 +57,12 @@ def merge_bytes(D: int, rows: int) -> int:
     return NW * (16 if rows > 8 else 8) * D * 4
 
 
-def static_bytes(D: int, rows: int) -> int:
-    return 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4
+def static_bytes(D: int, rows: int, qdtype) -> int:
+    """The kernel's static shared memory: each lane's q pairs (s_q), their float remainders
+    (s_qr: only float32 queries read them; ptxas drops them otherwise: 2,304 vs 4,352 bytes
+    at 32/8/128, nvcc_check --qtype), the warps' max / sum (s_m, s_l)."""
+    q_arrays = 2 if str(qdtype).endswith("float32") else 1
+    return q_arrays * 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4
 
 
 class TcPlan(NamedTuple):
@@ -69,13 +73,13 @@ class TcPlan(NamedTuple):
     template: tuple
 
 
-def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int):
+def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int, qdtype="float16"):
     """(blocks per SM, stages): up to 4 stages per warp for `bps` blocks per SM; fewer
     blocks when not even two fit."""
     (kb, gk, _), (vb, gv, _) = kspec, vspec
     st = stage_bytes(D, kb, gk, vb, gv)
     for b in range(max(1, bps), 0, -1):
-        room = min(SMEM_BLOCK_MAX, SMEM_PER_SM // b - 1024) - static_bytes(D, rows)
+        room = min(SMEM_BLOCK_MAX, SMEM_PER_SM // b - 1024) - static_bytes(D, rows, qdtype)
         nst = min(_STAGES or 4, room // (NW * st))
         if nst >= 2 and merge_bytes(D, rows) <= room:
             return b, nst
@@ -89,7 +93,7 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     consecutive stages, split between its warps."""
     (kb, gk, _), (vb, gv, _) = kspec, vspec
     rows = (Hq // Hkv) * Lq
-    bps, nst = stages_for(D, rows, kspec, vspec, blocks_per_sm(D, rows))
+    bps, nst = stages_for(D, rows, kspec, vspec, blocks_per_sm(D, rows), qdtype)
     if not nst:
         raise ValueError(f"attend_tc: no pipeline fits shared memory (D={D}, specs {kspec} {vspec})")
     smem = (max(NW * nst * stage_bytes(D, kb, gk, vb, gv), merge_bytes(D, rows)) + 127) // 128 * 128
