@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..paths import kernels_dir
 from .source import split_sections, strip as _strip
-from . import split, tc
+from . import dispatch, split, tc
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
@@ -255,14 +255,13 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
     B, Hq, Lq, D = qshape
     ksp, vsp = spec_fields(k_spec), spec_fields(v_spec)
-    which = "v1" if chunk or hides else (impl or default_impl(D, cshape[2]))
-    tensor_core = which != "v1" and not mma_supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp)
-    if which == "tc" and not tc.supported(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp):
+    which = dispatch.attend_impl(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp, impl, chunk, hides)
+    if which == "tc":
         attend, a_kw = tc.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
         la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
-    elif tensor_core and which == "mma":
+    elif which == "mma":
         la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
-    elif tensor_core and which == "split":  # same partials as attend_mma, same reduce
+    elif which == "split":  # same partials as attend_mma, same reduce
         attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
         la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
     else:

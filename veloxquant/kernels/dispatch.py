@@ -8,7 +8,7 @@ Everything else -- CPU, Metal, odd bit widths, long query blocks -- runs the
 reference, which answers the same contract.
 """
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -64,17 +64,14 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
     hit = _CHOICES.get(key) if key is not None else None
     if hit is not None:
         return hit
-    from . import cuda, tc  # imported late: only this path needs the kernel source
+    from . import cuda  # imported late: only this path needs the kernel source
     why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
     if why:
         res = ("reference", why)
     else:
         B, Hq, Lq, D = q.shape
-        L = k_enc["codes"].shape[2]
-        impl = cuda.default_impl(D, L)
-        scope = tc.supported if impl == "tc" else cuda.mma_supported
-        if impl != "v1" and scope(Hq, Lq, D, k_enc["codes"].shape[1], L, spec_fields(k_spec), spec_fields(v_spec)):
-            impl = "v1"
+        _, Hkv, L, _ = k_enc["codes"].shape
+        impl = attend_impl(Hq, Lq, D, Hkv, L, spec_fields(k_spec), spec_fields(v_spec))
         names = {"v1": "affine_attention.cu, CUDA-core attend", "mma": "affine_attention.cu, tensor-core attend_mma",
                  "split": "affine_attention.cu, pipelined tensor-core attend_split",
                  "tc": "tc_attention.cu, lean tensor-core attend_tc"}
@@ -85,6 +82,17 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
 
 
 _CHOICES: Dict[tuple, Tuple[str, str]] = {}
+
+
+def attend_impl(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple,
+                impl: Optional[str] = None, chunk: int = 0, hides: bool = False) -> str:
+    """The attend kernel a CUDA call runs (`cuda.launcher`, `explain`): `impl` or the default
+    (`cuda.default_impl`) where that kernel's scope takes the call, else v1 -- always v1 for
+    a chunk size or a hidden front, which only it takes."""
+    from . import cuda, tc
+    which = "v1" if chunk or hides else (impl or cuda.default_impl(D, L))
+    scope = tc.supported if which == "tc" else cuda.mma_supported  # split has attend_mma's scope
+    return "v1" if which == "v1" or scope(Hq, Lq, D, Hkv, L, kspec, vspec) else which
 
 
 def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
