@@ -28,7 +28,7 @@ _CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 _PARTIALS = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
 
 
-def _ATTEND_INPUTS(qtype: str) -> list:
+def _attend_inputs(qtype: str) -> list:
     """The attend kernels' inputs (v1 adds `lo`)."""
     return [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
             ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
@@ -58,7 +58,7 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     p = split.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
     template = [(n, str(v) if n == "T" else v) for n, v in p.template]
     return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)),
-                  _strip(sections()["attend_split"]), _ATTEND_INPUTS(qtype), _PARTIALS, template)
+                  _strip(sections()["attend_split"]), _attend_inputs(qtype), _PARTIALS, template)
 
 
 def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
@@ -68,7 +68,7 @@ def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     p = tc.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
     template = [(n, str(v) if n == "T" else v) for n, v in p.template]
     return render("custom_kernel_vq_affine_attend_tc", strip(tc.header(p.bps)), strip(tc.sections()["attend_tc"]),
-                  _ATTEND_INPUTS(qtype), _PARTIALS, template)
+                  _attend_inputs(qtype), _PARTIALS, template)
 
 
 def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
@@ -77,7 +77,7 @@ def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     from .geometry import plan
     p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
     return render("custom_kernel_vq_affine_attend", _strip(attend_header(D)), _strip(sections()["attend"]),
-                  _ATTEND_INPUTS(qtype) + [("lo", "int32_t")], _PARTIALS, list(p.template))
+                  _attend_inputs(qtype) + [("lo", "int32_t")], _PARTIALS, list(p.template))
 
 
 def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") -> str:
