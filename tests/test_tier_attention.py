@@ -205,7 +205,6 @@ def test_prefill_decodes_tiers_into_one_buffer(model, recipe, placed_dequant_on_
     assert float(mx.abs(placed - concatenated).max()) == 0.0
 
 
-
 def test_sliding_layers_leave_expired_tokens_out_by_count(fused_on_cpu, monkeypatch):
     """Gemma-3's sliding layers: expiry drops whole key groups, so up to a group of expired tokens
     stays at the coded tier's front. A decode step hands the kernel their count (`hidden`) instead
