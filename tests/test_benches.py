@@ -161,3 +161,23 @@ def test_peak_phases_prints_a_row_per_recipe(capsys):
     assert peak_phases.main(["fp16", "tova[slack=4]", "--tokens", "128"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 | " in out and "| tova[slack=4] | " in out and "first decode" in out
+
+
+def test_e2e_runs_a_recipe_under_a_named_kernel_and_restores_the_setting(capsys, monkeypatch):
+    import os
+
+    from veloxquant.bench import e2e
+    monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "mma")
+    assert e2e.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
+                     "--vocab", "300", "--dtype", "float32", "--recipes", "kivi,kivi@v1"]) == 0
+    out = capsys.readouterr().out
+    assert "| kivi |" in out and "| kivi@v1 |" in out
+    assert os.environ["VELOXQUANT_CUDA_IMPL"] == "mma"  # the process's own setting is back
+
+
+def test_launch_cost_builds_its_empty_kernels_where_cuda_is():
+    from veloxquant.bench import launch_cost
+    from veloxquant.kernels import backend
+    if backend() != "cuda":
+        return  # mx.fast.cuda_kernel exists only on the CUDA backend; the module must still import
+    assert launch_cost.empty_kernel("vq_lc_test", 3, 2, True, 2, 300)() is not None

@@ -141,9 +141,9 @@ def test_mma_kernel_scope_and_default():
     assert "rows" in cuda.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
     assert "per-channel" in cuda.mma_supported(8, 1, 128, 2, 512, (4, 32, "token"), (4, 32, "token"))
     os.environ.pop("VELOXQUANT_CUDA_IMPL", None)
-    assert cuda.default_impl(64, 32768) == "v1" and cuda.default_impl(128, 4096) == "v1"
-    assert cuda.default_impl(128, 32768) == ("mma" if cuda.MMA_VERIFIED else "v1")
-    assert cuda.default_impl(128, cuda.MMA_MIN_TOKENS - 1) == "v1"
+    assert cuda.fallback_impl(64, 32768) == "v1" and cuda.fallback_impl(128, 4096) == "v1"
+    assert cuda.fallback_impl(128, 32768) == ("mma" if cuda.MMA_VERIFIED else "v1")
+    assert cuda.fallback_impl(128, cuda.MMA_MIN_TOKENS - 1) == "v1"
 
 
 # ---------------------------------------------------------------- CUDA only
@@ -172,10 +172,19 @@ GPU_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, qdtype)
 ]
 
 
+def _kernel(impl, monkeypatch) -> str:
+    """The cuda impl to ask for: "tc" is attend_tc with its merge in the launch, "tc2" in a reduce launch."""
+    if impl in ("tc", "tc2"):
+        from veloxquant.kernels import tc
+        monkeypatch.setattr(tc, "_FOLD", "1" if impl == "tc" else "0")
+        return "tc"
+    return impl
+
+
 def _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs):
     from veloxquant.kernels import cuda, tc
     from veloxquant.kernels.reference import spec_fields
-    why = tc.supported if impl == "tc" else cuda.mma_supported if impl in ("mma", "split") else None
+    why = tc.supported if impl in ("tc", "tc2") else cuda.mma_supported if impl in ("mma", "split") else None
     if why and why(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
         pytest.skip(f"not a call the {impl} kernel takes")
 
@@ -190,19 +199,19 @@ def _record(name, err):
             f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc", "tc2"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
                          f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_cuda_kernel_matches_reference(case, impl):
+def test_cuda_kernel_matches_reference(case, impl, monkeypatch):
     from veloxquant.kernels import cuda
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
     _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     scale = D ** -0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
-    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl=impl)
+    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl=_kernel(impl, monkeypatch))
     key = (B, Hq, Hkv, Lq, D, L, str(ks), str(vs), str(qdt))
     if key not in _WANT:  # the CPU reference of the big cases is slow: once per case
         _WANT.clear()
@@ -216,7 +225,7 @@ def test_cuda_kernel_matches_reference(case, impl):
 @pytest.mark.parametrize("vgroup", [64, 128])
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
+def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup, monkeypatch):
     # A tier's storage is often a view into a longer buffer. With one kv head
     # the view stays row-contiguous (no copy) and starts at an offset that
     # breaks 16-byte (vgroup 64) or 4-byte (vgroup 128) alignment of the value
@@ -233,8 +242,8 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL
-    for impl in ("mma", "split", "tc"):
-        err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl=impl), want)
+    for impl in ("mma", "split", "tc", "tc2"):
+        err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl=_kernel(impl, monkeypatch)), want)
         _record(f"[{impl}] sliced views (V group {vgroup})", err)
         assert err <= TOL
 
@@ -266,13 +275,13 @@ TAIL_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, q dtype, [(W, cap), ...])
 ]
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc", "tc2"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-tail{c[9]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_cuda_reduce_folds_dense_tiers(case, impl):
-    """reduce_tail: the coded tier's partials plus exact attention over 16-bit
-    tiers (contiguous or strided views), written in q's dtype."""
+def test_cuda_reduce_folds_dense_tiers(case, impl, monkeypatch):
+    """reduce_tail (or attend_tc's tail blocks and merge, "tc"): the coded tier's partials plus
+    exact attention over 16-bit tiers (contiguous or strided views), written in q's dtype."""
     from veloxquant.kernels import cuda
     from veloxquant.runtime.attention import merge_partials
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
@@ -281,7 +290,8 @@ def test_cuda_reduce_folds_dense_tiers(case, impl):
     tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
     scale = D ** -0.5
     assert cuda.tail_unsupported(tuple(q.shape), tail) == ""
-    got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, impl=impl)(q, ke, ve, tail)
+    got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale,
+                        impl=_kernel(impl, monkeypatch))(q, ke, ve, tail)
     assert got.dtype == qdt and got.shape == q.shape
     k = mx.concatenate([k for k, _ in tail], axis=2)
     v = mx.concatenate([v for _, v in tail], axis=2)

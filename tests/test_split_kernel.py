@@ -167,15 +167,26 @@ def test_emulated_lanes_read_what_attend_mma_reads(case):
         assert sorted(steps) == list(range(L // 16))
 
 
-def test_split_is_the_default_nowhere_and_tc_from_128k(monkeypatch):
-    from veloxquant.kernels import cuda
+def test_tc_is_the_default_where_its_scope_takes_the_call_and_split_nowhere(monkeypatch):
+    from veloxquant.kernels import cuda, dispatch
     monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
+    kivi, tok = ((4, 32, "channel"), (4, 32, "token")), ((4, 32, "token"), (4, 32, "token"))
     chosen = {(D, L): cuda.default_impl(D, L) for D in (64, 128, 256) for L in (1024, 32768, 131072)}
-    assert "split" not in chosen.values()  # tc measured faster wherever split was the default
-    assert {k for k, v in chosen.items() if v == "tc"} == ({(128, 131072)} if cuda.TC_VERIFIED else set())
-    assert cuda.default_impl(128, 32768) == "mma"  # measured at least even with tc at 32k
+    assert set(chosen.values()) == ({"tc"} if cuda.TC_VERIFIED else {"mma", "v1"})
+    if cuda.TC_VERIFIED:
+        assert dispatch.attend_impl(32, 1, 128, 8, 32768, *kivi) == "tc"
+        assert dispatch.attend_impl(32, 1, 128, 8, 32768, *tok) == "v1"  # per-token keys: no tensor-core kernel
+        assert dispatch.attend_impl(4, 3, 256, 1, 4096, *kivi) == "v1"  # 12 rows at D = 256: tc refuses
+        assert dispatch.attend_impl(32, 8, 128, 8, 32768, *kivi) == "v1"  # 32 rows: tc and mma refuse
+        assert dispatch.attend_impl(32, 1, 128, 8, 32768, *kivi, hides=True) == "v1"
+        assert dispatch.attend_impl(32, 1, 128, 8, 32768, *kivi, impl="tc") == "tc"
+        # D = 256: tc by default only where it merges in its own launch (short tiers)
+        assert dispatch.attend_impl(4, 1, 256, 1, 2048, *kivi) == "tc"
+        assert dispatch.attend_impl(4, 1, 256, 1, 32768, *kivi) == "v1"
+        assert dispatch.attend_impl(4, 1, 256, 1, 32768, *kivi, impl="tc") == "tc"
     monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "split")
     assert cuda.default_impl(64, 4096) == "split"
+    assert dispatch.attend_impl(32, 1, 128, 8, 32768, *kivi) == "split"
 
 
 def test_nvcc_renders_the_split_kernel_as_mlx_would():

@@ -23,24 +23,31 @@
 //     added as the score accumulator's start value.
 
 //@@ tc_header
+// The copies below when the source is not 16-byte aligned (a sliced view): 4-byte
+// cp.async when 4-byte aligned, else plain 2-byte copies (visible after the
+// caller's __syncwarp). Out of line: the hot loop's code stays small.
+__device__ __noinline__ void vq_warp_rows_slow(unsigned char* dst, const unsigned char* src, int rows, int rb,
+                                               int ds, int lane) {
+  if ((rb % 4) == 0 && (reinterpret_cast<unsigned long long>(src) & 3ull) == 0) {
+    const int p = rb / 4;
+    for (int i = lane; i < rows * p; i += 32) vq_cp4(dst + (i / p) * ds + (i % p) * 4, src + (size_t)i * 4);
+  } else {
+    const int p = rb / 2;
+    for (int i = lane; i < rows * p; i += 32)
+      *reinterpret_cast<unsigned short*>(dst + (i / p) * ds + (i % p) * 2) =
+          *reinterpret_cast<const unsigned short*>(src + (size_t)i * 2);
+  }
+}
+
 // Rows of RB bytes, contiguous at src, into rows DS bytes apart in shared
-// memory, by the 32 lanes of one warp: 16-byte cp.async when the source is
-// 16-byte aligned, 4-byte when 4-byte aligned (a sliced view), else plain
-// 2-byte copies (visible after the caller's __syncwarp).
+// memory, by the 32 lanes of one warp: 16-byte cp.async when the source allows.
 template <int RB, int DS>
 __device__ __forceinline__ void vq_warp_rows(unsigned char* dst, const unsigned char* src, int rows, int lane) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(src);
-  if (RB % 16 == 0 && (a & 15ull) == 0) {
+  if (RB % 16 == 0 && (reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
     constexpr int P = RB / 16 > 0 ? RB / 16 : 1;
     for (int i = lane; i < rows * P; i += 32) vq_cp16(dst + (i / P) * DS + (i % P) * 16, src + (size_t)i * 16);
-  } else if (RB % 4 == 0 && (a & 3ull) == 0) {
-    constexpr int P = RB / 4 > 0 ? RB / 4 : 1;
-    for (int i = lane; i < rows * P; i += 32) vq_cp4(dst + (i / P) * DS + (i % P) * 4, src + (size_t)i * 4);
   } else {
-    constexpr int P = RB / 2;
-    for (int i = lane; i < rows * P; i += 32)
-      *reinterpret_cast<unsigned short*>(dst + (i / P) * DS + (i % P) * 2) =
-          *reinterpret_cast<const unsigned short*>(src + (size_t)i * 2);
+    vq_warp_rows_slow(dst, src, rows, RB, DS, lane);
   }
 }
 
@@ -50,8 +57,16 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
 }
 
 //@@ attend_tc
-  // template: T, D, ROWS, BK, GK, BV, GV, QSCALE, NW, NST, KRS, VRS (code rows' smem strides)
-  // grid (NS * NW * 32, B * Hkv); partials pm, pl [B*Hkv*ROWS, NS], pacc [.., NS, D].
+  // constants (tc_launch.py writes them first): T, D, ROWS, LQ, BK, GK, BV, GV, QSCALE, NW,
+  // NST, KRS, VRS (code rows' smem strides), NX (dense tail tiers); header: VQ_FOLD (merge
+  // in this launch: tc_fold.cu), VQ_NX, VQ_COUNTERS.
+  // inputs: q [B, Hq, LQ, D], codes / scales / zeros (any batch and head strides, a head's
+  // rows contiguous); VQ_FOLD: work (int32: VQ_COUNTERS counters, zero between launches,
+  // then the partials), after (unused: orders the launches sharing work); xk0, xv0 (, xk1,
+  // xv1): NX dense tail tiers, any strides.
+  // grid (NP * NW * 32, B * Hkv): NS code blocks, then the tail's blocks (32 tokens each).
+  // outputs: VQ_FOLD: out [B, Hq, LQ, D] (q's dtype with a tail, else float32), lse; else
+  // partials pm, pl [B*Hkv*ROWS, NP], pacc [.., NP, D].
   constexpr int ST = 32;                    // tokens per stage: two 16-token tiles
   constexpr bool HI = ROWS > 8;             // mma rows g + 8 hold real rows
   constexpr int RP = HI ? 16 : 8;
@@ -85,15 +100,36 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tig = lane % 4;
-  const int bh = blockIdx.y;
-  const int L = kc_shape[2];
-  const int NS = gridDim.x;
-  const int bx = blockIdx.x;
+  const int bh = blockIdx.y, bx = blockIdx.x;
+  const int HKV = kc_shape[1], L = kc_shape[2], bb = bh / HKV, hh = bh % HKV;
+#if VQ_NX > 1
+  const int W0 = xk0_shape[2], WT = W0 + xk1_shape[2];
+#elif VQ_NX > 0
+  const int W0 = xk0_shape[2], WT = W0;
+#else
+  const int WT = 0;
+#endif
+  const int NP = gridDim.x, NS = NP - (WT + 31) / 32;
+#if VQ_FOLD
+  const size_t NM = ((size_t)gridDim.y * ROWS * NP + 3) / 4 * 4;  // 16-byte aligned runs: the merge reads float4s
+  float* pm = reinterpret_cast<float*>(const_cast<int*>(work) + VQ_COUNTERS);
+  float* pl = pm + NM;
+  float* pacc = pl + NM;
+#endif
+  const T* qh = q + bb * q_strides[0] + hh * (ROWS / LQ) * q_strides[1];
+  // A head's code, scale and zero rows must be contiguous (a view cut along tokens is):
+  // otherwise the head's partials are NaN, never a silent misread.
+  const bool rows_ok = (kc_strides[3] == 1 && (L == 1 || kc_strides[2] == KRB / 4)) &&
+      (vc_strides[3] == 1 && (L == 1 || vc_strides[2] == VRB / 4)) &&
+      (ks_strides[3] == 1 && (ks_shape[2] == 1 || ks_strides[2] == D)) &&
+      (kz_strides[3] == 1 && (kz_shape[2] == 1 || kz_strides[2] == D)) &&
+      (vs_strides[3] == 1 && (L == 1 || vs_strides[2] == NGV)) && (vz_strides[3] == 1 && (L == 1 || vz_strides[2] == NGV));
+  if (bx < NS) {
   const int nst = (L + ST - 1) / ST;
   const int spb = (nst + NS - 1) / NS;
   const int b0 = bx * spb, b1 = min(b0 + spb, nst);
   const int spw = (b1 - b0 + NW - 1) / NW;
-  const int s0 = min(b0 + warp * spw, b1), s1 = min(s0 + spw, b1);
+  const int s0 = min(b0 + warp * spw, b1), s1 = rows_ok ? min(s0 + spw, b1) : s0;
 
   // q pairs in this lane's channel order (the A operand's columns = the key
   // block's pairs): pair P of block tig = channels (cA, cA + KPP).
@@ -106,8 +142,9 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
         const int ca = tig * (D / 4) + (P / KPP) * 2 * KPP + P % KPP;
         float xa = 0.0f, xb = 0.0f;
         if (r < ROWS) {
-          xa = vq_g(q[((size_t)bh * ROWS + r) * D + ca]);
-          xb = vq_g(q[((size_t)bh * ROWS + r) * D + ca + KPP]);
+          const T* qr = qh + (r / LQ) * q_strides[1] + (r % LQ) * q_strides[2];
+          xa = vq_g(qr[ca * q_strides[3]]);
+          xb = vq_g(qr[(ca + KPP) * q_strides[3]]);
         }
         const __half2 hq = __floats2half2_rn(xa, xb);
         const float2 f = __half22float2(hq);
@@ -119,12 +156,10 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
   __syncthreads();
 
   unsigned char* wbuf = smem + warp * NST * SB;
-  const unsigned char* kcb = reinterpret_cast<const unsigned char*>(kc) + (size_t)bh * L * KRB;
-  const unsigned char* vcb = reinterpret_cast<const unsigned char*>(vc) + (size_t)bh * L * VRB;
-  const unsigned char* ksb = reinterpret_cast<const unsigned char*>(ks) + (size_t)bh * (L / GK) * D * 2;
-  const unsigned char* kzb = reinterpret_cast<const unsigned char*>(kz) + (size_t)bh * (L / GK) * D * 2;
-  const unsigned char* vsb = reinterpret_cast<const unsigned char*>(vs) + (size_t)bh * L * NGV * 2;
-  const unsigned char* vzb = reinterpret_cast<const unsigned char*>(vz) + (size_t)bh * L * NGV * 2;
+#define VQ_HEAD(x) reinterpret_cast<const unsigned char*>(x + bb * x##_strides[0] + hh * x##_strides[1])
+  const unsigned char *kcb = VQ_HEAD(kc), *vcb = VQ_HEAD(vc), *ksb = VQ_HEAD(ks), *kzb = VQ_HEAD(kz);
+  const unsigned char *vsb = VQ_HEAD(vs), *vzb = VQ_HEAD(vz);
+#undef VQ_HEAD
 
   auto issue = [&](int st, int slot) {
     unsigned char* b = wbuf + slot * SB;
@@ -138,7 +173,7 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
     vq_warp_rows<16, 16>(b + O_VS, vsb + (size_t)t0 * NGV * 2, nt * NGV * 2 / 16, lane);
     vq_warp_rows<16, 16>(b + O_VZ, vzb + (size_t)t0 * NGV * 2, nt * NGV * 2 / 16, lane);
   };
-#pragma unroll
+#pragma unroll 1
   for (int i = 0; i < NST - 1; ++i) {
     if (s0 + i < s1) issue(s0 + i, i);
     vq_commit();
@@ -207,25 +242,29 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
         bias[1] = bz[2];
       }
 
-      // Scores (rows g, g+8) x (tokens 2tig, 2tig+1) of n-tile n = tokens 8n + [0, 8).
-      float sc[2][4];
+      // Scores (rows g, g+8) x (tokens 2tig, 2tig+1) of n-tile n = tokens 8n + [0, 8),
+      // in two accumulators per n-tile (sc, sc2): four dependent mma chains, not two.
+      float sc[2][4], sc2[2][4];
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         unsigned int kw[KWN];
         vq_ld<KBB>(kw, b + (tl * 16 + 8 * n + g) * KRS + tig * KBB);
         sc[n][0] = sc[n][1] = bias[0];
         sc[n][2] = sc[n][3] = HI ? bias[1] : 0.0f;
+        sc2[n][0] = sc2[n][1] = sc2[n][2] = sc2[n][3] = 0.0f;
 #pragma unroll
         for (int ks_ = 0; ks_ < D / 16; ++ks_) {
           const int Pa = 2 * ks_, Pb = 2 * ks_ + 1;
           const unsigned int k0 = vq_pair<BK>(kw[Pa / KPP], Pa % KPP), k1 = vq_pair<BK>(kw[Pb / KPP], Pb % KPP);
           if constexpr (HI) {
             vq_mma(sc[n], qs[0][Pa], qs[1][Pa], qs[0][Pb], qs[1][Pb], k0, k1);
-            vq_mma(sc[n], ql[0][Pa], ql[1][Pa], ql[0][Pb], ql[1][Pb], k0, k1);
+            vq_mma(sc2[n], ql[0][Pa], ql[1][Pa], ql[0][Pb], ql[1][Pb], k0, k1);
           } else {
-            vq_mma(sc[n], qs[0][Pa], ql[0][Pa], qs[0][Pb], ql[0][Pb], k0, k1);
+            vq_mma((ks_ & 1) ? sc2[n] : sc[n], qs[0][Pa], ql[0][Pa], qs[0][Pb], ql[0][Pb], k0, k1);
           }
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[n][i] += sc2[n][i];
       }
       // Online softmax per row, lazily rescaled (only when a max grows by > 2^8).
       unsigned int pb[2][2];  // P^T operand: (tokens 2tig, 2tig+1) and (+8, +9) of rows g, g+8
@@ -344,10 +383,31 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
       a += f * s_acc[((size_t)w * RP + r) * D + d];
       l += f * s_l[w][r];
     }
-    const size_t o = ((size_t)bh * ROWS + r) * NS + bx;
-    pacc[o * D + d] = a;
+    const size_t o = ((size_t)bh * ROWS + r) * NP + bx;
+    pacc[o * D + d] = rows_ok ? a : __int_as_float(0x7fc00000);
     if (d == 0) {
       pm[o] = M;
-      pl[o] = l;
+      pl[o] = rows_ok ? l : __int_as_float(0x7fc00000);
     }
   }
+  }
+#if VQ_NX > 0
+  else {  // a block of the dense tail (tc_fold.cu); tier 1 stands in for tier 0 when absent
+#if VQ_NX > 1
+    const auto *k1 = xk1, *v1 = xv1;
+    const auto &k1s = xk1_strides, &v1s = xv1_strides;
+#else
+    const auto *k1 = xk0, *v1 = xv0;
+    const auto &k1s = xk0_strides, &v1s = xv0_strides;
+#endif
+    vq_tail_partial<D, ROWS, LQ, NW, 32>(
+        reinterpret_cast<float*>(smem), qh, q_strides[1], q_strides[2], q_strides[3],
+        xk0 + bb * xk0_strides[0] + hh * xk0_strides[1], xv0 + bb * xv0_strides[0] + hh * xv0_strides[1],
+        xk0_strides[2], xk0_strides[3], xv0_strides[2], xv0_strides[3], W0,
+        k1 + bb * k1s[0] + hh * k1s[1], v1 + bb * v1s[0] + hh * v1s[1], k1s[2], k1s[3], v1s[2], v1s[3], WT,
+        (bx - NS) * 32, __int_as_float(QSCALE), pm, pl, pacc, (size_t)bh * ROWS * NP + bx, NP);
+  }
+#endif
+#if VQ_FOLD
+  vq_fold<D, ROWS, NW>(reinterpret_cast<float*>(smem), work, bh, NP, pm, pl, pacc, out, lse);
+#endif

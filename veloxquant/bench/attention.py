@@ -10,6 +10,7 @@ Times, per (head shape, sequence length, bits):
              the default attend kernel, cuda.default_impl / VELOXQUANT_CUDA_IMPL)
   fused-v1, fused-mma, fused-split, fused-tc   one attend kernel explicitly (A/B rows;
              not in the default list; split = attend_split, tc = attend_tc, issue 18)
+  fused-tc1, fused-tc2   attend_tc with its merge in the launch / in a reduce launch
 and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
 and each method's peak transient memory.
@@ -108,8 +109,15 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                                                                         impl="split"), coded)
         methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"),
                                coded)
+        from veloxquant.kernels import tc, tc_launch
+        from veloxquant.kernels.reference import spec_fields
+        shape = (tuple(q.shape), q.dtype, tuple(ke["codes"].shape), spec_fields(kspec), spec_fields(vspec), scale)
+        for name, fold in (("fused-tc1", True), ("fused-tc2", False)):
+            methods[name] = (lambda run=tc_launch.launcher(*shape, fold=fold): run(q, ke, ve), coded) \
+                if not tc.supported(q.shape[1], q.shape[2], q.shape[3], *shape[2][1:3], *shape[3:5]) \
+                else (None, "n/a (tc scope)")
     else:
-        for name in ("fused", "fused-v1", "fused-mma", "fused-split", "fused-tc"):
+        for name in ("fused", "fused-v1", "fused-mma", "fused-split", "fused-tc", "fused-tc1", "fused-tc2"):
             methods[name] = (None, "n/a (no CUDA)")
     return methods
 
@@ -171,7 +179,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
-                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split, fused-tc")
+                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split, fused-tc, "
+                   "fused-tc1 / fused-tc2 (attend_tc in one launch / two)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")
     p.add_argument("--rounds", type=int, default=1,

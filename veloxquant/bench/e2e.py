@@ -11,8 +11,11 @@ With `--repeat N` every row runs N times, interleaved (a busy machine drifts
 between rows; each round starts at the next row), and the table gives each row's
 median with its range (peak: the highest), and the median over rounds of its
 decode tok/s divided by KVCache's in the same round (drift between rounds cancels).
+A recipe written `kivi@tc` runs with that CUDA attend kernel (VELOXQUANT_CUDA_IMPL
+while the row runs): A/B rows of one recipe in one process.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -100,18 +103,26 @@ def main(argv=None) -> int:
     print("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | peak memory GiB | cache MiB |")
     print("|---|---|---|---|---|---|")
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
-    rows += [(r, lambda r=r: make_prompt_cache(model, r)) for r in args.recipes.split(",") if r]
-    for _, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
-        measure(model, prompt, make(), args.decode)
-        uninstall(model)
+    rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
+
+    env = "VELOXQUANT_CUDA_IMPL"
+    default = os.environ.get(env)
+
+    def run(label, make):
+        impl = label.split("@")[1] if "@" in label else default
+        os.environ.pop(env, None) if impl is None else os.environ.update({env: impl})
+        try:
+            return measure(model, prompt, make(), args.decode)
+        finally:
+            os.environ.pop(env, None) if default is None else os.environ.update({env: default})
+            uninstall(model)
+    for label, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
+        run(label, make)
     runs = {label: [] for label, _ in rows}
     for i in range(args.repeat):
         # Each round starts at another row: no row always follows the same one (allocator, clocks).
         for label, make in rows[i % len(rows):] + rows[:i % len(rows)]:
-            cache = make()
-            runs[label].append(measure(model, prompt, cache, args.decode))
-            del cache
-            uninstall(model)
+            runs[label].append(run(label, make))
     base = runs["mlx-lm KVCache"]
     for label, got in runs.items():
         pre, dec = (statistics.median(r[i] for r in got) for i in range(2))

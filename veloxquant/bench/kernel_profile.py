@@ -1,10 +1,13 @@
-"""`python -m veloxquant.bench.kernel_profile wall|ncu SEQS BITS IMPLS`: the attend kernels'
+"""`python -m veloxquant.bench.kernel_profile wall|host|ncu SEQS BITS IMPLS`: the attend kernels'
 per-call cost split into launches, beside the host floor, and an ncu target.
 
     wall  32 calls per evaluation, medians of 5 interleaved rounds, microseconds per
           call: fp16 SDPA, each attend kernel with its reduce (IMPL) and alone
-          (IMPL-attend), an empty mx.fast.cuda_kernel and a built-in add (the floor
-          of one launch). 32/8/128, group 32, 4 K/V copies cycled.
+          (IMPL-attend), an empty mx.fast.cuda_kernel (also with attend_tc's 12 kB
+          header: MLX assembles a kernel's text every call) and a built-in add (the
+          floor of one launch). 32/8/128, group 32, 4 K/V copies cycled.
+    host  the same methods: microseconds per call of building the graph alone (no evaluation
+          inside the clock), medians of 5 rounds of 64 calls.
     ncu   each method three times between cudaProfilerStart/Stop (CUDART names
           libcudart), for `ncu --profile-from-start off ...` (docs/kernels.md).
 
@@ -14,11 +17,12 @@ import ctypes
 import os
 import statistics
 import sys
+import time
 
 import mlx.core as mx
 
 from veloxquant.bench.attention import timeit
-from veloxquant.kernels import cuda, split, tc
+from veloxquant.kernels import cuda, split, tc, tc_launch
 from veloxquant.stages.store import Affine
 
 Hq, Hkv, D, G = 32, 8, 128, 32
@@ -50,15 +54,27 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
     for impl in impls:
         run = cuda.launcher(*shape[:3], ks, vs, scale, impl=impl)
         out[impl] = cycler([lambda ke=ke, ve=ve, run=run: run(q, ke, ve) for _, _, ke, ve in sets])
-        if impl == "mma":
-            la = cuda._launch_mma(*shape)
-            att, kw = la.attend, la.a_kw
+        if impl == "tc":
+            att = tc_launch.partials(*shape)
         else:
-            att, kw = (tc if impl == "tc" else split).launch_kw(*shape)
-        out[impl + "-attend"] = cycler([lambda ke=ke, ve=ve, att=att, kw=kw: att(
-            inputs=[q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]], **kw)
+            la = cuda._launch_mma(*shape) if impl == "mma" else None
+            a, kw = (la.attend, la.a_kw) if la else split.launch_kw(*shape)
+            att = lambda inputs, a=a, kw=kw: a(inputs=inputs, **kw)  # noqa: E731
+        out[impl + "-attend"] = cycler([lambda ke=ke, ve=ve, att=att: att(
+            [q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]])
             for _, _, ke, ve in sets])
     return out
+
+
+def host_us(f, calls: int = 64) -> float:
+    """Microseconds per call of building the graph alone (the calls are evaluated after the clock stops)."""
+    outs = []
+    t = time.perf_counter()
+    for _ in range(calls):
+        outs.append(f())
+    us = (time.perf_counter() - t) / calls * 1e6
+    mx.eval(outs)
+    return us
 
 
 def main(argv=None) -> int:
@@ -70,22 +86,27 @@ def main(argv=None) -> int:
     a, b = mx.ones((16,)), mx.ones((16,))
     mx.eval(a, b)
     empty = mx.fast.cuda_kernel(name="vq_empty", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
-    floor = {"empty-kernel": lambda: empty(inputs=[a], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
-                                           output_dtypes=[mx.float32])[0],
+    # the same with attend_tc's header: MLX assembles a kernel's whole text on every call
+    from veloxquant.kernels.source import strip
+    big = mx.fast.cuda_kernel(name="vq_empty_big", input_names=["a"], output_names=["o"], source="o[0] = a[0];",
+                              header=strip(tc.header(3, True, 1)))
+    kw = dict(grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
+    floor = {"empty-kernel": lambda: empty(inputs=[a], **kw)[0],
+             f"empty-kernel-{len(strip(tc.header(3, True, 1))) // 1000}kB-header": lambda: big(inputs=[a], **kw)[0],
              "add": lambda: a + b}
     print("device", mx.default_device(), mx.__version__)
     rt = ctypes.CDLL(os.environ["CUDART"]) if mode == "ncu" else None
     for S in seqs:
         for bits in bits_list:
             ms = methods(S, bits, 4 if mode == "wall" else 2, impls)
-            if mode == "wall":
+            if mode in ("wall", "host"):
                 ms.update(floor)
                 res = {n: [] for n in ms}
                 for _ in range(5):
                     for n, f in ms.items():
-                        res[n].append(timeit(f, 2, 10, 32))
-                print(f"S={S} bits={bits} | " + " | ".join(f"{n} {statistics.median(v):.1f}" for n, v in res.items()),
-                      flush=True)
+                        res[n].append(timeit(f, 2, 10, 32) if mode == "wall" else host_us(f))
+                print(f"{mode} S={S} bits={bits} | " + " | ".join(f"{n} {statistics.median(v):.1f}"
+                                                                 for n, v in res.items()), flush=True)
                 continue
             for f in ms.values():
                 mx.eval(f())

@@ -1,8 +1,7 @@
-"""Binding of kernels/cuda/affine_attention.cu (and tc_attention.cu) through `mx.fast.cuda_kernel`.
-
-Two launches per call: an attend kernel (see `default_impl`) writing one max/sum/accumulator
-partial per block along the sequence, and `reduce` (exact merge of the partials).
-See kernels/CONTRACT.md for the contract and the format.
+"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`, and the choice
+of attend kernel (attend_tc: tc_launch.py). An attend kernel writes one max/sum/accumulator
+partial per block along the sequence and `reduce` merges them (attend_tc in its own launch
+where it can). Contract and format: kernels/CONTRACT.md.
 """
 import math
 import os
@@ -13,7 +12,7 @@ import mlx.core as mx
 
 from ..paths import kernels_dir
 from .source import split_sections, strip as _strip
-from . import dispatch, split, tc
+from . import dispatch, split, tc, tc_launch
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
@@ -22,16 +21,10 @@ SOURCE = "cuda/affine_attention.cu"
 TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# The attend kernels share the contract and the reduce:
-#   "mma" -- tensor-core kernel (section attend_mma): per-channel keys,
-#            per-token values (KIVI), rows = rep * Lq <= 4;
-#   "v1"  -- the CUDA-core kernel (section attend): every supported call.
-# MMA_VERIFIED: tests/test_kernels.py passed with the mma kernel on an NVIDIA
-# H200 (mlx 0.32.4; 41 passed, mma worst 4.8e-5, docs/kernels.md). It is the
-# default only at D = 128 from 16k tokens: at 32/8/128 2-bit it measured 41.3 vs 40.3 us
-# per call at 16k and 42.1 vs 45.1 at 32k, and a 32k-context kivi decode (tier from
-# ~32.7k tokens) ran at 562.6 instead of 381.5 tok/s (docs/kernels.md); at 4k and for
-# 9/3/64 it measured slower, D = 256 was not timed. VELOXQUANT_CUDA_IMPL overrides it.
+# "mma" (section attend_mma): per-channel keys, per-token values, rows = rep * Lq <= 4;
+# "v1" (section attend): every supported call. MMA_VERIFIED: tests/test_kernels.py passed
+# on an NVIDIA H200 (mlx 0.32.4). Where attend_tc is not taken, mma from 16k tokens at
+# D = 128 (32/8/128 2-bit: 41.3 vs 40.3 us at 16k, 42.1 vs 45.1 at 32k; docs/kernels.md).
 MMA_VERIFIED = True
 MMA_MIN_TOKENS = 16384  # default_impl: from here mma measured at least even with v1
 MMA_WARPS = 4  # warps per attend_mma block
@@ -41,21 +34,27 @@ _IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
 # arithmetic behind a cp.async pipeline; parity passed on an NVIDIA H200 (68 passed).
 # Default nowhere since "tc" measured faster wherever split was (32/8/128 at 128k).
 SPLIT_VERIFIED = True
-# "tc" (kernels/cuda/tc_attention.cu, module tc.py, issue 18): lean tensor-core kernel,
-# rows <= 16. TC_VERIFIED: its parity tests passed on an NVIDIA H200 (mlx 0.32.4;
-# docs/kernels.md). Default from 128k tokens at D = 128, where it measured fastest
-# (4-bit 81.9 vs attend_mma 101.5 us per call, 2-bit 80.0 vs 77.4; split 89.7 / 88.8).
+# "tc" (kernels/cuda/tc_attention.cu + tc_fold.cu, modules tc.py / tc_launch.py, issue 18):
+# lean tensor-core kernel, rows <= 16, one launch where the merge is small (tc.folds).
+# TC_VERIFIED: its parity tests passed on an NVIDIA H200 (mlx 0.32.4; docs/kernels.md).
+# Default wherever its scope takes the call, but at D = 256 only in one launch: per call it
+# measured at or below attend_mma and v1 at 4k, 16k, 32k and 128k on 32/8/128, 9/3/64 and
+# 4/1/256 but one row (4/1/256 at 16k, two launches: 60.0 vs v1's 54.0 us), and a Gemma-3-
+# shaped decode at 8k (two launches) ran 0.821x KVCache against v1's 0.885x (docs/kernels.md).
 TC_VERIFIED = True
-TC_MIN_TOKENS = 131072
 
 
 def default_impl(D: int = 0, L: int = 0) -> str:
-    """The attend kernel a call of head_dim D over L tokens gets by default."""
+    """The attend kernel a call of head_dim D over L tokens asks for first (its scope may
+    refuse: `fallback_impl`)."""
     forced = os.environ.get(_IMPL_ENV, "").lower()
     if forced in ("mma", "v1", "split", "tc"):
         return forced
-    if TC_VERIFIED and D == 128 and L >= TC_MIN_TOKENS:
-        return "tc"
+    return "tc" if TC_VERIFIED else fallback_impl(D, L)
+
+
+def fallback_impl(D: int, L: int) -> str:
+    """The default where attend_tc's scope refuses the call."""
     return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
 
 
@@ -175,8 +174,6 @@ class _Launch(NamedTuple):
     """Everything one call needs, prepared once per (shapes, specs, scale)."""
     attend: object
     a_kw: dict
-    reduce: object
-    r_kw: dict
     scale: float
     hides: bool = False  # the attend kernel takes `lo` (tokens hidden at the tier's front): v1
 
@@ -190,6 +187,7 @@ def _tail_kw(qshape: tuple, qdtype, tdtype, nx: int, hkv: int, scale: float) -> 
                 output_shapes=[qshape, (B * Hq * Lq,)], output_dtypes=[qdtype, mx.float32])
 
 
+@lru_cache(maxsize=256)
 def _reduce_kw(qshape: tuple) -> dict:
     """The reduce launch after either attend kernel: (out, lse) in float32 for every row."""
     B, Hq, Lq, D = qshape
@@ -207,7 +205,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
     f32 = mx.float32
     a_kw = dict(template=list(p.template), grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
                 output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
-    return _Launch(_attend_kernel(p.smem, D), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale, True)
+    return _Launch(_attend_kernel(p.smem, D), a_kw, scale, True)
 
 
 @lru_cache(maxsize=None)
@@ -244,7 +242,7 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
                 ("PF", mma_prefetch(D, kb, vb))]
     a_kw = dict(template=template, grid=(ns * nt, B * Hkv, 1), threadgroup=(nt, 1, 1),
                 output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
-    return _Launch(_mma_kernel(), a_kw, _reduce_kernel(), _reduce_kw(qshape), scale)
+    return _Launch(_mma_kernel(), a_kw, scale)
 
 
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
@@ -255,15 +253,14 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
     the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
     B, Hq, Lq, D = qshape
     ksp, vsp = spec_fields(k_spec), spec_fields(v_spec)
-    which = dispatch.attend_impl(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp, impl, chunk, hides)
-    if which == "tc":
-        attend, a_kw = tc.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
-        la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
-    elif which == "mma":
+    which = dispatch.attend_impl(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp, impl, chunk, hides, B)
+    if which == "tc":  # one launch where it can (tc.py)
+        return tc_launch.launcher(qshape, qdtype, cshape, ksp, vsp, float(scale))
+    if which == "mma":
         la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
     elif which == "split":  # same partials as attend_mma, same reduce
         attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
-        la = _Launch(attend, a_kw, _reduce_kernel(), _reduce_kw(qshape), float(scale))
+        la = _Launch(attend, a_kw, float(scale))
     else:
         la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
@@ -277,22 +274,25 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
         elif hidden:
             raise ValueError("this launch plan cannot hide tokens: build it with hides=True")
         pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
-        if not tail:
-            return tuple(la.reduce(inputs=[pm, pl, pacc], **la.r_kw))
-        (k0, v0), (k1, v1) = tail[0], tail[-1]
-        kw = _tail_kw(qshape, qdtype, k0.dtype, len(tail), k0.shape[1], la.scale)
-        return _reduce_tail_kernel()(inputs=[pm, pl, pacc, q, k0, v0, k1, v1], **kw)[0]
+        return merge(pm, pl, pacc, q, qshape, qdtype, la.scale, tail)
     return run
+
+
+def merge(pm, pl, pacc, q, qshape: tuple, qdtype, scale: float, tail=None):
+    """The reduce launch over an attend launch's partials: (out f32, lse), or with
+    `tail` (reduce_tail) the final output in q's dtype."""
+    if not tail:
+        return tuple(_reduce_kernel()(inputs=[pm, pl, pacc], **_reduce_kw(qshape)))
+    (k0, v0), (k1, v1) = tail[0], tail[-1]
+    kw = _tail_kw(qshape, qdtype, k0.dtype, len(tail), k0.shape[1], scale)
+    return _reduce_tail_kernel()(inputs=[pm, pl, pacc, q, k0, v0, k1, v1], **kw)[0]
 
 
 def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
                              k_spec: Spec, v_spec: Spec, scale: float,
                              chunk: Optional[int] = None, impl: Optional[str] = None,
                              hidden: int = 0) -> Tuple[mx.array, mx.array]:
-    """The fused kernel. Same contract as reference.affine_partial_attention; the
-    caller (dispatch) has checked `unsupported(...) == ''`. Two launches, no
-    other op: inputs go in as they are (4-D, row-contiguous), outputs come out
-    in their final shapes. The launch parameters are prepared once per
-    (shapes, specs, scale) (`_launch`)."""
+    """The fused kernel, contract of reference.affine_partial_attention (the caller checked
+    `unsupported(...) == ''`): one or two launches and no other op (`launcher`)."""
     return launcher(tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
                     impl, chunk or 0, hides=hidden > 0)(q, k_enc, v_enc, hidden=hidden)

@@ -71,7 +71,7 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
     else:
         B, Hq, Lq, D = q.shape
         _, Hkv, L, _ = k_enc["codes"].shape
-        impl = attend_impl(Hq, Lq, D, Hkv, L, spec_fields(k_spec), spec_fields(v_spec))
+        impl = attend_impl(Hq, Lq, D, Hkv, L, spec_fields(k_spec), spec_fields(v_spec), B=B)
         names = {"v1": "affine_attention.cu, CUDA-core attend", "mma": "affine_attention.cu, tensor-core attend_mma",
                  "split": "affine_attention.cu, pipelined tensor-core attend_split",
                  "tc": "tc_attention.cu, lean tensor-core attend_tc"}
@@ -85,14 +85,21 @@ _CHOICES: Dict[tuple, Tuple[str, str]] = {}
 
 
 def attend_impl(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple,
-                impl: Optional[str] = None, chunk: int = 0, hides: bool = False) -> str:
+                impl: Optional[str] = None, chunk: int = 0, hides: bool = False, B: int = 1) -> str:
     """The attend kernel a CUDA call runs (`cuda.launcher`, `explain`): `impl` or the default
-    (`cuda.default_impl`) where that kernel's scope takes the call, else v1 -- always v1 for
-    a chunk size or a hidden front, which only it takes."""
+    (`cuda.default_impl`) where that kernel's scope takes the call, else the fallback
+    default (`cuda.fallback_impl`) when attend_tc was the default, else v1 -- always v1 for a
+    chunk size or a hidden front, which only it takes."""
     from . import cuda, tc
     which = "v1" if chunk or hides else (impl or cuda.default_impl(D, L))
-    scope = tc.supported if which == "tc" else cuda.mma_supported  # split has attend_mma's scope
-    return "v1" if which == "v1" or scope(Hq, Lq, D, Hkv, L, kspec, vspec) else which
+    chosen = impl is not None or bool(os.environ.get(cuda._IMPL_ENV))
+    if which == "tc" and (tc.supported(Hq, Lq, D, Hkv, L, kspec, vspec)
+                          or not chosen and D > 128 and not tc.folds_call(B, Hq, Lq, D, Hkv, L, kspec, vspec)):
+        # D = 256 in two launches measured slower than v1 (Gemma-3's shapes: docs/kernels.md)
+        which = "v1" if chosen else cuda.fallback_impl(D, L)
+    if which in ("mma", "split") and cuda.mma_supported(Hq, Lq, D, Hkv, L, kspec, vspec):
+        which = "v1"  # split has attend_mma's scope
+    return which
 
 
 def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],

@@ -21,7 +21,7 @@ _STANDIN = """#include <cuda_fp16.h>
 #include <cooperative_groups.h>
 namespace mlx::core::cu {
 using Shape = cuda::std::array<int, 8>;
-using Strides = cuda::std::array<long long, 8>;
+using Strides = cuda::std::array<int64_t, 8>;
 }
 """
 _CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -61,14 +61,20 @@ def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
                   _strip(sections()["attend_split"]), _attend_inputs(qtype), _PARTIALS, template)
 
 
-def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
-    """attend_tc's translation unit (kernels/cuda/tc_attention.cu), as MLX would build it."""
-    from . import tc
+def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, nx: int = 1) -> str:
+    """attend_tc's translation unit (kernels/cuda/tc_attention.cu + tc_fold.cu) as tc_launch builds it."""
+    import mlx.core as mx
+
+    from . import tc, tc_launch
     from .source import strip
-    p = tc.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
-    template = [(n, str(v) if n == "T" else v) for n, v in p.template]
-    return render("custom_kernel_vq_affine_attend_tc", strip(tc.header(p.bps)), strip(tc.sections()["attend_tc"]),
-                  _attend_inputs(qtype), _PARTIALS, template)
+    qd = getattr(mx, qtype)
+    p = tc.plan(B, Hq, Lq, D, Hkv, L, qd, kspec, vspec, D ** -0.5)
+    x = _CTYPES[qtype]
+    inputs = _attend_inputs(qtype) + ([("work", "int32_t"), ("after", "float")] if fold else []) \
+        + [(n, x) for n in tc_launch.TAIL[:2 * nx]]
+    outputs = [("out", x if nx else "float"), ("lse", "float")] if fold else _PARTIALS
+    body = tc_launch.constants(p.template + (("NX", nx),)) + strip(tc.sections()["attend_tc"])
+    return render("custom_kernel_vq_tc", strip(tc.header(p.bps, bool(fold), nx)), body, inputs, outputs, [])
 
 
 def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:

@@ -1,4 +1,5 @@
 """Kernel source files: sections on '//@@ name' lines, and the text MLX is handed."""
+import re
 from typing import Dict
 
 
@@ -16,12 +17,16 @@ def split_sections(text: str) -> Dict[str, str]:
 
 
 def strip(src: str) -> str:
-    """The source without comment lines and blank lines: MLX rebuilds the full
-    kernel text on every call (graph construction), so shorter is cheaper."""
+    """The source without comments, indentation and blank lines: MLX rebuilds and
+    hashes the full kernel text on every call, so shorter is cheaper (26 kB of text
+    measured ~9 us per call on the H200, docs/kernels.md). Kernels hold no string
+    literals, so '//' always starts a comment."""
     out = []
     for line in src.splitlines():
-        t = line.strip()
-        if not t or t.startswith("//"):
-            continue
-        out.append(line)
+        t = _COMMENT.sub("", line).strip()
+        if t and not t.startswith("//"):
+            out.append(t)
     return "\n".join(out) + "\n"
+
+
+_COMMENT = re.compile(r"\s*//.*$")

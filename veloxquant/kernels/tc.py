@@ -5,7 +5,10 @@ attend_mma's scope (per-channel keys, per-token values) with up to 16 rows
 (rep * Lq) per kv head: values and probabilities as single fp16 operands, q*s as
 an exact fp16 hi + lo, scores laid out as the value mma's operand, and each warp
 streaming its own run of 32-token stages through NST shared-memory buffers.
-Partials and the reduce are attend_mma's. Pure arithmetic here except `kernel`.
+One launch per call where the merge is small enough (`folds`): the dense tail's
+blocks and the reduce run in the attend launch (kernels/cuda/tc_fold.cu); else
+partials and the reduce / reduce_tail launch as attend_mma's. Arithmetic here;
+the launches in tc_launch.py.
 """
 import math
 import os
@@ -13,7 +16,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from .geometry import SM_COUNT, float_bits
-from .split import partials_kw, row_strides
+from .split import row_strides
 
 NW = 4  # warps per block
 ST = 32  # tokens per stage
@@ -25,6 +28,14 @@ MAX_ROWS = 16
 # register cap; ptxas -v). VELOXQUANT_TC_BLOCKS_PER_SM overrides (benchmarks).
 _BLOCKS_PER_SM = int(os.environ.get("VELOXQUANT_TC_BLOCKS_PER_SM", "0") or 0)
 _STAGES = int(os.environ.get("VELOXQUANT_TC_STAGES", "0") or 0)
+TAIL_TOKENS = 32  # dense tail tokens per tail block (the kernel's warp width)
+TAIL_BLOCKS_MAX = 16  # 512 tail tokens: cuda.TAIL_MAX
+# The head's last block merges rows x blocks partials of D floats: one SM reading them
+# all through L2. Above this many bytes per head, the merge is its own launch (the reduce,
+# one block per row and 32 channels). VELOXQUANT_TC_FOLD=0 / 1 forces (benchmarks).
+FOLD_MAX_BYTES = 256 * 1024
+COUNTERS = 4096  # kv heads (B * Hkv) one folded launch can count
+_FOLD = os.environ.get("VELOXQUANT_TC_FOLD", "")
 
 
 def blocks_per_sm(D: int, rows: int) -> int:
@@ -57,23 +68,52 @@ def merge_bytes(D: int, rows: int) -> int:
     return NW * (16 if rows > 8 else 8) * D * 4
 
 
+def tail_bytes(D: int, rows: int) -> int:
+    """A tail block's shared memory (tc_fold.cu, vq_tail_partial): q rows, a padded token tile, probabilities."""
+    return (rows * D + TAIL_TOKENS * (D + 1) + rows * TAIL_TOKENS) * 4
+
+
+def fold_bytes(rows: int, ns: int) -> int:
+    """The merging block's weights (one float per row and partial, tail blocks included),
+    then its thread groups' float4 sums (at most one per thread)."""
+    return (rows * (ns + TAIL_BLOCKS_MAX) + 3) // 4 * 16 + NW * 32 * 16
+
+
+def folds(B: int, Hkv: int, rows: int, D: int, ns: int) -> bool:
+    """Whether calls of this plan merge in the attend launch (module docstring)."""
+    if _FOLD in ("0", "1"):
+        return _FOLD == "1" and B * Hkv <= COUNTERS
+    return B * Hkv <= COUNTERS and rows * ns * D * 4 <= FOLD_MAX_BYTES
+
+
 def static_bytes(D: int, rows: int, qdtype) -> int:
     """The kernel's static shared memory: each lane's q pairs (s_q), their float remainders
-    (s_qr: only float32 queries read them; ptxas drops them otherwise: 2,304 vs 4,352 bytes
-    at 32/8/128, nvcc_check --qtype), the warps' max / sum (s_m, s_l)."""
+    (s_qr: only float32 queries read them; ptxas drops them otherwise: 2,320 vs 4,368 bytes
+    at 32/8/128, nvcc_check --qtype), the warps' max / sum (s_m, s_l), the fold's flag (16)."""
     q_arrays = 2 if str(qdtype).endswith("float32") else 1
-    return q_arrays * 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4
+    return q_arrays * 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4 + 16
 
 
 class TcPlan(NamedTuple):
     bps: int
     nst: int
     smem: int
-    ns: int
-    template: tuple
+    ns: int  # code blocks along the sequence
+    template: tuple  # without TX, NX and FOLD (per call)
 
 
-def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int, qdtype="float16"):
+def folds_call(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> bool:
+    """`folds` for a call the kernel takes, with its plan (float16 queries)."""
+    p = plan(B, Hq, Lq, D, Hkv, L, "float16", kspec, vspec, 1.0)
+    return folds(B, Hkv, (Hq // Hkv) * Lq, D, p.ns)
+
+
+def end_bytes(D: int, rows: int, ns: int) -> int:
+    """What the stages' memory holds after the loop: partials, a tail tile, or merge weights."""
+    return max(merge_bytes(D, rows), tail_bytes(D, rows), fold_bytes(rows, ns))
+
+
+def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int, qdtype="float16", ns: int = 0):
     """(blocks per SM, stages): up to 4 stages per warp for `bps` blocks per SM; fewer
     blocks when not even two fit."""
     (kb, gk, _), (vb, gv, _) = kspec, vspec
@@ -81,7 +121,7 @@ def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int, qdtype="
     for b in range(max(1, bps), 0, -1):
         room = min(SMEM_BLOCK_MAX, SMEM_PER_SM // b - 1024) - static_bytes(D, rows, qdtype)
         nst = min(_STAGES or 4, room // (NW * st))
-        if nst >= 2 and merge_bytes(D, rows) <= room:
+        if nst >= 2 and end_bytes(D, rows, ns or SM_COUNT * b) <= room:
             return b, nst
     return 0, 0
 
@@ -96,47 +136,31 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     bps, nst = stages_for(D, rows, kspec, vspec, blocks_per_sm(D, rows), qdtype)
     if not nst:
         raise ValueError(f"attend_tc: no pipeline fits shared memory (D={D}, specs {kspec} {vspec})")
-    smem = (max(NW * nst * stage_bytes(D, kb, gk, vb, gv), merge_bytes(D, rows)) + 127) // 128 * 128
     nstage = math.ceil(L / ST)
     ns = max(1, min(math.ceil(nstage / 2), SM_COUNT * bps // (B * Hkv)))  # >= 2 stages per block
     ns = math.ceil(nstage / math.ceil(nstage / ns))
+    smem = (max(NW * nst * stage_bytes(D, kb, gk, vb, gv), end_bytes(D, rows, ns)) + 127) // 128 * 128
     krs, vrs = row_strides(D, kb, vb)
-    template = (("T", qdtype), ("D", D), ("ROWS", rows), ("BK", kb), ("GK", gk), ("BV", vb), ("GV", gv),
-                ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", NW), ("NST", nst),
+    template = (("T", qdtype), ("D", D), ("ROWS", rows), ("LQ", Lq), ("BK", kb), ("GK", gk), ("BV", vb),
+                ("GV", gv), ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", NW), ("NST", nst),
                 ("KRS", krs), ("VRS", vrs))
     return TcPlan(bps, nst, smem, ns, template)
 
 
 @lru_cache(maxsize=None)
 def sections() -> dict:
+    """tc_attention.cu's sections and tc_fold.cu's."""
     from ..paths import kernels_dir
     from .source import split_sections
-    return split_sections((kernels_dir() / "cuda/tc_attention.cu").read_text())
+    d = kernels_dir() / "cuda"
+    return {**split_sections((d / "tc_attention.cu").read_text()), **split_sections((d / "tc_fold.cu").read_text())}
 
 
-def header(bps: int) -> str:
-    """Launch bounds (see affine_attention.cu's header), its helpers and mma helpers, ours."""
+def header(bps: int, fold: bool = False, nx: int = 0) -> str:
+    """Launch bounds (see affine_attention.cu's header), the variant's switches, the
+    affine helpers and mma helpers, ours."""
     from .cuda import sections as affine
-    return f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n" + affine()["header"] + affine()["mma_header"] \
-        + sections()["tc_header"]
-
-
-@lru_cache(maxsize=None)
-def kernel(smem: int, bps: int):
-    """The bound kernel (one per shared-memory size and launch bounds)."""
-    import mlx.core as mx
-
-    from .source import strip
-    return mx.fast.cuda_kernel(
-        name=f"vq_affine_attend_tc_{smem}_{bps}", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
-        output_names=["pm", "pl", "pacc"], source=strip(sections()["attend_tc"]), header=strip(header(bps)),
-        shared_memory=smem)
-
-
-@lru_cache(maxsize=1024)
-def launch_kw(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
-    """(kernel, keyword arguments) of the attend launch, prepared once per signature."""
-    B, Hq, Lq, D = qshape
-    _, Hkv, L, _ = cshape
-    p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale)
-    return kernel(p.smem, p.bps), partials_kw(qshape, Hkv, p.ns, NW * 32, p.template)
+    return (f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n#define VQ_FOLD {int(fold)}\n#define VQ_NX {nx}\n"
+            f"#define VQ_COUNTERS {COUNTERS}\n" + affine()["header"] + affine()["mma_header"]
+            + sections()["tc_header"] + (sections()["tc_tail_header"] if nx else "")
+            + (sections()["tc_fold_header"] if fold else ""))

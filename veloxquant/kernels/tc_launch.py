@@ -1,0 +1,125 @@
+"""attend_tc's launches through `mx.fast.cuda_kernel` (geometry: tc.py).
+
+What a call costs the host was measured per feature of an empty kernel on the H200
+(`python -m veloxquant.bench.launch_cost`, docs/kernels.md):
+template arguments, outputs, inputs read with strides and the kernel's text length all
+add microseconds per call, because MLX rebuilds and hashes the text on every call. So a
+kernel here is built once per plan with its constants written into the text (no template
+arguments), takes only the inputs its variant reads, and the one-launch variant writes two
+outputs: its partials live in a work buffer shared by every folded launch (after the
+counters), which is sound because those launches are ordered (`_Order`).
+"""
+import threading
+import zlib
+from functools import lru_cache
+from typing import Optional
+
+import mlx.core as mx
+
+from . import tc
+from .source import strip
+
+_CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+CODES = ["q", "kc", "ks", "kz", "vc", "vs", "vz"]
+TAIL = ["xk0", "xv0", "xk1", "xv1"]
+
+
+def constants(template: tuple) -> str:
+    """The plan's compile-time constants as the kernel text's first lines."""
+    return "".join(f"using {n} = {_CTYPES[v]};\n" if not isinstance(v, int) else f"constexpr int {n} = {v};\n"
+                   for n, v in template)
+
+
+@lru_cache(maxsize=256)
+def kernel(template: tuple, smem: int, bps: int, fold: bool, nx: int):
+    """The kernel of one plan and variant: `fold` (merge in the launch; outputs out, lse) or
+    partials (pm, pl, pacc); `nx` dense tail tiers."""
+    body = constants(template + (("NX", nx),)) + strip(tc.sections()["attend_tc"])
+    names = CODES + (["work", "after"] if fold else []) + TAIL[:2 * nx]
+    tag = f"{zlib.crc32(f'{fold}{body}'.encode()):08x}"  # stable across processes: MLX caches builds by name
+    return mx.fast.cuda_kernel(
+        name=f"vq_tc_{tag}", input_names=names, output_names=["out", "lse"] if fold else ["pm", "pl", "pacc"],
+        source=body, header=strip(tc.header(bps, fold, nx)), shared_memory=smem,
+        ensure_row_contiguous=False)  # views are read in place (strides); the kernel checks its rows
+
+
+class _Order:
+    """The folded launches' work buffer (counters, zero between launches, then partials) and
+    the last folded launch's lse. Each launch takes that lse as an input it never reads: MLX
+    then runs them one after another (its CUDA graphs order nodes by the buffers they share),
+    so no two count on the same counters or write the same partials at once."""
+    lock = threading.Lock()
+    work = None
+    last = None
+
+
+def _work(nfloats: int):
+    """(work buffer of at least COUNTERS + nfloats words, the input ordering this launch)."""
+    if _Order.work is None or _Order.work.size < tc.COUNTERS + nfloats:
+        old = 0 if _Order.work is None else _Order.work.size
+        _Order.work = mx.zeros((max(tc.COUNTERS + nfloats, 2 * old),), dtype=mx.int32)
+        mx.eval(_Order.work)
+        if _Order.last is None:
+            _Order.last = mx.zeros((1,), dtype=mx.float32)
+            mx.eval(_Order.last)
+    return _Order.work, _Order.last
+
+
+def launch_kw(qshape: tuple, qdtype, hkv: int, np_: int, fold: bool, out_dtype) -> dict:
+    B, Hq, Lq, D = qshape
+    nrows, f32 = B * Hq * Lq, mx.float32
+    shapes = [qshape, (B, Hq, Lq)] if fold else [(nrows, np_), (nrows, np_), (nrows, np_, D)]
+    return dict(grid=(np_ * tc.NW * 32, B * hkv, 1), threadgroup=(tc.NW * 32, 1, 1), output_shapes=shapes,
+                output_dtypes=[out_dtype, f32] if fold else [f32, f32, f32])
+
+
+def partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
+    """`attend(codes) -> (pm, pl, pacc)`: the launch without the merge (codes = the 7 inputs)."""
+    B, Hq, Lq, D = qshape
+    p = tc.plan(B, Hq, Lq, D, cshape[1], cshape[2], qdtype, kspec, vspec, scale)
+    attend = kernel(p.template, p.smem, p.bps, False, 0)
+    kw = launch_kw(qshape, qdtype, cshape[1], p.ns, False, mx.float32)
+    return lambda codes: attend(inputs=codes, **kw)
+
+
+def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float,
+             fold: Optional[bool] = None):
+    """`run(q, k_enc, v_enc, tail=None, hidden=0)` for attend_tc calls of these shapes, as
+    cuda.launcher's: (out f32, lse), or with `tail` the final output in q's dtype. `fold`:
+    one launch (True) or two (False); by default `tc.folds`."""
+    from . import cuda
+    B, Hq, Lq, D = qshape
+    Hkv = cshape[1]
+    p = tc.plan(B, Hq, Lq, D, Hkv, cshape[2], qdtype, kspec, vspec, scale)
+    unfolded = partials(qshape, qdtype, cshape, kspec, vspec, scale)
+    if fold is None:
+        fold = tc.folds(B, Hkv, (Hq // Hkv) * Lq, D, p.ns)
+    plans = {}  # (tail tiers, tail blocks, tail dtype) -> (kernel, keywords, partial floats)
+
+    def folded(key):
+        nx, ntail, _ = key
+        np_ = p.ns + ntail
+        return (kernel(p.template, p.smem, p.bps, True, nx),
+                launch_kw(qshape, qdtype, Hkv, np_, True, qdtype if nx else mx.float32),
+                B * Hq * Lq * np_ * (D + 2) + 8)  # pm, pl, pacc; two runs padded to 16 bytes
+
+    def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
+        if hidden:
+            raise ValueError("attend_tc cannot hide tokens (v1 does)")
+        codes = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
+        w = sum(k.shape[2] for k, _ in tail) if tail else 0
+        if fold and w <= tc.TAIL_BLOCKS_MAX * tc.TAIL_TOKENS and (not tail or tail[0][0].shape[1] == Hkv):
+            key = (len(tail), -(-w // tc.TAIL_TOKENS), tail[0][0].dtype) if tail else (0, 0, None)
+            got = plans.get(key)
+            if got is None:
+                got = plans[key] = folded(key)
+            attend, kw, nfloats = got
+            xs = [a for kv in tail for a in kv] if tail else []
+            with _Order.lock:
+                work, after = _work(nfloats)
+                out, lse = attend(inputs=codes + [work, after] + xs, **kw)
+                _Order.last = lse
+            return out if tail else (out, lse)
+        pm, pl, pacc = unfolded(codes)
+        return cuda.merge(pm, pl, pacc, q, qshape, qdtype, scale, tail)
+    return run
