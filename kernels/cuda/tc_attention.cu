@@ -124,7 +124,7 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
       (ks_strides[3] == 1 && (ks_shape[2] == 1 || ks_strides[2] == D)) &&
       (kz_strides[3] == 1 && (kz_shape[2] == 1 || kz_strides[2] == D)) &&
       (vs_strides[3] == 1 && (L == 1 || vs_strides[2] == NGV)) && (vz_strides[3] == 1 && (L == 1 || vz_strides[2] == NGV));
-  if (bx < NS) {
+  if (bx < NS) {  // a code block (body not indented: the tail block's branch follows it)
   const int nst = (L + ST - 1) / ST;
   const int spb = (nst + NS - 1) / NS;
   const int b0 = bx * spb, b1 = min(b0 + spb, nst);
