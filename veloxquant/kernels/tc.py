@@ -99,7 +99,7 @@ class TcPlan(NamedTuple):
     nst: int
     smem: int
     ns: int  # code blocks along the sequence
-    template: tuple  # without TX, NX and FOLD (per call)
+    template: tuple  # the kernel's constants but NX (tc_launch writes them into its text)
 
 
 def folds_call(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> bool:
