@@ -136,6 +136,9 @@ def test_folded_launches_queued_together_answer_as_one_by_one():
         for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             assert mx.array_equal(x, y)
     assert int(tc_launch._Order.work[:tc.COUNTERS].sum()) == 0  # every launch left its counters at zero
+    from veloxquant.kernels.reference import spec_fields
+    ns = tc.plan(1, 32, 1, 128, 8, 16384, mx.float16, *(spec_fields(s) for s in calls[-1][3:5]), 128 ** -0.5).ns
+    assert tc_launch.held_bytes() >= 4 * (tc.COUNTERS + 32 * ns * 130)  # the largest call's pm, pl, pacc
 
 
 @pytest.mark.gpu

@@ -246,6 +246,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {lone} | {mib} |", flush=True)
                 rows.append({"shape": shape, "S": S, "bits": bits, **{n: res[n] for n in wanted}})
             del q, k, v, kvs
+    from veloxquant.kernels.tc_launch import held_bytes
+    if held_bytes():  # allocated once, before the timed calls: the peak column does not see it
+        print(f"\nattend_tc's one-launch work buffer, held across calls: {held_bytes() / 2**20:.2f} MiB")
     if a.json:
         import json
         with open(a.json, "w") as fh:

@@ -53,6 +53,11 @@ class _Order:
     last = None
 
 
+def held_bytes() -> int:
+    """Bytes the work buffer holds for the process (0 before the first folded launch)."""
+    return 0 if _Order.work is None else _Order.work.nbytes
+
+
 def _work(nfloats: int):
     """(work buffer of at least COUNTERS + nfloats words, the input ordering this launch)."""
     if _Order.work is None or _Order.work.size < tc.COUNTERS + nfloats:
