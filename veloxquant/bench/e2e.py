@@ -75,6 +75,17 @@ def measure(model, prompt: mx.array, cache, decode: int):
     return prompt.size / (first - start), decode / (end - first), mx.get_peak_memory(), cache_bytes
 
 
+_IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
+
+
+def _set_impl(impl) -> None:
+    """VELOXQUANT_CUDA_IMPL = impl, or unset for None."""
+    if impl is None:
+        os.environ.pop(_IMPL_ENV, None)
+    else:
+        os.environ[_IMPL_ENV] = impl
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=4096)
@@ -105,16 +116,14 @@ def main(argv=None) -> int:
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
     rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
 
-    env = "VELOXQUANT_CUDA_IMPL"
-    default = os.environ.get(env)
+    default = os.environ.get(_IMPL_ENV)
 
     def run(label, make):
-        impl = label.split("@")[1] if "@" in label else default
-        os.environ.pop(env, None) if impl is None else os.environ.update({env: impl})
+        _set_impl(label.split("@")[1] if "@" in label else default)
         try:
             return measure(model, prompt, make(), args.decode)
         finally:
-            os.environ.pop(env, None) if default is None else os.environ.update({env: default})
+            _set_impl(default)
             uninstall(model)
     for label, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
         run(label, make)

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..paths import kernels_dir
 from .source import split_sections, strip as _strip
-from . import dispatch, split, tc, tc_launch
+from . import dispatch, split, tc_launch
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
@@ -44,13 +44,16 @@ SPLIT_VERIFIED = True
 TC_VERIFIED = True
 
 
+def forced_impl() -> str:
+    """The attend kernel VELOXQUANT_CUDA_IMPL names ('' when it names none)."""
+    forced = os.environ.get(_IMPL_ENV, "").lower()
+    return forced if forced in ("mma", "v1", "split", "tc") else ""
+
+
 def default_impl(D: int = 0, L: int = 0) -> str:
     """The attend kernel a call of head_dim D over L tokens asks for first (its scope may
     refuse: `fallback_impl`)."""
-    forced = os.environ.get(_IMPL_ENV, "").lower()
-    if forced in ("mma", "v1", "split", "tc"):
-        return forced
-    return "tc" if TC_VERIFIED else fallback_impl(D, L)
+    return forced_impl() or ("tc" if TC_VERIFIED else fallback_impl(D, L))
 
 
 def fallback_impl(D: int, L: int) -> str:

@@ -92,7 +92,7 @@ def attend_impl(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec:
     chunk size or a hidden front, which only it takes."""
     from . import cuda, tc
     which = "v1" if chunk or hides else (impl or cuda.default_impl(D, L))
-    chosen = impl is not None or bool(os.environ.get(cuda._IMPL_ENV))
+    chosen = bool(impl or cuda.forced_impl())
     if which == "tc" and (tc.supported(Hq, Lq, D, Hkv, L, kspec, vspec)
                           or not chosen and D > 128 and not tc.folds_call(B, Hq, Lq, D, Hkv, L, kspec, vspec)):
         # D = 256 in two launches measured slower than v1 (Gemma-3's shapes: docs/kernels.md)

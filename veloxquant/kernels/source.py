@@ -24,7 +24,7 @@ def strip(src: str) -> str:
     out = []
     for line in src.splitlines():
         t = _COMMENT.sub("", line).strip()
-        if t and not t.startswith("//"):
+        if t:
             out.append(t)
     return "\n".join(out) + "\n"
 

@@ -157,14 +157,18 @@ def kernel(smem: int, bps: int):
         header=_strip(header(sections(), bps)), shared_memory=smem)
 
 
-def partials_kw(qshape: tuple, hkv: int, ns: int, threads: int, template) -> dict:
+def partials_kw(qshape: tuple, hkv: int, ns: int, threads: int, template=()) -> dict:
     """Keyword arguments of an attend launch writing one partial per block along the
-    sequence (pm, pl [rows, ns], pacc [rows, ns, D]): grid (ns blocks, B*Hkv)."""
+    sequence (pm, pl [rows, ns], pacc [rows, ns, D]): grid (ns blocks, B*Hkv); template
+    arguments only when given (attend_tc writes its constants into its text)."""
     import mlx.core as mx
     B, Hq, Lq, D = qshape
     nrows, f32 = B * Hq * Lq, mx.float32
-    return dict(template=list(template), grid=(ns * threads, B * hkv, 1), threadgroup=(threads, 1, 1),
-                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+    kw = dict(grid=(ns * threads, B * hkv, 1), threadgroup=(threads, 1, 1),
+              output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+    if template:
+        kw["template"] = list(template)
+    return kw
 
 
 @lru_cache(maxsize=1024)

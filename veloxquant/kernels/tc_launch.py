@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import tc
+from . import split, tc
 from .source import strip
 
 _CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
@@ -70,12 +70,13 @@ def _work(nfloats: int):
     return _Order.work, _Order.last
 
 
-def launch_kw(qshape: tuple, qdtype, hkv: int, np_: int, fold: bool, out_dtype) -> dict:
-    B, Hq, Lq, D = qshape
-    nrows, f32 = B * Hq * Lq, mx.float32
-    shapes = [qshape, (B, Hq, Lq)] if fold else [(nrows, np_), (nrows, np_), (nrows, np_, D)]
-    return dict(grid=(np_ * tc.NW * 32, B * hkv, 1), threadgroup=(tc.NW * 32, 1, 1), output_shapes=shapes,
-                output_dtypes=[out_dtype, f32] if fold else [f32, f32, f32])
+def launch_kw(qshape: tuple, hkv: int, np_: int, fold: bool, out_dtype=mx.float32) -> dict:
+    """attend_mma's partials launch (split.partials_kw) over `np_` blocks per kv head; folded,
+    its outputs are the answer instead: out [B, Hq, Lq, D] (`out_dtype`) and lse."""
+    kw = split.partials_kw(qshape, hkv, np_, tc.NW * 32)
+    if fold:
+        kw.update(output_shapes=[qshape, qshape[:3]], output_dtypes=[out_dtype, mx.float32])
+    return kw
 
 
 def partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
@@ -83,7 +84,7 @@ def partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
     B, Hq, Lq, D = qshape
     p = tc.plan(B, Hq, Lq, D, cshape[1], cshape[2], qdtype, kspec, vspec, scale)
     attend = kernel(p.template, p.smem, p.bps, False, 0)
-    kw = launch_kw(qshape, qdtype, cshape[1], p.ns, False, mx.float32)
+    kw = launch_kw(qshape, cshape[1], p.ns, False)
     return lambda codes: attend(inputs=codes, **kw)
 
 
@@ -105,7 +106,7 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
         nx, ntail, _ = key
         np_ = p.ns + ntail
         return (kernel(p.template, p.smem, p.bps, True, nx),
-                launch_kw(qshape, qdtype, Hkv, np_, True, qdtype if nx else mx.float32),
+                launch_kw(qshape, Hkv, np_, True, qdtype if nx else mx.float32),
                 B * Hq * Lq * np_ * (D + 2) + 8)  # pm, pl, pacc; two runs padded to 16 bytes
 
     def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
