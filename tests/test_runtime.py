@@ -38,6 +38,27 @@ def test_plain_fp16_layers_skip_routing_and_answer_as_the_routed_path(llama_mode
     assert all(c.nbytes == r.nbytes for c, r in zip(fast, routed))
 
 
+def test_plain_fp16_window_layers_decode_as_the_routed_path():
+    # Sliding-window fp16 layers decode on the short path too (prefill chunks stay routed):
+    # the same logits as the routed path, the same held, and the window's buffer never
+    # holds more than window + one step of slots (settled, a window layer holds window - 1).
+    model = tiny_gemma3(window=32)
+    fast = vq.make_prompt_cache(model, "fp16")
+    assert all(c._plain is not None for c in fast) and not all(c._unwindowed for c in fast)
+    routed = vq.make_prompt_cache(model, "fp16")
+    for c in routed:
+        c._plain = None
+    outs = []
+    for cache in (fast, routed):
+        pre = model(TOKENS[:, :45], cache=cache)
+        outs.append(mx.concatenate([pre, feed(model, TOKENS[:, 45:160], cache, 1)], axis=1))
+    assert maxdiff(outs[0], outs[1]) == 0.0
+    assert [c.size() for c in fast] == [c.size() for c in routed]
+    for c in fast:
+        if not c._unwindowed:
+            assert c.size() == 31 and c.tiers[0].buffers["k"]["x"].data.shape[2] <= 32 + c.tiers[0].buffers["k"]["x"].step
+
+
 def test_identity_store_is_exact_in_float32(llama_model, tmp_path):
     recipe = tmp_path / "raw.yaml"
     recipe.write_text("veloxquant: 1\nname: raw\npipeline: identity\n")

@@ -1,6 +1,7 @@
 """The host's share of one decode step, per cache: MLX ops built and Python time.
 
     python -m veloxquant.bench.host_step --context 2048 --layers 8 --heads 32/8 --head-dim 128
+    python -m veloxquant.bench.host_step --arch gemma3 --layers 18 --heads 4/1 --head-dim 256 --hidden 640
 
 Runs on any backend (the CPU included): the graph a decode step builds does
 not depend on where it is evaluated. For mlx-lm's KVCache and each recipe,
@@ -25,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..eval.feed import prefill
 from ..eval.rows import recipe_caches, split_specs
-from .e2e import random_llama
+from .e2e import random_model
 
 
 def step_ops(model, cache, y: mx.array) -> Counter:
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--arch", default="llama", choices=("llama", "gemma3"))
+    ap.add_argument("--hidden", type=int, default=0, help="hidden size (default heads x head dim)")
+    ap.add_argument("--window", type=int, default=512, help="gemma3: sliding window")
     ap.add_argument("--recipes", default="fp16,kivi")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache and round")
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    model, name = random_model(args.arch, (args.layers, heads, kv_heads, args.head_dim, args.vocab,
+                                           getattr(mx, args.dtype), args.hidden), args.window)
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
     for r in split_specs(args.recipes):
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
         for label, cache in rows.items():
             samples[label].append(build_us(model, cache, y, args.steps))
     base = statistics.median(samples["mlx-lm KVCache"])
-    print(f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
+    print(f"{name}: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
           f"device {mx.default_device()}; {args.rounds} interleaved rounds x {args.steps} steps, medians")
     print("| cache | ops/step | ops/layer | build µs/step | build µs/layer | range µs/step | vs KVCache |")
     print("|---|---|---|---|---|---|---|")

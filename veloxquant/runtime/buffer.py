@@ -4,8 +4,9 @@ Unbounded tiers grow in steps (like mlx-lm's KVCache) so decode does not copy
 the whole cache each token; bounded tiers concatenate so nothing is over-held.
 A stepped buffer forgets its oldest tokens by moving its start (`lo`): a sliding
 window's decode step then writes one token in place, as mlx-lm's RotatingKVCache
-does, and the live tokens move to a fresh buffer only when the end is reached
-(at most `step` forgotten tokens stay allocated).
+does, and the live tokens move to a fresh buffer with `step` free slots when
+the end is reached or more than `step` forgotten tokens are held: a window
+moves once per `step` tokens and holds at most window + `step` slots.
 `nbytes` is the allocated buffer: the memory really held.
 """
 from typing import Optional
@@ -31,8 +32,13 @@ class Buffer:
             self.data = x if self.data is None else mx.concatenate([self.view(), x], axis=2)
             self.used += n
             return
-        if self.data is None or self.lo + self.used + n > self.data.shape[2]:
+        # A sliding window (it forgets at its front) moves to a fresh buffer when the end is
+        # reached or more than `step` forgotten tokens are held (after a prefill chunk), with
+        # `step` free slots: a full window would otherwise move every token.
+        if self.data is None or self.lo + self.used + n > self.data.shape[2] or self.lo > self.step:
             capacity = -(-(self.used + n) // self.step) * self.step
+            if self.lo:
+                capacity = self.used + n + self.step
             free = mx.zeros((*x.shape[:2], capacity - self.used, *x.shape[3:]), x.dtype)
             # As KVCache grows: the held tokens then zeros, one copy (not zeros for all, then a copy into them).
             self.data = mx.concatenate([self.view(), free], axis=2) if self.used else free

@@ -67,7 +67,12 @@ class TieredCache(_BaseCache):
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         plain = self._plain
-        if plain is not None:  # KVCache's work, nothing else (runtime/plain.py); never scored
+        if plain is not None and (self._unwindowed or keys.shape[2] == 1):
+            # KVCache's work, nothing else (runtime/plain.py); never scored. A window's decode
+            # step forgets the oldest token first, as _settle would: the query then sees all.
+            if not self._unwindowed:
+                plain.expire(self.offset - self.plan.window + 1)
+                self._unsettled = True  # readers (size, state, trim) see the next query's window, as before
             self.dtype = keys.dtype
             self.offset += plain.append(keys, values, self.offset)
             return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.fetch(keys.dtype)
@@ -98,7 +103,8 @@ class TieredCache(_BaseCache):
         self._awaiting_attend = False
         self._attend_epoch = hook.EPOCH[0]
         Lq = queries.shape[2]
-        if self._plain is not None:  # holds every position up to the last query: causal or no mask
+        if self._plain is not None and (self._unwindowed or Lq == 1):
+            # holds every position up to the last query (a window's: those it sees): causal or no mask
             k, v = self._plain.fetch(queries.dtype)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal" if Lq > 1 else None)
         first_q = self.offset - Lq
@@ -144,6 +150,8 @@ class TieredCache(_BaseCache):
             return None if N == 1 else "causal"  # unused: attend() masks by per-head positions
         if N == 1 and self._unwindowed and window_size is None:
             return None  # one query, and every token held is older than it and within no window
+        if N == 1 and self._plain is not None and window_size in (None, self.plan.window):
+            return None  # a plain window's decode step keeps just what the query sees (update_and_fetch)
         self._settle()
         window = window_size or self.plan.window
         held = [(t.start, t.end, h) for t, h in zip(self.tiers, self.horizons) if t.count and not t.drops]

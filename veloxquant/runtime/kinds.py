@@ -44,14 +44,14 @@ def build(plan: TierPlan, layer: LayerPlan, exact: bool):
 
 def plain_tier(cache) -> Optional[PlainRun]:
     """The cache's one tier, wrapped for KVCache's work (runtime/plain.py), when the layer is plain
-    16-bit storage and nothing else: unrouted, unscored, unwindowed, read by SDPA (the fp16 recipe).
-    The cache then skips its routing."""
+    16-bit storage and nothing else: unrouted, unscored, read by SDPA (the fp16 recipe). The cache
+    then skips its routing (a sliding-window layer: at decode, where no query needs a mask)."""
     tiers = cache.tiers
     if len(tiers) != 1 or cache.scored or cache.per_head or cache._prompt_tiers or cache.saliency is not None:
         return None
     tier = tiers[0]
     plain = type(tier) is Tier and tier.route is None and tier.sixteen_bit and not tier.codes_attend \
-        and cache._unwindowed and all(c.trivial for c in tier.codecs.values())
+        and all(c.trivial for c in tier.codecs.values())
     return tier.plain if plain else None
 
 

@@ -1,8 +1,8 @@
 """The fp16 recipe's layer at decode: mlx-lm KVCache's work and nothing else.
 
-A layer whose plan is one unrouted 16-bit tier (nothing scored, windowed or
-settled, `kinds.plain_tier`) appends to the tier's two buffers and reads them
-back here, without the codec calls of `Tier.append` (two store encodes, a dict
+A layer whose plan is one unrouted 16-bit tier (nothing scored or settled,
+`kinds.plain_tier`) appends to the tier's two buffers and reads them back here
+(a sliding-window layer also forgets its oldest token here, at decode), without the codec calls of `Tier.append` (two store encodes, a dict
 each) or `Tier.decoded`. Per decode step that leaves KVCache's MLX ops (two
 slice updates, two slices, one SDPA) and 4 short Python calls per layer
 (docs/kernels.md, "The fp16 path at KVCache's op count").
@@ -36,6 +36,17 @@ class PlainRun:
         n = keys.shape[2]
         tier.count += n
         return n
+
+    def expire(self, oldest_visible: int) -> None:
+        """Tier.expire for this tier (granularity 1): forget what no later query of the window sees."""
+        tier = self.tier
+        n = min(tier.count, oldest_visible - tier.start)
+        if n > 0:
+            tier._views = {}
+            self.keys.drop_front(n)
+            self.values.drop_front(n)
+            tier.start += n
+            tier.count -= n
 
     def fetch(self, dtype) -> Tuple[mx.array, mx.array]:
         """Tier.decoded: the held K and V as views of the buffers (a cast only if dtypes differ)."""
