@@ -56,7 +56,8 @@ def test_plain_fp16_window_layers_decode_as_the_routed_path():
     assert [c.size() for c in fast] == [c.size() for c in routed]
     for c in fast:
         if not c._unwindowed:
-            assert c.size() == 31 and c.tiers[0].buffers["k"]["x"].data.shape[2] <= 32 + c.tiers[0].buffers["k"]["x"].step
+            buf = c.tiers[0].buffers["k"]["x"]
+            assert c.size() == 31 and buf.data.shape[2] <= 32 + buf.step
 
 
 def test_identity_store_is_exact_in_float32(llama_model, tmp_path):

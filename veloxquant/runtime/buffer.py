@@ -36,9 +36,7 @@ class Buffer:
         # reached or more than `step` forgotten tokens are held (after a prefill chunk), with
         # `step` free slots: a full window would otherwise move every token.
         if self.data is None or self.lo + self.used + n > self.data.shape[2] or self.lo > self.step:
-            capacity = -(-(self.used + n) // self.step) * self.step
-            if self.lo:
-                capacity = self.used + n + self.step
+            capacity = self.used + n + self.step if self.lo else -(-(self.used + n) // self.step) * self.step
             free = mx.zeros((*x.shape[:2], capacity - self.used, *x.shape[3:]), x.dtype)
             # As KVCache grows: the held tokens then zeros, one copy (not zeros for all, then a copy into them).
             self.data = mx.concatenate([self.view(), free], axis=2) if self.used else free

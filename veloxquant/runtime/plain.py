@@ -39,14 +39,9 @@ class PlainRun:
 
     def expire(self, oldest_visible: int) -> None:
         """Tier.expire for this tier (granularity 1): forget what no later query of the window sees."""
-        tier = self.tier
-        n = min(tier.count, oldest_visible - tier.start)
+        n = min(self.tier.count, oldest_visible - self.tier.start)
         if n > 0:
-            tier._views = {}
-            self.keys.drop_front(n)
-            self.values.drop_front(n)
-            tier.start += n
-            tier.count -= n
+            self.tier.drop_front(n)
 
     def fetch(self, dtype) -> Tuple[mx.array, mx.array]:
         """Tier.decoded: the held K and V as views of the buffers (a cast only if dtypes differ)."""
