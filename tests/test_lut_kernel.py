@@ -78,6 +78,22 @@ def test_the_encode_kernel_takes_lloydmax_codecs_only_and_never_off_cuda():
         assert rvq.codecs["k"].kernel_encode is None
 
 
+def test_the_encode_launch_fits_a_long_prefill_chunk_in_cudas_grid(monkeypatch):
+    """A prefill chunk of 8 kv heads x 8,200 tokens is 65,600 rows: more blocks than CUDA allows
+    along y or z (65,535), so the rows must run along x (the H200 refused the launch before)."""
+    codec = coded_tier("turboquant_rvq", 8, 64, 32).codecs["k"]
+    seen = {}
+
+    def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, **kw):
+        seen.update(grid=grid, threadgroup=threadgroup)
+        return [mx.zeros(s, dtype=t) for s, t in zip(output_shapes, output_dtypes)]
+    monkeypatch.setattr(lut, "_encoder", lambda: launch)
+    lut.encode(codec, mx.zeros((1, 8, 8200, 64), dtype=mx.float16))
+    blocks = [g // t for g, t in zip(seen["grid"], seen["threadgroup"])]
+    assert blocks[0] * blocks[1] * blocks[2] == 8 * 8200
+    assert blocks[0] < 2 ** 31 and blocks[1] <= 65535 and blocks[2] <= 65535
+
+
 # ---------------------------------------------------------------- CUDA only
 GPU_CASES = [  # (Hq, Hkv, D, L, Lq, recipe params)
     (9, 3, 64, 1000, 1, ()), (9, 3, 64, 8192, 1, ()), (4, 1, 256, 700, 1, ()), (32, 8, 128, 4096, 1, ()),
@@ -108,7 +124,8 @@ def test_lut_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case):
     assert e_kernel <= TOL and e_kernel <= e_sdpa and e_lse <= TOL
 
 
-ENCODE_CASES = [(3, 64, 1, ()), (3, 64, 2048, ()), (1, 256, 7, ()), (8, 128, 33, ("bits=4",)), (3, 64, 16, ("bits=1",))]
+ENCODE_CASES = [(3, 64, 1, ()), (3, 64, 2048, ()), (1, 256, 7, ()), (8, 128, 33, ("bits=4",)), (3, 64, 16, ("bits=1",)),
+                (8, 128, 8200, ())]  # 65,600 rows: past a grid's 65,535 blocks along y
 
 
 @pytest.mark.gpu

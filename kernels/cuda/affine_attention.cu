@@ -571,6 +571,22 @@ __device__ __forceinline__ float vq_minf() { return __int_as_float(0xff800000); 
 template <class X> struct vq_is_f32 { static constexpr bool value = false; };
 template <> struct vq_is_f32<float> { static constexpr bool value = true; };
 
+// (a & m) | c in one lop3: written out, as nvcc emits and + or and ptxas
+// kept them apart (two LOP3 per widened pair in attend_tc's SASS, ncu).
+__device__ __forceinline__ unsigned int vq_and_or(unsigned int a, unsigned int m, unsigned int c) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(a), "r"(m), "r"(c));
+  return r;
+}
+
+// 2^x for softmax weights: one MUFU.EX2 (exp2f adds a denormal rescale
+// around it); results below 2^-126 flush to zero, which a weight may.
+__device__ __forceinline__ float vq_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Position p of both 16-bit halves of x (codes of B bits, little-endian) as
 // an exact fp16 pair: the code goes into a 1024.0 mantissa (one lop3 or
 // prmt), one hfma2/hsub2 removes the offset (and the 2^k of its position).
@@ -584,7 +600,7 @@ __device__ __forceinline__ unsigned int vq_pair(unsigned int x, int p) {
     const int sh = (p / PPS) * 8, k = p % PPS;
     unsigned int m = ((1u << B) - 1u) << (k * B);
     m |= m << 16;
-    const unsigned int v = ((x >> sh) & m) | 0x64006400u;
+    const unsigned int v = vq_and_or(x >> sh, m, 0x64006400u);
     // 2^-(kB) and -1024 * 2^-(kB) as fp16 bit patterns (exact constants).
     const unsigned int e1 = (unsigned int)(15 - k * B) << 10;
     const unsigned int e2 = 0x8000u | ((unsigned int)(25 - k * B) << 10);

@@ -217,7 +217,8 @@ __device__ __forceinline__ void vq_fwht(float* x, int n, int tid) {
   // template: D, VH
   __shared__ float s_row[D];
   const int NS = pm_shape[1];
-  const int row = blockIdx.y, d = threadIdx.x;
+  // rows along x: CUDA caps a grid's y at 65,535 blocks
+  const int row = blockIdx.x, d = threadIdx.x;
   const float* m = pm + (size_t)row * NS;
   const float* l = pl + (size_t)row * NS;
   float M = vq_ninf();
@@ -238,8 +239,8 @@ __device__ __forceinline__ void vq_fwht(float* x, int n, int tid) {
   if (d == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
 
 //@@ lloyd_encode
-  // The `lloydmax` store's encode (and one lloydmax residual's), for a few tokens
-  // (decode steps): one block of D threads per token row. The same arithmetic as
+  // The `lloydmax` store's encode (and one lloydmax residual's), for decode steps
+  // and prefill chunks: one block of D threads per token row. The same arithmetic as
   // stages/codebook.py's MLX ops, in float32 (the Hadamard rotation as a
   // butterfly; sums in another order, so a component within rounding of a
   // level boundary may take the neighbouring code).
@@ -249,7 +250,8 @@ __device__ __forceinline__ void vq_fwht(float* x, int n, int tid) {
   __shared__ float s_x[D];
   __shared__ float s_red[D / 32];
   __shared__ unsigned int s_w[D / 2 + 1];
-  const int row = blockIdx.y, d = threadIdx.x, warp = d / 32, lane = d % 32;
+  // rows along x: a prefill chunk's B*H*n rows pass y's cap of 65,535 blocks
+  const int row = blockIdx.x, d = threadIdx.x, warp = d / 32, lane = d % 32;
   const float sqd = (float)sqrt((double)D);
   s_x[d] = vq_f(x[(size_t)row * D + d]);
   if constexpr (H) {

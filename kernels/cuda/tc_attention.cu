@@ -51,6 +51,21 @@ __device__ __forceinline__ void vq_warp_rows(unsigned char* dst, const unsigned 
   }
 }
 
+// A full stage's N rows of RB bytes (16-byte aligned source) into rows DS apart:
+// the trip count and each lane's offsets are constants (a lane's pieces are
+// 32 / P rows apart), so a copy is one cp.async on a fixed offset -- the general
+// loop above spent ~15 instructions of address arithmetic per copy (PTX).
+template <int RB, int DS, int N>
+__device__ __forceinline__ void vq_warp_rows_full(unsigned char* dst, const unsigned char* src, int lane) {
+  constexpr int P = RB / 16, PIECES = N * P;
+  static_assert(RB % 16 == 0 && P <= 32 && 32 % P == 0, "whole 16-byte pieces, a power of two per row");
+  unsigned char* d = dst + (lane / P) * DS + (lane % P) * 16;
+  const unsigned char* s = src + lane * 16;
+#pragma unroll
+  for (int k = 0; k < (PIECES + 31) / 32; ++k)
+    if (PIECES % 32 == 0 || lane + 32 * k < PIECES) vq_cp16(d + k * (32 / P) * DS, s + k * 512);
+}
+
 // The fp16 pair (x[a], x[b]) of an fp16 row in shared memory, read as words.
 __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, int b) {
   return __byte_perm(w[a / 2], w[b / 2], ((a & 1) ? 0x32 : 0x10) | (((b & 1) ? 0x76 : 0x54) << 8));
@@ -161,9 +176,27 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
   const unsigned char *vsb = VQ_HEAD(vs), *vzb = VQ_HEAD(vz);
 #undef VQ_HEAD
 
+  // Full stages from 16-byte aligned sources take constant-shaped copies (all
+  // stage offsets are multiples of 16 when the heads' starts are).
+  constexpr bool WHOLE = KRB % 16 == 0 && VRB % 16 == 0 && 32 % (KRB / 16 + !KRB) == 0 && KRB <= 512 &&
+                         32 % (VRB / 16 + !VRB) == 0 && VRB <= 512 && (KG * D * 2) % 16 == 0 && (ST * NGV * 2) % 16 == 0;
+  const bool whole = WHOLE && ((reinterpret_cast<unsigned long long>(kcb) | reinterpret_cast<unsigned long long>(vcb) |
+                                reinterpret_cast<unsigned long long>(ksb) | reinterpret_cast<unsigned long long>(kzb) |
+                                reinterpret_cast<unsigned long long>(vsb) | reinterpret_cast<unsigned long long>(vzb)) & 15ull) == 0;
   auto issue = [&](int st, int slot) {
     unsigned char* b = wbuf + slot * SB;
     const int t0 = st * ST, nt = min(ST, L - t0);
+    if constexpr (WHOLE) {
+      if (whole && nt == ST) {
+        vq_warp_rows_full<KRB, KRS, ST>(b, kcb + (size_t)t0 * KRB, lane);
+        vq_warp_rows_full<VRB, VRS, ST>(b + O_VC, vcb + (size_t)t0 * VRB, lane);
+        vq_warp_rows_full<16, 16, KG * D * 2 / 16>(b + O_KS, ksb + (size_t)(t0 / GK) * D * 2, lane);
+        vq_warp_rows_full<16, 16, KG * D * 2 / 16>(b + O_KZ, kzb + (size_t)(t0 / GK) * D * 2, lane);
+        vq_warp_rows_full<16, 16, ST * NGV * 2 / 16>(b + O_VS, vsb + (size_t)t0 * NGV * 2, lane);
+        vq_warp_rows_full<16, 16, ST * NGV * 2 / 16>(b + O_VZ, vzb + (size_t)t0 * NGV * 2, lane);
+        return;
+      }
+    }
     vq_warp_rows<KRB, KRS>(b, kcb + (size_t)t0 * KRB, nt, lane);
     vq_warp_rows<VRB, VRS>(b + O_VC, vcb + (size_t)t0 * VRB, nt, lane);
     // Scales and zeros are contiguous runs (whole 16-byte pieces: nt is a multiple of 16).
@@ -205,26 +238,37 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
       if (T0 / GK != grp) {
         grp = T0 / GK;
         const int kr = KG > 1 ? (tl * 16) / GK : 0;
-        // this lane block's scales / zeros (D/4 fp16 each)
-        const unsigned int* sw = reinterpret_cast<const unsigned int*>(b + O_KS + kr * D * 2 + tig * (D / 2));
-        const unsigned int* zw = reinterpret_cast<const unsigned int*>(b + O_KZ + kr * D * 2 + tig * (D / 2));
+        // this lane block's scales / zeros (D/4 fp16 each), read a chunk of KPP pairs
+        // (2 KPP channels, 4 KPP bytes) at a time as vectors, as are the q pairs.
+        const unsigned char* sw = b + O_KS + kr * D * 2 + tig * (D / 2);
+        const unsigned char* zw = b + O_KZ + kr * D * 2 + tig * (D / 2);
         float bz[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        unsigned int sc_[KPP], zc_[KPP], qc_[2][KPP], rc_[2][KPP];
 #pragma unroll
         for (int ks_ = 0; ks_ < D / 16; ++ks_) {
           unsigned int zp[2], qa[2][2], qr[2][2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int P = 2 * ks_ + e;
-            const int ia = (P / KPP) * 2 * KPP + P % KPP, ib = ia + KPP;
-            const __half2 s2 = vq_h2(vq_hpair(sw, ia, ib));
-            zp[e] = vq_hpair(zw, ia, ib);
+            const int P = 2 * ks_ + e, j = P % KPP;  // pair j of chunk P / KPP: channels (j, j + KPP)
+            if (j == 0) {
+              vq_ld<4 * KPP>(sc_, sw + (P / KPP) * 4 * KPP);
+              vq_ld<4 * KPP>(zc_, zw + (P / KPP) * 4 * KPP);
+#pragma unroll
+              for (int h = 0; h < (HI ? 2 : 1); ++h) {
+                vq_ld<4 * KPP>(qc_[h], reinterpret_cast<const unsigned char*>(&s_q[lane][h * KP + P]));
+                if constexpr (vq_is_f32<T>::value)
+                  vq_ld<4 * KPP>(rc_[h], reinterpret_cast<const unsigned char*>(&s_qr[lane][h * KP + P]));
+              }
+            }
+            const __half2 s2 = vq_h2(vq_hpair(sc_, j, j + KPP));
+            zp[e] = vq_hpair(zc_, j, j + KPP);
 #pragma unroll
             for (int h = 0; h < (HI ? 2 : 1); ++h) {
-              qa[h][e] = s_q[lane][h * KP + P];
+              qa[h][e] = qc_[h][j];
               const __half2 hi = __hmul2(vq_h2(qa[h][e]), s2);
               __half2 lo = __hfma2(vq_h2(qa[h][e]), s2, __hneg2(hi));
               if constexpr (vq_is_f32<T>::value) {
-                qr[h][e] = s_qr[lane][h * KP + P];
+                qr[h][e] = rc_[h][j];
                 lo = __hfma2(vq_h2(qr[h][e]), s2, lo);
               }
               qs[h][P] = vq_u(hi);
@@ -281,7 +325,7 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
         const bool need = tmax > mrun[h] + 8.0f;
         if (__any_sync(0xffffffffu, need)) {
           const float mnew = need ? tmax : mrun[h];
-          const float f = exp2f(mrun[h] - mnew);  // for rows g (+8 h)
+          const float f = vq_ex2(mrun[h] - mnew);  // for rows g (+8 h)
           mrun[h] = mnew;
           lsum[h] *= f;
           // acc's columns are rows 2tig, 2tig+1 (+8 h): their factors live in lanes 4r.
@@ -292,8 +336,8 @@ __device__ __forceinline__ unsigned int vq_hpair(const unsigned int* w, int a, i
             acc[h][i][1] *= fb; acc[h][i][3] *= fb;
           }
         }
-        const float p0 = exp2f(x0 - mrun[h]), p1 = exp2f(x1 - mrun[h]);
-        const float p2 = exp2f(x2 - mrun[h]), p3 = exp2f(x3 - mrun[h]);
+        const float p0 = vq_ex2(x0 - mrun[h]), p1 = vq_ex2(x1 - mrun[h]);
+        const float p2 = vq_ex2(x2 - mrun[h]), p3 = vq_ex2(x3 - mrun[h]);
         lsum[h] += (p0 + p1) + (p2 + p3);
         pb[h][0] = vq_u(__floats2half2_rn(p0, p1));
         pb[h][1] = vq_u(__floats2half2_rn(p2, p3));

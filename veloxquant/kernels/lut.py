@@ -163,7 +163,7 @@ def partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict
         output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     return tuple(reduce(inputs=[pm, pl, pacc], template=[("D", D), ("VH", int(bool(v_codec.transforms)))],
-                        grid=(D, nrows, 1), threadgroup=(D, 1, 1), output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)],
+                        grid=(D * nrows, 1, 1), threadgroup=(D, 1, 1), output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)],
                         output_dtypes=[mx.float32, mx.float32]))
 
 
@@ -191,7 +191,7 @@ def encode(codec, x: mx.array) -> Dict[str, mx.array]:
     c1, n1, c2, n2 = _encoder()(
         inputs=[x.reshape(R, D), lv],
         template=[("T", x.dtype), ("D", D), ("B1", b1), ("B2", b2), ("H", int(bool(codec.transforms)))],
-        grid=(D, R, 1), threadgroup=(D, 1, 1),
+        grid=(D * R, 1, 1), threadgroup=(D, 1, 1),
         output_shapes=[(R, D * b1 // 32), (R,), (R, max(1, D * b2 // 32)), (R,)],
         output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16])
     enc = {"codes": c1.reshape(B, H, n, -1), "norms": n1.reshape(B, H, n, 1)}

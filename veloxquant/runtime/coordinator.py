@@ -10,6 +10,8 @@ layer i before layer j in every step and all layers of a group route tokens
 the same way; the Link checks that, and refuses reads or trims that would let
 a reuse layer drift from its anchor's codes.
 """
+import copy
+import weakref
 from typing import List, Optional
 
 import mlx.core as mx
@@ -19,6 +21,7 @@ from ..compiler.plan import Plan
 from ..errors import VeloxError
 from . import model_pass
 from .allocation import allocates, decide
+from .copying import copy_owned, copy_sharing
 from .reuse_tier import ReuseTier
 
 TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"
@@ -28,17 +31,25 @@ class Link:
     """One reuse layer's way to its anchor's codes in one tier."""
 
     def __init__(self, coordinator: "Coordinator", anchor: int, layer: int, tier: int):
-        self.coordinator, self.anchor, self.layer, self.tier = coordinator, anchor, layer, tier
+        self._coordinator = weakref.ref(coordinator)  # which holds this link (Coordinator.links)
+        self.anchor, self.layer, self.tier = anchor, layer, tier
+
+    def __deepcopy__(self, memo):
+        return copy_owned(self, memo, "_coordinator")
+
+    @property
+    def coordinator(self) -> "Coordinator":
+        return self._coordinator()
 
     def _anchor_tier(self):
-        return self.coordinator.caches[self.anchor].tiers[self.tier]
+        return self.coordinator.cache(self.anchor).tiers[self.tier]
 
     def cache(self, layer: int):
-        return self.coordinator.caches[layer]
+        return self.coordinator.cache(layer)
 
     def codes(self, side: str, start: int, end: int) -> mx.array:
         """The anchor's packed codes for positions [start, end): a slice, never a copy."""
-        anchor = self.coordinator.caches[self.anchor]
+        anchor = self.coordinator.cache(self.anchor)
         tier = self._anchor_tier()
         if not (tier.start <= start and end <= tier.end):
             anchor._settle()  # the anchor moves its overflow on lazily; it has seen these tokens first
@@ -49,7 +60,7 @@ class Link:
         return codes[:, :, start - tier.start:end - tier.start]
 
     def problem(self, start: int, end: int) -> Optional[str]:
-        anchor, mine = self.coordinator.caches[self.anchor], self.coordinator.caches[self.layer]
+        anchor, mine = self.coordinator.cache(self.anchor), self.coordinator.cache(self.layer)
         tier = self._anchor_tier()
         if anchor.offset < mine.offset:
             return (f"layer {self.layer} reuses layer {self.anchor}'s xquant codes, but layer {self.anchor} has seen "
@@ -73,7 +84,9 @@ class Coordinator:
     """Shared by the caches of one model; built by caches_for, so loading a saved cache re-links it."""
 
     def __init__(self, plan: Plan, caches: List):
-        self.caches = caches
+        # Weak: the caches own their coordinator (strong references both ways would be a cycle, and a
+        # dropped model's caches would keep their arrays until Python's cyclic collector ran).
+        self._caches = [weakref.ref(c) for c in caches]
         self.links: List[Link] = []
         self.budgets: dict = {}  # what `allocate` chose: per-layer budgets and per-head lists
         self.allocated = False
@@ -88,6 +101,20 @@ class Coordinator:
                     cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
                     self.links.append(link)
 
+    @property
+    def caches(self) -> List:
+        return [ref() for ref in self._caches]
+
+    def cache(self, layer: int):
+        return self._caches[layer]()
+
+    def __deepcopy__(self, memo):
+        # The copy links the caches' copies (made here or already in memo; a deep copy of the list
+        # of caches holds them all), never the originals.
+        new = copy_sharing(self, memo, shared=("_caches",))
+        new._caches = [weakref.ref(copy.deepcopy(ref(), memo)) for ref in self._caches]
+        return new
+
     def allocate(self) -> None:
         """Once, when the prompt ends (the first layer to learn it calls): every layer has seen every
         prompt query, so budgets across layers and heads are decided from all of their attention."""
@@ -101,7 +128,7 @@ class Coordinator:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
         out = [p for c in self.caches for t in c.tiers if hasattr(t, "group_problem") for p in [t.group_problem()] if p]
         for link in self.links:
-            tier = self.caches[link.layer].tiers[link.tier]
+            tier = self.cache(link.layer).tiers[link.tier]
             problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)
             if problem:
                 out.append(problem)

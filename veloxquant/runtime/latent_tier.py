@@ -13,6 +13,7 @@ Attention is answered from the latents: scores (q·P)·zᵀ (+ q·mean) and outp
 other tiers'. `decoded` (K/V rebuilt as z·Pᵀ) is the reference path, used only
 without the attention hook.
 """
+import functools
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -71,7 +72,8 @@ class LatentTier(SidesHeld):
         self.link, self.members = link, tuple(layers)
         for name, s in self.sides.items():
             if s.shared and link.layer != link.anchor:
-                s.basis_of = lambda name=name: self._member(link.anchor, name).fitted
+                # a partial of the link, not a closure over self: no cycle, and deep copies follow the copied link
+                s.basis_of = functools.partial(anchor_fitted, link, name)
 
     def _member(self, layer: int, side: str) -> LatentSide:
         return self.link.cache(layer).tiers[self.link.tier].sides[side]
@@ -128,3 +130,8 @@ class LatentTier(SidesHeld):
             for name, per_unit in s.units().items():
                 s._live()[name].drop_back(n // per_unit)
         self.count -= n
+
+
+def anchor_fitted(link, side: str):
+    """The basis the group's anchor fitted for `side` (None until it has)."""
+    return link.cache(link.anchor).tiers[link.tier].sides[side].fitted

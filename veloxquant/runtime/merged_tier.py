@@ -14,6 +14,7 @@ as mag·dir) is the reference path, used only without the attention hook.
 Groups come from the cross-layer coordinator (runtime/coordinator.py), as
 xquant's and xKV's do; a slerp layer outside a group is a float16 passthrough.
 """
+import weakref
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from ..compiler.plan import TierPlan
 from ..errors import VeloxError
 from .attention import Partial, partial_from_scores
 from .buffer import Buffer
+from .copying import copy_owned
 from .latent_side import PlainSide, SidesHeld
 from .tier import expire_front, front_mask
 
@@ -35,10 +37,17 @@ class MergedSide:
 
     def __init__(self, plan, n_kv_heads: int, head_dim: int):
         self.store, self.role = plan.store, None
-        self.tier, self.name = None, None  # attributes, not a closure: a deep copy re-points them at the copy
+        self._tier, self.name = None, None  # the owning tier, weakly (copying.copy_owned): set by join_group
         self.bufs = {n: Buffer(None) for n in ("dir", "mag", "x", "flag", "ret")}  # x: float16, unmerged yet
         self._idx = None  # positions of the reuse layer's unmerged tokens (host), until the buffers change
         self.pending = 0  # anchor: staged tokens its window expired before the reuse layer merged them
+
+    def __deepcopy__(self, memo):
+        return copy_owned(self, memo, "_tier")
+
+    @property
+    def tier(self) -> "MergedTier":
+        return self._tier()
 
     def peer(self) -> "MergedSide":
         """The anchor layer's side (for a reuse layer)."""
@@ -215,7 +224,7 @@ class MergedTier(SidesHeld):
         for name, s in self.sides.items():
             if isinstance(s, MergedSide):
                 s.role = "anchor" if link.layer == link.anchor else "reuse"
-                s.tier, s.name = self, name
+                s._tier, s.name = weakref.ref(self), name
 
     def _anchor(self) -> "MergedTier":
         return self.link.cache(self.link.anchor).tiers[self.link.tier]

@@ -15,12 +15,14 @@ Layers with a salient tier attend through explicit float32 partials, a block
 of queries at a time (the probabilities need the softmax normaliser over
 everything held), never [heads x queries x keys] for a whole long prompt.
 """
+import weakref
 from typing import List, Optional
 
 import mlx.core as mx
 
 from ..errors import VeloxError
 from . import decoded_attention
+from .copying import copy_owned
 from .scoring import position_mask
 
 QUERY_BLOCK = 128
@@ -28,7 +30,15 @@ QUERY_BLOCK = 128
 
 class Saliency:
     def __init__(self, cache, index: int):
-        self.cache, self.index = cache, index  # index: the salient tier; index - 1 feeds it
+        self._cache = weakref.ref(cache)  # the cache owns its saliency (copying.copy_owned)
+        self.index = index  # the salient tier; index - 1 feeds it
+
+    def __deepcopy__(self, memo):
+        return copy_owned(self, memo, "_cache")
+
+    @property
+    def cache(self):
+        return self._cache()
 
     @classmethod
     def attach(cls, cache) -> Optional["Saliency"]:
