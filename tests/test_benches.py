@@ -68,6 +68,14 @@ def test_e2e_repeats_rows_and_prints_medians(capsys):
     assert "| 1.000× |" in rows[0] and rows[0].startswith("| mlx-lm KVCache |")  # paired ratio: KVCache to itself
 
 
+def test_run_peaks_prints_a_row_per_run(capsys):
+    from veloxquant.bench import run_peaks
+    assert run_peaks.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
+                           "--vocab", "300", "--dtype", "float32", "--recipes", "kvcache,fp16", "--runs", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| kvcache |", "| fp16 |"))]
+    assert len(rows) == 4 and all(len(r.split("|")) == 7 for r in rows)
+
+
 def test_fp16_decode_step_builds_kvcache_graph():
     # The fp16 recipe's decode step must build mlx-lm KVCache's primitives, one for one, in the same
     # order (docs/kernels.md, "The fp16 path at KVCache's op count"): any extra op is a launch per layer.
