@@ -76,7 +76,7 @@ class LatentTier(SidesHeld):
                 s.basis_of = functools.partial(anchor_fitted, link, name)
 
     def _member(self, layer: int, side: str) -> LatentSide:
-        return self.link.cache(layer).tiers[self.link.tier].sides[side]
+        return member_side(self.link, layer, side)
 
     def _group_basis(self, side: str) -> Optional[Dict[str, mx.array]]:
         """The group's basis, fitted by the first member to finish (the anchor: mlx-lm runs layers in
@@ -132,6 +132,11 @@ class LatentTier(SidesHeld):
         self.count -= n
 
 
+def member_side(link, layer: int, side: str) -> LatentSide:
+    """`side` of the group's tier in `layer`'s cache."""
+    return link.cache(layer).tiers[link.tier].sides[side]
+
+
 def anchor_fitted(link, side: str):
     """The basis the group's anchor fitted for `side` (None until it has)."""
-    return link.cache(link.anchor).tiers[link.tier].sides[side].fitted
+    return member_side(link, link.anchor, side).fitted
