@@ -9,6 +9,7 @@ from mlx_lm import stream_generate
 
 from .recipe import load_recipe
 from .runtime import make_prompt_cache, uninstall
+from .runtime.cache_list import kept_caches, recipe_caches
 from .runtime.persist import save_prompt_cache
 
 
@@ -18,9 +19,18 @@ def fp16_bytes(caches) -> int:
 
 
 def cache_report(caches) -> Dict[str, object]:
+    """What the caches hold. A hybrid model's own state caches (ArraysCache) are not compressed: their
+    bytes are reported apart (`kept_bytes`), and `compressed_layers` says which layers the recipe runs."""
+    everything, caches = caches, recipe_caches(caches)
+    kept = kept_caches(everything)
     held = [c.size() for c in caches]
     cache_bytes = sum(c.nbytes for c in caches)
     base = fp16_bytes(caches)
+    plan = getattr(caches[0], "plan_root", None) if caches else None
+    layout = {} if plan is None or plan.shape.trivial_layout else {
+        "compressed_layers": sorted(m for i in range(plan.shape.n_layers) for m in plan.shape.model_layers(i)),
+        "kept_layers": {str(i): type(c).__name__ for i, c in kept},
+        "kept_bytes": sum(c.nbytes for _, c in kept)}
     return {
         "tokens": caches[0].offset if caches else 0,
         "tokens_held_per_layer": {"min": min(held), "max": max(held)} if held else {},
@@ -31,6 +41,7 @@ def cache_report(caches) -> Dict[str, object]:
         # calibration artifacts are constants shared by the model's caches: beside the cache, not in it
         "calibration_bytes": calibration_bytes(caches),
         **allocated_budgets(caches),
+        **layout,
     }
 
 
@@ -121,7 +132,7 @@ def generate(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, obj
     report = {
         "text": "".join(pieces),
         "recipe": recipe.name,
-        "fingerprint": caches[0].fingerprint,
+        "fingerprint": recipe_caches(caches)[0].fingerprint,
         "prompt_tokens": len(tokens),
         "generated_tokens": last.generation_tokens if last else 0,
         **cache_report(caches),
@@ -164,6 +175,10 @@ def format_report(r: Dict[str, object]) -> str:
     ]
     if "saved_cache_bytes" in r:
         rows.append(("saved cache file", f"{r['saved_cache_bytes']:,} bytes"))
+    if "compressed_layers" in r:
+        kept = ", ".join(f"{i} ({name})" for i, name in r["kept_layers"].items()) or "none"
+        rows.insert(3, ("compressed layers", ", ".join(map(str, r["compressed_layers"]))))
+        rows.insert(4, ("kept as the model made", f"layers {kept}: {r['kept_bytes']:,} bytes, not compressed"))
     if r.get("calibration_bytes"):
         rows.insert(3, ("calibration artifact", f"{r['calibration_bytes']:,} bytes (shared, not in the cache)"))
     text = "\n".join(f"{k:<24} {v}" for k, v in rows)

@@ -104,6 +104,8 @@ def render(plan: Plan) -> str:
     lines = [f"recipe {plan.recipe}  fingerprint {plan.fingerprint}",
              f"model  {s.name}: {s.n_layers} layers, kv heads {sorted(set(s.n_kv_heads))}, "
              f"head_dim {sorted(set(s.head_dim))}, sliding-window layers {sum(w is not None for w in s.windows)}"]
+    if not s.trivial_layout:
+        lines.append(f"layout {s.layout_text()}")
     if plan.params:
         from ..recipe.params import Schedule
         shown = ", ".join(f"{k}={v.text() if isinstance(v, Schedule) else v}" for k, v in plan.params.items())
@@ -114,7 +116,9 @@ def render(plan: Plan) -> str:
         which = f"layer {first}" if first == last else f"layers {first}-{last}"
         layer = group[0]
         window = f", sliding window {layer.window}" if layer.window else ""
-        lines.append(f"{which} ({layer.kind}{window}; {layer.n_kv_heads} kv heads x {layer.head_dim}):")
+        model = "" if s.trivial_layout else \
+            f"model layers {', '.join(str(m) for l in group for m in s.model_layers(l.index))}; "
+        lines.append(f"{which} ({model}{layer.kind}{window}; {layer.n_kv_heads} kv heads x {layer.head_dim}):")
         values = _layer_values(plan, layer.index)
         lines += [_tier_line(t, layer.head_dim, values) for t in layer.tiers]
         lines += _per_head_lines(layer)

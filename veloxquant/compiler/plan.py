@@ -124,6 +124,9 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         model = attrs.asdict(self.shape)
         del model["ropes"]  # unrope stages carry their layer's settings; other plans keep their fingerprints
+        for usual in ("slots", "readers"):  # the usual layout (compiler/layout.py) is not written: fingerprints kept
+            if not model[usual]:
+                del model[usual]
         return {"model": model, "layers": [l.to_dict() for l in self.layers]}
 
     @property

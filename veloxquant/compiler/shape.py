@@ -4,6 +4,7 @@ from typing import Optional, Tuple
 import attrs
 
 from ..errors import VeloxError
+from . import layout
 
 
 @attrs.frozen
@@ -15,6 +16,13 @@ class ModelShape:
     # Per layer: the RoPE settings unrope inverts (stages/unrope.RopeSpec), or a string saying why there are
     # none. Not part of the fingerprint: the unrope stages that use them carry their own copy.
     ropes: Tuple = ()
+    # The model's cache list when it is not one attention cache per layer (compiler/layout.py): per entry,
+    # "attention" (the next of the caches above, which the recipe compresses) or the mlx-lm class of a
+    # non-attention layer's state, passed through; and per cache above, the model layers attending over it
+    # (Gemma 4's last layers read earlier layers' caches). Empty for the usual layout, so its plans keep
+    # their fingerprints.
+    slots: Tuple[str, ...] = ()
+    readers: Tuple[Tuple[int, ...], ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -27,31 +35,56 @@ class ModelShape:
 
     @classmethod
     def from_model(cls, model, name: str = "model") -> "ModelShape":
-        """Read the shape off an mlx-lm model; windows come from its own make_cache()."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
-
+        """Read the shape off an mlx-lm model: its attention caches, as its own make_cache() lays them out
+        (compiler/layout.py); heads, head_dim and RoPE from the layer that owns each cache."""
+        read = layout.read(model, name)
         layers = list(model.layers)
+        owners = [layers[r[0]] for r in read.readers]
         heads, dims = [], []
         args = getattr(model, "args", None)
-        for i, layer in enumerate(layers):
+        for r, layer in zip(read.readers, owners):
             attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-            n_kv = getattr(attn, "n_kv_heads", None) or getattr(args, "num_key_value_heads", None)
+            n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None) \
+                or getattr(args, "num_key_value_heads", None)
             hd = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None)
             if hd is None and args is not None:
                 hd = args.hidden_size // args.num_attention_heads
             if not n_kv or not hd:
-                raise VeloxError(f"layer {i} of {name} has no attention veloxquant can read (n_kv_heads/head_dim)")
+                raise VeloxError(f"layer {r[0]} of {name} has no attention veloxquant can read (n_kv_heads/head_dim)")
             heads.append(int(n_kv))
             dims.append(int(hd))
-        windows = [None] * len(layers)
-        if hasattr(model, "make_cache"):
-            for i, c in enumerate(model.make_cache()):
-                if isinstance(c, RotatingKVCache):
-                    windows[i] = int(c.max_size)
-                elif not isinstance(c, KVCache):
-                    raise VeloxError(f"layer {i} of {name} uses {type(c).__name__}, not an attention KV cache; "
-                                     "veloxquant compresses attention KV caches only")
-        return cls(name, tuple(heads), tuple(dims), tuple(windows), tuple(_ropes(layers)))
+        shared = () if read.trivial else read.slots, () if read.trivial else read.readers
+        return cls(name, tuple(heads), tuple(dims), read.windows, tuple(_ropes(owners)), *shared)
+
+    @property
+    def trivial_layout(self) -> bool:
+        """One attention cache per model layer (no kept state caches, no shared caches)."""
+        return not self.slots
+
+    def layout_text(self) -> str:
+        """Which model layers the recipe compresses, and what the others keep (explain, run, errors)."""
+        if self.trivial_layout:
+            return f"{self.n_layers} layers, one attention cache each"
+        kept = [(i, s) for i, s in enumerate(self.slots) if s != layout.ATTENTION]
+        owners = [r[0] for r in self.readers]
+        n_model = len(self.slots) + sum(len(r) - 1 for r in self.readers)
+        parts = [f"{n_model} model layers; the recipe compresses {self.n_layers} attention caches "
+                 f"(model layers {_list(owners)}; recipe layer i is the i-th of them)"]
+        for name in sorted({s for _, s in kept}):
+            parts.append(f"layers {_list([i for i, s in kept if s == name])} keep their own {name} (not compressed)")
+        shared = [(j, r[0]) for r in self.readers for j in r[1:]]
+        if shared:
+            parts.append("KV-shared layers " + ", ".join(f"{j} (reads {o}'s)" for j, o in shared) +
+                         " attend over their owner's compressed cache")
+        return "; ".join(parts)
+
+    def model_layers(self, index: int) -> Tuple[int, ...]:
+        """The model layers attending over attention cache `index` (its owner first)."""
+        return self.readers[index] if self.readers else (index,)
+
+
+def _list(values) -> str:
+    return ", ".join(map(str, values))
 
 
 def _ropes(layers):

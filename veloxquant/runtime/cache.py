@@ -29,6 +29,8 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
 
 
 class TieredCache(_BaseCache):
+    lends = False  # later layers attend over this cache too (Gemma 4): runtime/shared_kv.py
+
     def __init__(self, plan: LayerPlan):
         self.plan = plan
         self.tiers = [kinds.build(t, plan, kinds.fed_in_chunks(plan, i)) for i, t in enumerate(plan.tiers)]

@@ -8,6 +8,8 @@ any other cache falls through to mlx-lm's original function.
 import sys
 from typing import Dict
 
+from . import shared_kv
+
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
 NOT_ROUTED = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
@@ -24,7 +26,13 @@ def _routed(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
         attend = getattr(cache, "attend", None)
         if attend is not None:
+            if getattr(cache, "lends", False):  # later layers attend over this one's cache (runtime/shared_kv.py)
+                shared_kv.lend(cache, keys)
             return attend(queries, scale=scale, mask=mask, sinks=sinks)
+        if cache is None and shared_kv.lending():
+            owner = shared_kv.lender(keys)
+            if owner is not None:  # a KV-shared layer: its owner's tiers answer, with this layer's queries
+                return owner.attend(queries, scale=scale, mask=mask, sinks=sinks, observe=False)
         if sinks is not None:
             kwargs["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)

@@ -3,8 +3,10 @@ from typing import Iterable, List, Union
 
 from ..calibration import bind
 from ..compiler import ModelShape, Plan, compile_recipe
+from ..compiler.layout import own_caches
+from ..errors import VeloxError
 from ..recipe import Recipe, load_recipe
-from . import hook, model_pass
+from . import cache_list, hook, model_pass
 from .cache import TieredCache
 from .coordinator import link_groups
 
@@ -25,8 +27,10 @@ def caches_for(plan: Plan) -> List[TieredCache]:
 
 
 def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable[str] = (),
-                      use_hook: bool = True, tokenizer=None) -> List[TieredCache]:
-    """One TieredCache per layer for `model` under `recipe` (a built-in name or a path).
+                      use_hook: bool = True, tokenizer=None) -> list:
+    """`model`'s cache list under `recipe` (a built-in name or a path): a TieredCache for each attention
+    cache of the model's own make_cache(); a hybrid model's non-attention state caches are its own,
+    untouched; Gemma 4's KV-shared layers attend over their owners' caches (compiler/layout.py).
 
     With `use_hook` (the default) attention is routed to the caches
     (veloxquant.uninstall(model) undoes it); without it the caches return
@@ -35,8 +39,12 @@ def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable
     veloxquant.models.load_model bring their own.
     """
     plan = plan_for(model, recipe, sets, use_hook)
+    if not plan.shape.trivial_layout and any(model_pass.NEED in layer.needs for layer in plan.layers):
+        raise VeloxError(f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run this "
+                         "model's non-attention or KV-shared layers outside their own caches: not supported "
+                         "on this layout (see `veloxquant explain --model`)")
     if use_hook:
         hook.install(model)
     caches = caches_for(plan)
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
-    return caches
+    return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))

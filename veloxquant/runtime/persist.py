@@ -13,17 +13,20 @@ import mlx.core as mx
 from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import checksums, coded, deferred, hook
-from .cache import TieredCache
+from . import cache_list, checksums, coded, deferred, hook, kept_state
+from .cache_list import kept_caches, recipe_caches
 from .make import caches_for
 
 FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)
 
 
-def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[Dict[str, str]] = None) -> int:
-    """Write `caches` to `path` (.safetensors); returns the file's size in bytes."""
+def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]] = None) -> int:
+    """Write `caches` (the list make_prompt_cache returned) to `path` (.safetensors); returns the file's
+    size in bytes. A hybrid model's own state caches in the list are saved beside the recipe's."""
+    everything, caches = caches, recipe_caches(caches)
     plan = getattr(caches[0], "plan_root", None) if caches else None
-    if plan is None or not all(isinstance(c, TieredCache) for c in caches):
+    if plan is None or len(kept_caches(everything)) + len(caches) != len(everything) \
+            or len(everything) != len(plan.shape.slots or plan.layers):
         raise VeloxError("save_prompt_cache takes the caches made by veloxquant.make_prompt_cache")
     arrays: Dict[str, mx.array] = {}
     layers = []
@@ -41,14 +44,17 @@ def save_prompt_cache(path: str, caches: List[TieredCache], metadata: Optional[D
         layers.append({"offset": cache.offset, "dtype": str(cache.dtype).split(".")[-1], "tiers": tiers})
     meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
             "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
+    if not plan.shape.trivial_layout:
+        meta["kept"] = json.dumps(kept_state.save(kept_caches(everything), arrays))
     meta.update({f"user.{k}": str(v) for k, v in (metadata or {}).items()})
     mx.save_safetensors(str(path), arrays, checksums.sign(arrays, meta))
     return Path(path).stat().st_size
 
 
 def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
-                      model=None) -> Tuple[List[TieredCache], Dict[str, str]]:
-    """Rebuild the caches saved at `path`; returns (caches, user metadata).
+                      model=None) -> Tuple[list, Dict[str, str]]:
+    """Rebuild the caches saved at `path`, laid out as make_prompt_cache laid them out; returns
+    (caches, user metadata).
 
     Given `model`, checks the file was made for a model of its shape and installs the
     attention hook, as make_prompt_cache does. Without it, a recipe whose scorers need the
@@ -94,20 +100,29 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
     for problem in coordinator.problems() if coordinator else ():
         raise CacheFileError(f"{path}: {problem}")  # re-linked, but the groups' tiers do not add up
     user = {k[5:]: v for k, v in meta.items() if k.startswith("user.")}
+    kept = None
+    if not plan.shape.trivial_layout:
+        try:
+            kept = kept_state.load(json.loads(meta["kept"]), arrays, len(plan.shape.slots))
+        except (KeyError, ValueError, TypeError) as e:
+            raise CacheFileError(f"{path}: corrupt state of the model's own caches ({e})") from None
     if model is not None:
         hook.install(model)
-    return caches, user
+    return cache_list.assemble(plan, caches, kept), user
 
 
 def _check_model(path: str, plan, model) -> None:
     if model is not None:
         shape = ModelShape.from_model(model)
-        mine = (shape.n_kv_heads, shape.head_dim, shape.windows)
-        if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows):
+        mine = (shape.n_kv_heads, shape.head_dim, shape.windows, shape.slots, shape.readers)
+        if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows, plan.shape.slots,
+                    plan.shape.readers):
             raise CacheFileError(
                 f"{path}: made for a model with {len(plan.shape.head_dim)} layers, kv heads "
                 f"{_runs(plan.shape.n_kv_heads)}, head_dim {_runs(plan.shape.head_dim)}; the model given has "
-                f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}")
+                f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}"
+                + ("" if mine[3:] == (plan.shape.slots, plan.shape.readers) else
+                   f"; cache layout: the file's {plan.shape.layout_text()}, the model's {shape.layout_text()}"))
     elif any("attention" in layer.needs for layer in plan.layers) and not hook.any_installed():
         raise VeloxError(f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
                          "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
