@@ -5,7 +5,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.runtime.amc_side import AmcSide
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.amc import Amc
 from conftest import feed, tiny_gemma3, tiny_llama

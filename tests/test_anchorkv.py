@@ -7,7 +7,7 @@ import pytest
 
 import veloxquant
 from veloxquant.runtime.anchor_side import AnchorSide
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.stages.anchor import Anchor
 from veloxquant.stages.store import Affine
 

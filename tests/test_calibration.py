@@ -9,7 +9,7 @@ from veloxquant.calibration import CalibrationError, binding
 from veloxquant.calibration.artifact import directory
 from veloxquant.calibration.explain import calibration_lines
 from veloxquant.errors import CacheFileError
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.make import plan_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache

@@ -9,7 +9,7 @@ from veloxquant.compiler import SMOLLM2_135M, compile_recipe
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime import code_attention
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.scoring import position_mask

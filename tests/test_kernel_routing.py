@@ -86,3 +86,40 @@ def test_kernel_tiers_are_row_contiguous(model, recipe, kernel_on_cpu):
         for t in c.tiers:
             if (t.fusable or getattr(t, "kernel_reads", False)) and t.count:
                 assert all(b.step is None for bufs in t.buffers.values() for b in bufs.values()), t.plan.name
+
+
+def test_the_table_routes_each_call_to_its_default_attend_kernel(monkeypatch):
+    """attend_tc wherever its scope takes the call (at D = 256 only in one launch), attend_mma
+    at D = 128 from MMA_MIN_TOKENS where tc refuses, v1 else; a named kernel where its scope
+    takes the call, else v1; v1 alone for a chunk size or a hidden front."""
+    from veloxquant.kernels import table
+    monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
+    kivi, tok = ((4, 32, "channel"), (4, 32, "token")), ((4, 32, "token"), (4, 32, "token"))
+    route = lambda B, Hq, Lq, D, Hkv, L, specs, **kw: table.attend_route((B, Hq, Lq, D, Hkv, L), *specs, **kw)
+    assert set(table.ATTEND_ORDER) == {k.name for k in table.family("attend")}
+    assert all(table.verified(name, "cuda") for name in table.ATTEND_ORDER)
+    assert not any(table.verified(name, "cpu") or table.verified(name, "metal") for name in table.KERNELS)
+    assert route(1, 32, 1, 128, 8, 32768, kivi) == "tc"
+    assert route(1, 32, 1, 128, 8, 32768, tok) == "v1"  # per-token keys: no tensor-core kernel
+    assert route(1, 4, 3, 256, 1, 4096, kivi) == "v1"  # 12 rows at D = 256: tc and mma refuse
+    assert route(1, 32, 8, 128, 8, 32768, kivi) == "v1"  # 32 rows: tc and mma refuse
+    assert route(1, 32, 1, 128, 8, 32768, kivi, hides=True) == "v1"
+    assert route(1, 32, 1, 128, 8, 32768, kivi, chunk=128) == "v1"
+    assert route(1, 32, 1, 128, 8, 32768, kivi, impl="tc") == "tc"
+    assert route(1, 32, 1, 128, 8, 32768, kivi, impl="mma") == "mma"
+    assert route(1, 32, 1, 128, 8, 32768, tok, impl="mma") == "v1"  # outside mma's scope
+    assert route(1, 4, 1, 256, 1, 2048, kivi) == "tc"  # D = 256: tc where it merges in its launch
+    assert route(1, 4, 1, 256, 1, 32768, kivi) == "v1"
+    assert route(1, 4, 1, 256, 1, 32768, kivi, impl="tc") == "tc"
+    assert route(1, 32, 3, 128, 8, 32768, kivi) == "tc"  # 12 rows: tc, not mma (<= 4)
+    assert route(1, 32, 5, 128, 8, 32768, kivi) == "v1"  # 20 rows: both refuse
+    monkeypatch.setitem(table.KERNELS, "tc", table.KERNELS["tc"]._replace(verified=frozenset()))
+    assert route(1, 32, 1, 128, 8, 32768, kivi) == "mma"  # tc not verified: mma from 16k at D = 128
+    assert route(1, 32, 1, 128, 8, 16383, kivi) == "v1"
+    assert route(1, 32, 1, 64, 8, 32768, kivi) == "v1"
+    monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "tc")
+    assert route(1, 32, 1, 128, 8, 32768, kivi) == "tc"  # forcing needs no verified flag
+    monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "split")  # retired: names no kernel, the default runs
+    assert route(1, 32, 1, 128, 8, 32768, kivi) == "mma"
+    with pytest.raises(ValueError, match="no attend kernel 'split'"):
+        route(1, 32, 1, 128, 8, 32768, kivi, impl="split")

@@ -10,7 +10,7 @@ import pytest
 
 from veloxquant.kernels import backend, choice, fused_affine_partial
 from veloxquant.kernels.reference import affine_partial_attention as reference
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.stages.store import Affine
 
 TOL = 1e-3
@@ -82,7 +82,7 @@ def test_dispatch_matches_reference_on_present_backend(case):
 
 def test_reference_merges_with_other_tiers_exactly():
     # The lse makes a tier's partial mergeable: two halves merge to the whole.
-    from veloxquant.runtime.attention import merge_partials
+    from veloxquant.kernels.partials import merge_partials
     ks, vs = KIVI2
     q, ke, ve = make(1, 4, 2, 1, 64, 128, ks, vs)
     half = lambda enc, n, g: {k: a[:, :, : n // (g if k != "codes" else 1)] for k, a in enc.items()}
@@ -140,10 +140,16 @@ def test_mma_kernel_scope_and_default():
     assert cuda.mma_supported(32, 1, 128, 8, 32768, *kivi) == ""
     assert "rows" in cuda.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
     assert "per-channel" in cuda.mma_supported(8, 1, 128, 2, 512, (4, 32, "token"), (4, 32, "token"))
-    os.environ.pop("VELOXQUANT_CUDA_IMPL", None)
-    assert cuda.fallback_impl(64, 32768) == "v1" and cuda.fallback_impl(128, 4096) == "v1"
-    assert cuda.fallback_impl(128, 32768) == ("mma" if cuda.MMA_VERIFIED else "v1")
-    assert cuda.fallback_impl(128, cuda.MMA_MIN_TOKENS - 1) == "v1"
+
+
+def test_bank_model_pads_rows_that_lanes_read_on_one_bank():
+    from veloxquant.kernels import tc
+    # 128/4-bit values: lanes (g, tig) read 8 bytes at row 2*tig, column 8*g; with
+    # 64-byte rows four rows of a half-warp share banks (4 wavefronts per half).
+    rows = lambda rs: [(2 * (lane % 4)) * rs + (lane // 4) * 8 for lane in range(32)]
+    assert tc._wavefronts(rows(64), 8) == 8 and tc._wavefronts(rows(80), 8) == 2
+    assert tc.row_strides(128, 4, 4) == (64, 80)  # keys already conflict-free, values padded
+    assert tc._wavefronts([16 * lane for lane in range(32)], 16) == 4  # contiguous: the ideal
 
 
 # ---------------------------------------------------------------- CUDA only
@@ -184,7 +190,7 @@ def _kernel(impl, monkeypatch) -> str:
 def _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs):
     from veloxquant.kernels import cuda, tc
     from veloxquant.kernels.reference import spec_fields
-    why = tc.supported if impl in ("tc", "tc2") else cuda.mma_supported if impl in ("mma", "split") else None
+    why = tc.supported if impl in ("tc", "tc2") else cuda.mma_supported if impl == "mma" else None
     if why and why(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
         pytest.skip(f"not a call the {impl} kernel takes")
 
@@ -199,7 +205,7 @@ def _record(name, err):
             f.write(json.dumps({"case": name, "max_abs_err": err}) + "\n")
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc", "tc2"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "tc", "tc2"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
                          f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
 @pytest.mark.gpu
@@ -242,7 +248,7 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup, monkeypatch):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, chunk=ch), want)
         _record(f"sliced views (V group {vgroup}), chunk {ch}", err)
         assert err <= TOL
-    for impl in ("mma", "split", "tc", "tc2"):
+    for impl in ("mma", "tc", "tc2"):
         err = maxerr(cuda.affine_partial_attention(q, ke, ve, ks, vs, 0.09, impl=_kernel(impl, monkeypatch)), want)
         _record(f"[{impl}] sliced views (V group {vgroup})", err)
         assert err <= TOL
@@ -251,10 +257,10 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_dispatch_on_cuda_uses_the_kernel_once_verified():
-    from veloxquant.kernels import dispatch
+    from veloxquant.kernels import table
     q, ke, ve = make(1, 8, 2, 1, 128, 256, *KIVI2)
     impl, why = choice(q, ke, ve, *KIVI2, scale=0.1)
-    assert impl == ("cuda" if "cuda" in dispatch.VERIFIED_BACKENDS else "reference"), why
+    assert impl == ("cuda" if table.verified("v1", "cuda") else "reference"), why
 
 
 def _dense_tier(B, Hkv, W, D, dtype, seed, cap=0):
@@ -275,7 +281,7 @@ TAIL_CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec, q dtype, [(W, cap), ...])
 ]
 
 
-@pytest.mark.parametrize("impl", ["v1", "mma", "split", "tc", "tc2"])
+@pytest.mark.parametrize("impl", ["v1", "mma", "tc", "tc2"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: f"H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-tail{c[9]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
@@ -283,7 +289,7 @@ def test_cuda_reduce_folds_dense_tiers(case, impl, monkeypatch):
     """reduce_tail (or attend_tc's tail blocks and merge, "tc"): the coded tier's partials plus
     exact attention over 16-bit tiers (contiguous or strided views), written in q's dtype."""
     from veloxquant.kernels import cuda
-    from veloxquant.runtime.attention import merge_partials
+    from veloxquant.kernels.partials import merge_partials
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
     _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
@@ -370,7 +376,7 @@ HIDE_CASES = [  # (Hq, Hkv, D, L, hidden, chunk, tail W): Gemma-3's sliding laye
 def test_cuda_kernel_hides_the_tiers_front(case):
     """`hidden`: a sliding window's expired tokens at the coded tier's front are left out by count."""
     from veloxquant.kernels import cuda
-    from veloxquant.runtime.attention import merge_partials
+    from veloxquant.kernels.partials import merge_partials
     Hq, Hkv, D, L, hidden, chunk, W = case
     ks, vs = KIVI2
     q, ke, ve = make(1, Hq, Hkv, 1, D, L, ks, vs)

@@ -11,7 +11,7 @@ from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime import latent_side, latent_tier
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.bit_alloc import allocate

@@ -5,7 +5,7 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from conftest import feed, tiny_gemma3, tiny_llama
 

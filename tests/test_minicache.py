@@ -6,7 +6,7 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.cache import TieredCache
 from veloxquant.runtime.merged_tier import MergedSide
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache

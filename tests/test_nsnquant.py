@@ -5,7 +5,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, compile_recipe
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.tier import Tier

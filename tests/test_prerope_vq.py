@@ -5,7 +5,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.calibration import binding
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.make import plan_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache

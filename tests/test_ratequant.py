@@ -8,7 +8,7 @@ import veloxquant as vq
 from veloxquant.calibration import binding
 from veloxquant.calibration.explain import calibration_lines
 from veloxquant.compiler import ModelShape
-from veloxquant.runtime.attention import partial_attention
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.tier import Tier

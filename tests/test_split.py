@@ -97,7 +97,7 @@ def test_split_by_queries_weighs_spread_by_the_queries_channels():
     q2 = mx.put_along_axis(q2, widest[..., None], mx.zeros((1, 3, 1)), axis=-1)  # no query reads it
     split = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="queries")
     plain = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="variance")
-    from veloxquant.stages.bitpack import unpack
+    from veloxquant.kernels.bitpack import unpack
     chosen = unpack(split.encode(x, q2)["mask"], 1, 64)[:, :, 0]
     before = unpack(plain.encode(x)["mask"], 1, 64)[:, :, 0]
     assert mx.all(mx.take_along_axis(before, widest[..., None], axis=-1) == 1).item()

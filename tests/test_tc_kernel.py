@@ -68,13 +68,11 @@ def test_nvcc_renders_the_tc_kernel_as_mlx_would():
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
 @pytest.mark.parametrize("unit,shape,Lq,bits,qtype", [
     ("tc", "32/8/128", 1, 4, "float16"), ("tc", "32/8/128", 4, 4, "float16"), ("tc", "9/3/64", 3, 2, "float32"),
-    ("tc", "4/1/256", 1, 8, "bfloat16"), ("split", "32/8/128", 1, 4, "float16"), ("split", "9/3/64", 1, 2, "float32"),
-    ("split", "4/1/256", 1, 4, "float16"), ("split", "4/1/256", 1, 8, "bfloat16")])
+    ("tc", "4/1/256", 1, 8, "bfloat16")])
 def test_pipelined_kernels_compile_for_sm90_without_spills(unit, shape, Lq, bits, qtype):
     from veloxquant.kernels import nvcc_check
     Hq, Hkv, D = (int(x) for x in shape.split("/"))
-    render = nvcc_check.tc_unit if unit == "tc" else nvcc_check.split_unit
-    report = nvcc_check.compile_unit(render(1, Hq, Lq, D, Hkv, 32768, (bits, 32, "channel"), (bits, 32, "token"), qtype))
+    report = nvcc_check.compile_unit(nvcc_check.tc_unit(1, Hq, Lq, D, Hkv, 32768, (bits, 32, "channel"), (bits, 32, "token"), qtype))
     assert " 0 bytes spill stores" in report
     if unit == "tc":  # the plan's shared-memory budget counts what ptxas allocates statically
         static = int(re.search(r"(\d+) bytes smem", report).group(1))

@@ -8,7 +8,7 @@ import pytest
 from veloxquant.bench.e2e import random_llama
 from veloxquant.kernels import cuda, dispatch, reference
 from veloxquant.runtime import make_prompt_cache, uninstall
-from veloxquant.runtime.attention import merge_partials, partial_attention
+from veloxquant.kernels.partials import merge_partials, partial_attention
 
 
 @pytest.fixture(scope="module")

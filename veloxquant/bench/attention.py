@@ -7,9 +7,9 @@ Times, per (head shape, sequence length, bits):
   reference  veloxquant's MLX-ops reference over affine codes (KIVI layout:
              keys per-channel, values per-token)
   fused      veloxquant's CUDA kernel over the same codes (CUDA backend only;
-             the default attend kernel, cuda.default_impl / VELOXQUANT_CUDA_IMPL)
-  fused-v1, fused-mma, fused-split, fused-tc   one attend kernel explicitly (A/B rows;
-             not in the default list; split = attend_split, tc = attend_tc, issue 18)
+             the default attend kernel, table.attend_route / VELOXQUANT_CUDA_IMPL)
+  fused-v1, fused-mma, fused-tc   one attend kernel explicitly (A/B rows;
+             not in the default list; tc = attend_tc, issue 18)
   fused-tc1, fused-tc2   attend_tc with its merge in the launch / in a reduce launch
 and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
@@ -97,7 +97,7 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     from veloxquant.kernels.dispatch import backend
     if backend() == "cuda":
         from veloxquant.kernels import cuda
-        # "fused": the default attend kernel (cuda.default_impl(), VELOXQUANT_CUDA_IMPL);
+        # "fused": the default attend kernel (table.attend_route, VELOXQUANT_CUDA_IMPL);
         # "fused-v1" / "fused-mma": one kernel explicitly, for A/B rows.
         methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk),
                             coded)
@@ -105,8 +105,6 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                                                                      impl="v1"), coded)
         methods["fused-mma"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="mma"),
                                 coded)
-        methods["fused-split"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale,
-                                                                        impl="split"), coded)
         methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"),
                                coded)
         from veloxquant.kernels import tc, tc_launch
@@ -117,7 +115,7 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                 if not tc.supported(q.shape[1], q.shape[2], q.shape[3], *shape[2][1:3], *shape[3:5]) \
                 else (None, "n/a (tc scope)")
     else:
-        for name in ("fused", "fused-v1", "fused-mma", "fused-split", "fused-tc", "fused-tc1", "fused-tc2"):
+        for name in ("fused", "fused-v1", "fused-mma", "fused-tc", "fused-tc1", "fused-tc2"):
             methods[name] = (None, "n/a (no CUDA)")
     return methods
 
@@ -179,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
-                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-split, fused-tc, "
+                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-tc, "
                    "fused-tc1 / fused-tc2 (attend_tc in one launch / two)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..eval.feed import prefill
 from ..kernels import cuda, dispatch, lut
+from ..kernels import table as kernel_table
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_model
 
@@ -59,22 +60,21 @@ def stand_in_for_cuda():
         return mx.depends(q, [k, v])  # one op, as on CUDA; the CPU splits SDPA into matmuls + softmax
     def launch(inputs, output_shapes, output_dtypes, **_):
         return mx.depends([mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
-    code_kernels = {(dispatch.backend(), chain): lut.partial_attention for chain in lut.CHAINS}
+    lut_row = kernel_table.KERNELS["lut"]
     saved = (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
-             dispatch.encode_kernel, dict(dispatch.CODE_KERNELS))
+             dispatch.encode_kernel)
     dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
     cuda.launcher = lambda *a, **k: stand_in
     mx.fast.scaled_dot_product_attention = fused_sdpa
     lut._kernels, lut._encoder = lambda: (launch, launch), lambda: launch
     dispatch.encode_kernel = lambda codec: None if lut.encode_unsupported(codec) else lut.encode
-    dispatch.CODE_KERNELS.update(code_kernels)
+    kernel_table.register(lut_row._replace(verified=lut_row.verified | {dispatch.backend()}))
     try:
         yield
     finally:
         (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
-         dispatch.encode_kernel, kernels) = saved
-        dispatch.CODE_KERNELS.clear()
-        dispatch.CODE_KERNELS.update(kernels)
+         dispatch.encode_kernel) = saved
+        kernel_table.register(lut_row)
 
 
 def step(model, cache, context: int, steps: int):

@@ -11,7 +11,7 @@ per-call cost split into launches, beside the host floor, and an ncu target.
     ncu   each method three times between cudaProfilerStart/Stop (CUDART names
           libcudart), for `ncu --profile-from-start off ...` (docs/kernels.md).
 
-SEQS e.g. 32768,131072; BITS e.g. 4,2; IMPLS of mma, split, tc (default mma,split).
+SEQS e.g. 32768,131072; BITS e.g. 4,2; IMPLS of mma, tc (default mma,tc).
 """
 import ctypes
 import os
@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from veloxquant.bench.attention import timeit
-from veloxquant.kernels import cuda, split, tc, tc_launch
+from veloxquant.kernels import cuda, tc_launch
 from veloxquant.stages.store import Affine
 
 Hq, Hkv, D, G = 32, 8, 128, 32
@@ -57,8 +57,8 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
         if impl == "tc":
             att = tc_launch.partials(*shape)
         else:
-            la = cuda._launch_mma(*shape) if impl == "mma" else None
-            a, kw = (la.attend, la.a_kw) if la else split.launch_kw(*shape)
+            la = cuda._launch_mma(*shape)
+            a, kw = la.attend, la.a_kw
             att = lambda inputs, a=a, kw=kw: a(inputs=inputs, **kw)  # noqa: E731
         out[impl + "-attend"] = cycler([lambda ke=ke, ve=ve, att=att: att(
             [q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]])
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     mode = argv[0]
     seqs = [int(x) for x in (argv[1] if len(argv) > 1 else "32768,131072").split(",")]
     bits_list = [int(x) for x in (argv[2] if len(argv) > 2 else "4").split(",")]
-    impls = (argv[3] if len(argv) > 3 else "mma,split").split(",")
+    impls = (argv[3] if len(argv) > 3 else "mma,tc").split(",")
     a, b = mx.ones((16,)), mx.ones((16,))
     mx.eval(a, b)
     empty = mx.fast.cuda_kernel(name="vq_empty", input_names=["a"], output_names=["o"], source="o[0] = a[0];")

@@ -207,9 +207,10 @@ def _with_impl(tier: TierPlan) -> TierPlan:
     if tier.drops or getattr(tier.route, "per_head", False):
         return tier  # per-head tiers attend with masks by position: no fused kernel yet
     from ..kernels import dispatch
+    from ..kernels.table import verified
     plain_affine = all(not c.transforms and not c.residuals and c.store.stage_name == "affine"
                        for c in (tier.keys, tier.values))
-    if plain_affine and dispatch.backend() in dispatch.VERIFIED_BACKENDS:
+    if plain_affine and verified("v1", dispatch.backend()):
         impl = f"{dispatch.backend()}:affine_attention"
         return attrs.evolve(tier, keys=attrs.evolve(tier.keys, impl=impl), values=attrs.evolve(tier.values, impl=impl))
     return tier

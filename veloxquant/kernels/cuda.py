@@ -1,7 +1,8 @@
-"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`, and the choice
-of attend kernel (attend_tc: tc_launch.py). An attend kernel writes one max/sum/accumulator
-partial per block along the sequence and `reduce` merges them (attend_tc in its own launch
-where it can). Contract and format: kernels/CONTRACT.md.
+"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`: the v1 and
+attend_mma kernels (registered in the kernel table, table.py; attend_tc: tc_launch.py) and
+the reduce launches. An attend kernel writes one max/sum/accumulator partial per block
+along the sequence and `reduce` merges them (attend_tc in its own launch where it can).
+Contract and format: kernels/CONTRACT.md.
 """
 import math
 import os
@@ -12,53 +13,21 @@ import mlx.core as mx
 
 from ..paths import kernels_dir
 from .source import split_sections, strip as _strip
-from . import dispatch, split, tc_launch
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
+from .table import Kernel, attend_route, register
+from .table import KERNELS
 
 SOURCE = "cuda/affine_attention.cu"
 TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
 _QTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-# "mma" (section attend_mma): per-channel keys, per-token values, rows = rep * Lq <= 4;
-# "v1" (section attend): every supported call. MMA_VERIFIED: tests/test_kernels.py passed
-# on an NVIDIA H200 (mlx 0.32.4). Where attend_tc is not taken, mma from 16k tokens at
-# D = 128 (32/8/128 2-bit: 41.3 vs 40.3 us at 16k, 42.1 vs 45.1 at 32k; docs/kernels.md).
-MMA_VERIFIED = True
-MMA_MIN_TOKENS = 16384  # default_impl: from here mma measured at least even with v1
+# attend_mma (section attend_mma): per-channel keys, per-token values, rows = rep * Lq <= 4.
+# The default where attend_tc is not, from MMA_MIN_TOKENS at D = 128 (docs/kernels.md).
+MMA_MIN_TOKENS = 16384
 MMA_WARPS = 4  # warps per attend_mma block
 MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
-_IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
-# "split" (section attend_split, module split.py, issue 18): attend_mma's scope and
-# arithmetic behind a cp.async pipeline; parity passed on an NVIDIA H200 (68 passed).
-# Default nowhere since "tc" measured faster wherever split was (32/8/128 at 128k).
-SPLIT_VERIFIED = True
-# "tc" (kernels/cuda/tc_attention.cu + tc_fold.cu, modules tc.py / tc_launch.py, issue 18):
-# lean tensor-core kernel, rows <= 16, one launch where the merge is small (tc.folds).
-# TC_VERIFIED: its parity tests passed on an NVIDIA H200 (mlx 0.32.4; docs/kernels.md).
-# Default wherever its scope takes the call, but at D = 256 only in one launch: per call it
-# measured at or below attend_mma and v1 at 4k, 16k, 32k and 128k on 32/8/128, 9/3/64 and
-# 4/1/256 but one row (4/1/256 at 16k, two launches: 60.0 vs v1's 54.0 us), and a Gemma-3-
-# shaped decode at 8k (two launches) ran 0.821x KVCache against v1's 0.885x (docs/kernels.md).
-TC_VERIFIED = True
-
-
-def forced_impl() -> str:
-    """The attend kernel VELOXQUANT_CUDA_IMPL names ('' when it names none)."""
-    forced = os.environ.get(_IMPL_ENV, "").lower()
-    return forced if forced in ("mma", "v1", "split", "tc") else ""
-
-
-def default_impl(D: int = 0, L: int = 0) -> str:
-    """The attend kernel a call of head_dim D over L tokens asks for first (its scope may
-    refuse: `fallback_impl`)."""
-    return forced_impl() or ("tc" if TC_VERIFIED else fallback_impl(D, L))
-
-
-def fallback_impl(D: int, L: int) -> str:
-    """The default where attend_tc's scope refuses the call."""
-    return "mma" if MMA_VERIFIED and D == 128 and L >= MMA_MIN_TOKENS else "v1"
 
 
 def mma_supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
@@ -251,22 +220,17 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
              impl: Optional[str] = None, chunk: int = 0, hides: bool = False):
     """`run(q, k_enc, v_enc) -> (out, lse)` for calls of these shapes, with the kernel
-    choice and launch parameters resolved now: per call only the two launches remain
-    (a cache keeps one per tier between decode steps). `hides`: calls may hide tokens at
-    the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
+    choice (`table.attend_route`) and launch parameters resolved now: per call only the
+    launches remain (a cache keeps one per tier between decode steps). `hides`: calls may
+    hide tokens at the tier's front (`run(..., hidden=n)`, a sliding window): only v1 takes that."""
     B, Hq, Lq, D = qshape
     ksp, vsp = spec_fields(k_spec), spec_fields(v_spec)
-    which = dispatch.attend_impl(Hq, Lq, D, cshape[1], cshape[2], ksp, vsp, impl, chunk, hides, B)
-    if which == "tc":  # one launch where it can (tc.py)
-        return tc_launch.launcher(qshape, qdtype, cshape, ksp, vsp, float(scale))
-    if which == "mma":
-        la = _launch_mma(qshape, qdtype, cshape, ksp, vsp, float(scale))
-    elif which == "split":  # same partials as attend_mma, same reduce
-        attend, a_kw = split.launch_kw(qshape, qdtype, cshape, ksp, vsp, float(scale))
-        la = _Launch(attend, a_kw, float(scale))
-    else:
-        la = _launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
+    which = attend_route((B, Hq, Lq, D, cshape[1], cshape[2]), ksp, vsp, impl, chunk, hides)
+    return KERNELS[which].launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
+
+def _runner(la: _Launch, qshape: tuple, qdtype):
+    """The `run` of an attend launch whose partials the reduce (or reduce_tail) merges."""
     def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden: int = 0):
         """(out f32, lse) of this tier, its first `hidden` tokens left out; with `tail` (dense
         (k, v) tiers, every token visible, `tail_unsupported` empty) the final attention over
@@ -279,6 +243,29 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
         pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
         return merge(pm, pl, pacc, q, qshape, qdtype, la.scale, tail)
     return run
+
+
+def _launch_v1(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0):
+    return _runner(_launch(qshape, qdtype, cshape, kspec, vspec, scale, chunk), qshape, qdtype)
+
+
+def _launch_mma_run(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0):
+    return _runner(_launch_mma(qshape, qdtype, cshape, kspec, vspec, scale), qshape, qdtype)
+
+
+def _mma_scope(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    return mma_supported(Hq, Lq, D, Hkv, L, kspec, vspec)
+
+
+def _mma_prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    return "" if D == 128 and L >= MMA_MIN_TOKENS else f"mma: the default at D = 128 from {MMA_MIN_TOKENS} tokens"
+
+
+# Verified: tests/test_kernels.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+register(Kernel("v1", "attend", "affine_attention.cu, CUDA-core attend", frozenset({"cuda"}),
+                lambda *call: "", _launch_v1))
+register(Kernel("mma", "attend", "affine_attention.cu, tensor-core attend_mma", frozenset({"cuda"}),
+                _mma_scope, _launch_mma_run, _mma_prefer))
 
 
 def merge(pm, pl, pacc, q, qshape: tuple, qdtype, scale: float, tail=None):

@@ -1,37 +1,34 @@
 """Binding of kernels/cuda/lut_attention.cu: decode attention from Lloyd-Max codes (issue 18).
 
-A code kernel in the sense of `kernels.dispatch.code_kernel`: it answers
-`runtime.code_attention.codes_partial_attention`'s contract (a partial
+A code kernel in the sense of `kernels.dispatch.code_kernel`: for the calls its scope
+(`unsupported`) takes it answers `runtime.code_attention.codes_partial_attention`'s contract (a partial
 (out f32, lse)) for tiers whose codecs are orthogonal transforms (hadamard),
 a `lloydmax` store and at most one `residual(lloydmax(...))` stage, on both
 sides. Two launches: `lut_attend` rotates the query rows once (in shared memory),
 scores and sums the codes in the rotated domain and writes split-K partials;
 `lut_reduce` merges them and rotates each output row back once. Calls it does not take
 (masks, more than 4 rows per kv head, other stages, positional keys, tables
-that do not fit shared memory) go to the MLX-ops reference, so the answer never
-depends on which path ran.
+that do not fit shared memory) go to that MLX-ops reference (the caller checks the scope),
+so the answer never depends on which path ran.
 """
 import math
 from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..paths import kernels_dir
-from . import cuda
+from .cuda import sections as affine
 from .geometry import SM_COUNT
 from .source import split_sections, strip
+from .table import Kernel, register
 
 SOURCE = "cuda/lut_attention.cu"
-# Registered in dispatch.CODE_KERNELS only once tests/test_lut_kernel.py's gpu parity
-# cases passed on an NVIDIA H200 (docs/kernels.md).
-LUT_VERIFIED = True
-ENCODE_VERIFIED = True
 WARPS = 4
 BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM
 LUT_SMEM_MAX = 40 * 1024  # the key tables (float4 per channel and level) must fit beside the rest
-# Stage chains this kernel is registered for in dispatch.CODE_KERNELS (keys "/" values).
+# Stage chains this kernel is registered for (keys "/" values).
 _SIDES = (("lloydmax",), ("lloydmax", "residual"), ("hadamard", "lloydmax"), ("hadamard", "lloydmax", "residual"))
 CHAINS = tuple(k + ("/",) + v for k in _SIDES for v in _SIDES)
 
@@ -92,13 +89,13 @@ def _bits(k_codec, v_codec) -> Tuple[int, int, int, int]:
 
 @lru_cache(maxsize=64)
 def _levels(k_stages: tuple, v_stages: tuple, head_dim: int) -> mx.array:
-    """[4 * 256] f32: key store, key residual, value store, value residual levels; values / sqrt(D)."""
-    from ..stages.codebook import lloyd_max
+    """[4 * 256] f32: key store, key residual, value store, value residual levels (each stage's
+    `levels()`); values / sqrt(D)."""
     table = np.zeros((4, 256), np.float32)
     for row, stage, scale in ((0, k_stages[0], 1.0), (1, k_stages[1], 1.0),
                               (2, v_stages[0], head_dim ** -0.5), (3, v_stages[1], head_dim ** -0.5)):
         if stage is not None:
-            lev = lloyd_max(stage.bits, stage.dist)
+            lev = np.asarray(stage.levels(), np.float32)
             table[row, :lev.size] = lev * scale
     return mx.array(table.reshape(-1))
 
@@ -121,7 +118,7 @@ def _kernels():
 
 
 def header() -> str:
-    return strip(cuda.sections()["header"]) + strip(sections()["lut_header"])
+    return strip(affine()["header"]) + strip(sections()["lut_header"])
 
 
 def template(D: int, rows: int, bits: Tuple[int, int, int, int], k_hadamard: bool) -> list:
@@ -138,12 +135,8 @@ def splits(B: int, Hkv: int, L: int) -> int:
 
 
 def partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                      k_codec, v_codec, scale: float, mask: Optional[mx.array] = None,
-                      key_start: int = 0, first_q: Optional[int] = None):
-    """codes_partial_attention's answer, from the kernel where it takes the call."""
-    from ..runtime.code_attention import codes_partial_attention
-    if unsupported(queries, k_enc, v_enc, k_codec, v_codec, mask):
-        return codes_partial_attention(queries, k_enc, v_enc, k_codec, v_codec, scale, mask, key_start, first_q)
+                      k_codec, v_codec, scale: float):
+    """codes_partial_attention's answer, from the kernel (the caller checked `unsupported`)."""
     B, Hq, Lq, D = queries.shape
     _, Hkv, L, _ = k_enc["codes"].shape
     rows = (Hq // Hkv) * Lq
@@ -198,3 +191,10 @@ def encode(codec, x: mx.array) -> Dict[str, mx.array]:
     if residual is not None:
         enc.update({"r0.codes": c2.reshape(B, H, n, -1), "r0.norms": n2.reshape(B, H, n, 1)})
     return enc
+
+
+# Verified: tests/test_lut_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+register(Kernel("lut", "code", "lut_attention.cu, lut_attend", frozenset({"cuda"}), unsupported, partial_attention,
+                chains=CHAINS))
+register(Kernel("lloyd_encode", "encode", "lut_attention.cu, lloyd_encode", frozenset({"cuda"}), encode_unsupported,
+                encode))

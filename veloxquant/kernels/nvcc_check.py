@@ -1,6 +1,6 @@
 """Compile an attend kernel offline with nvcc, as MLX would build it, without a GPU.
 
-`python -m veloxquant.kernels.nvcc_check --impl split|v1|tc --shape 32/8/128 --seq 32768 --bits 4`
+`python -m veloxquant.kernels.nvcc_check --impl v1|tc --shape 32/8/128 --seq 32768 --bits 4`
 renders the source the way `mx.fast.cuda_kernel` does (MLX's default header,
 our header, the generated `__global__` signature, the template arguments as
 constexprs, the body; mlx/backend/cuda/custom_kernel.cpp: build_kernel), with
@@ -50,15 +50,6 @@ def render(name: str, header: str, body: str, inputs, outputs, template) -> str:
     return (_STANDIN + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
             + f"__global__ void {name}(\n" + ",\n".join(sig) + ") {\n" + "\n".join(consts) + "\n" + body
             + "\n}\n} // namespace mlx::core::cu\n")
-
-
-def split_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
-    from . import split
-    from .cuda import _strip, sections
-    p = split.plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
-    template = [(n, str(v) if n == "T" else v) for n, v in p.template]
-    return render("custom_kernel_vq_affine_attend_split", _strip(split.header(sections(), p.bps)),
-                  _strip(sections()["attend_split"]), _attend_inputs(qtype), _PARTIALS, template)
 
 
 def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, nx: int = 1) -> str:
@@ -127,11 +118,11 @@ def main(argv=None) -> int:
     a.add_argument("--bits", type=int, default=4)
     a.add_argument("--group", type=int, default=32)
     a.add_argument("--qtype", default="float16", choices=sorted(_CTYPES))
-    a.add_argument("--impl", default="split", choices=("split", "v1", "tc"))
+    a.add_argument("--impl", default="tc", choices=("v1", "tc"))
     a.add_argument("--print", action="store_true", help="print the rendered source, do not compile")
     o = a.parse_args(argv)
     Hq, Hkv, D = (int(x) for x in o.shape.split("/"))
-    unit = {"v1": v1_unit, "tc": tc_unit}.get(o.impl, split_unit)
+    unit = {"v1": v1_unit, "tc": tc_unit}[o.impl]
     src = unit(1, Hq, 1, D, Hkv, o.seq, (o.bits, o.group, "channel"), (o.bits, o.group, "token"), o.qtype)
     if o.print:
         print(src)

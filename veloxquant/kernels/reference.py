@@ -19,7 +19,8 @@ from typing import Dict, Mapping, Tuple, Union
 
 import mlx.core as mx
 
-from ..stages.bitpack import unpack
+from .bitpack import unpack
+from .partials import merge_partials, partial_attention
 
 Spec = Union[Mapping, object]
 
@@ -115,7 +116,6 @@ def attention_with_tail(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str
                         v_spec: Spec, scale: float, tail, hidden: int = 0) -> mx.array:
     """What the CUDA launch answers with a tail: attention over the coded tier (but its
     first `hidden` tokens) and the dense (k, v) tiers of `tail` together, in q's dtype."""
-    from ..runtime.attention import merge_partials, partial_attention  # runtime imports this module
     k = mx.concatenate([k for k, _ in tail], axis=2)
     v = mx.concatenate([v for _, v in tail], axis=2)
     parts = [affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale, hidden),

@@ -15,8 +15,10 @@ import os
 from functools import lru_cache
 from typing import NamedTuple
 
+from ..paths import kernels_dir
+from .cuda import sections as affine
 from .geometry import SM_COUNT, float_bits
-from .split import row_strides
+from .source import split_sections
 
 NW = 4  # warps per block
 ST = 32  # tokens per stage
@@ -53,6 +55,42 @@ def supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: t
     if kg % 16 or vg < 8 or L % 16:
         return "tc kernel: groups / tier length"
     return ""
+
+
+def _wavefronts(addrs, width: int) -> int:
+    """Shared-memory wavefronts of one warp-wide load of `width` bytes per lane at
+    these byte addresses: requests of 16 / 8 / <= 4 bytes are served 8 / 16 / 32 lanes
+    at a time, and each phase costs as many wavefronts as its busiest bank has distinct words."""
+    per_phase = 8 if width >= 16 else 16 if width == 8 else 32
+    total = 0
+    for p in range(0, 32, per_phase):
+        banks: dict = {}
+        for a in addrs[p:p + per_phase]:
+            for w in range(a // 4, (a + width - 1) // 4 + 1):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+@lru_cache(maxsize=None)
+def row_strides(D: int, kb: int, vb: int):
+    """(KRS, VRS): shared-memory row strides of key and value codes, bytes. The
+    kernel's lanes read key rows g, g+8 at column tig and value rows 2tig(+1, +8)
+    at column g (the mma fragments); the padding (0..48 bytes) with the fewest
+    wavefronts for those reads, the smallest on ties."""
+    lanes = range(32)
+    knb, vnb = D * kb // 32, (D // 8) * vb // 8
+    krb, vrb = D * kb // 8, D * vb // 8
+
+    def cost_k(rs):  # a 32-byte lane block is two 16-byte loads
+        return sum(_wavefronts([(l // 4 + 8 * e) * rs + (l % 4) * knb + 16 * h for l in lanes], min(knb, 16))
+                   for e in range(2) for h in range(max(1, knb // 16)))
+
+    def cost_v(rs):
+        return sum(_wavefronts([(2 * (l % 4) + (e & 1) + 8 * (e >> 1)) * rs + (l // 4) * vnb for l in lanes],
+                               min(vnb, 16)) for e in range(4))
+    return (min((krb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_k(rs), rs)),
+            min((vrb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_v(rs), rs)))
 
 
 def stage_bytes(D: int, kb: int, gk: int, vb: int, gv: int) -> int:
@@ -150,8 +188,6 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
 @lru_cache(maxsize=None)
 def sections() -> dict:
     """tc_attention.cu's sections and tc_fold.cu's."""
-    from ..paths import kernels_dir
-    from .source import split_sections
     d = kernels_dir() / "cuda"
     return {**split_sections((d / "tc_attention.cu").read_text()), **split_sections((d / "tc_fold.cu").read_text())}
 
@@ -159,7 +195,6 @@ def sections() -> dict:
 def header(bps: int, fold: bool = False, nx: int = 0) -> str:
     """Launch bounds (see affine_attention.cu's header), the variant's switches, the
     affine helpers and mma helpers, ours."""
-    from .cuda import sections as affine
     return (f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n#define VQ_FOLD {int(fold)}\n#define VQ_NX {nx}\n"
             f"#define VQ_COUNTERS {COUNTERS}\n" + affine()["header"] + affine()["mma_header"]
             + sections()["tc_header"] + (sections()["tc_tail_header"] if nx else "")

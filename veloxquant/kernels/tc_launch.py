@@ -16,8 +16,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import split, tc
+from . import tc
+from .cuda import merge
 from .source import strip
+from .table import Kernel, register
 
 _CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 CODES = ["q", "kc", "ks", "kz", "vc", "vs", "vz"]
@@ -70,10 +72,20 @@ def _work(nfloats: int):
     return _Order.work, _Order.last
 
 
+def partials_kw(qshape: tuple, hkv: int, ns: int, threads: int) -> dict:
+    """Keyword arguments of an attend launch writing one partial per block along the
+    sequence (pm, pl [rows, ns], pacc [rows, ns, D]): grid (ns blocks, B*Hkv); no template
+    arguments (the constants are written into the kernel's text)."""
+    B, Hq, Lq, D = qshape
+    nrows, f32 = B * Hq * Lq, mx.float32
+    return dict(grid=(ns * threads, B * hkv, 1), threadgroup=(threads, 1, 1),
+                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+
+
 def launch_kw(qshape: tuple, hkv: int, np_: int, fold: bool, out_dtype=mx.float32) -> dict:
-    """attend_mma's partials launch (split.partials_kw) over `np_` blocks per kv head; folded,
+    """attend_mma's partials launch (`partials_kw`) over `np_` blocks per kv head; folded,
     its outputs are the answer instead: out [B, Hq, Lq, D] (`out_dtype`) and lse."""
-    kw = split.partials_kw(qshape, hkv, np_, tc.NW * 32)
+    kw = partials_kw(qshape, hkv, np_, tc.NW * 32)
     if fold:
         kw.update(output_shapes=[qshape, qshape[:3]], output_dtypes=[out_dtype, mx.float32])
     return kw
@@ -93,7 +105,6 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
     """`run(q, k_enc, v_enc, tail=None, hidden=0)` for attend_tc calls of these shapes, as
     cuda.launcher's: (out f32, lse), or with `tail` the final output in q's dtype. `fold`:
     one launch (True) or two (False); by default `tc.folds`."""
-    from . import cuda
     B, Hq, Lq, D = qshape
     Hkv = cshape[1]
     p = tc.plan(B, Hq, Lq, D, Hkv, cshape[2], qdtype, kspec, vspec, scale)
@@ -127,5 +138,23 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
                 _Order.last = lse
             return out if tail else (out, lse)
         pm, pl, pacc = unfolded(codes)
-        return cuda.merge(pm, pl, pacc, q, qshape, qdtype, scale, tail)
+        return merge(pm, pl, pacc, q, qshape, qdtype, scale, tail)
     return run
+
+
+def _scope(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    return tc.supported(Hq, Lq, D, Hkv, L, kspec, vspec)
+
+
+def _prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
+    """At D = 256 attend_tc is the default only in one launch: in two it measured slower
+    than v1 (Gemma-3's shapes, docs/kernels.md)."""
+    if D <= 128 or tc.folds_call(B, Hq, Lq, D, Hkv, L, kspec, vspec):
+        return ""
+    return "tc kernel: D > 128 in two launches"
+
+
+# Verified: tests/test_tc_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+register(Kernel("tc", "attend", "tc_attention.cu, lean tensor-core attend_tc", frozenset({"cuda"}), _scope,
+                lambda qshape, qdtype, cshape, kspec, vspec, scale, chunk=0:
+                launcher(qshape, qdtype, cshape, kspec, vspec, scale), _prefer))

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..compiler.plan import TierPlan
 from .anchor_side import AnchorSide
-from .attention import Partial, partial_from_scores
+from ..kernels.partials import Partial, partial_from_scores
 from .latent_side import PlainSide
 from .latent_tier import LatentTier
 

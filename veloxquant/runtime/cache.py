@@ -15,7 +15,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from . import decoded_attention, deferred, fused, hook, kinds, per_head, trimming
-from .attention import merge_partials
+from ..kernels.partials import merge_partials
 from .copying import copy_sharing
 from .saliency import Saliency
 from .scoring import position_mask

@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ..kernels import dispatch
-from .attention import Partial
+from ..kernels.partials import Partial
 from .codec import Codec
 
 CODES_MAX_QUERIES = 64
@@ -31,14 +31,16 @@ def applies(tier, n_queries: int) -> bool:
 
 def tier_partial(tier, queries: mx.array, scale: float, mask: Optional[mx.array] = None) -> Partial:
     k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+    k_codec, v_codec = tier.codecs["k"], tier.codecs["v"]
     kernel = dispatch.code_kernel(tier.plan, queries, mask)
-    run = kernel if kernel is not None else codes_partial_attention
-    if run is codes_partial_attention and tier.codecs["k"].positional:
+    if kernel is not None and not kernel.scope(queries, k_enc, v_enc, k_codec, v_codec, mask):
+        return kernel.launch(queries, k_enc, v_enc, k_codec, v_codec, scale)
+    if k_codec.positional:
         # Pre-RoPE key codes re-rotate by position: the keys start at tier.start and the
         # queries are the newest positions this tier holds (the tier that takes new tokens).
-        return run(queries, k_enc, v_enc, tier.codecs["k"], tier.codecs["v"], scale, mask,
-                   key_start=tier.start, first_q=tier.end - queries.shape[2])
-    return run(queries, k_enc, v_enc, tier.codecs["k"], tier.codecs["v"], scale, mask)
+        return codes_partial_attention(queries, k_enc, v_enc, k_codec, v_codec, scale, mask,
+                                       key_start=tier.start, first_q=tier.end - queries.shape[2])
+    return codes_partial_attention(queries, k_enc, v_enc, k_codec, v_codec, scale, mask)
 
 
 def codes_partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..compiler.plan import CodecPlan
-from ..stages.bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 
 PARTS = ("rans", "freq", "head")
 

@@ -4,7 +4,7 @@ from typing import List
 
 import mlx.core as mx
 
-from .attention import partial_attention
+from ..kernels.partials import partial_attention
 from .scoring import additive
 from .tier import Tier, decoded_run
 

@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ..compiler.plan import TierPlan
-from .attention import Partial, partial_from_scores
+from ..kernels.partials import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
 from .tier import expire_front, front_mask

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..compiler.plan import TierPlan
 from ..errors import VeloxError
-from .attention import Partial, partial_from_scores
+from ..kernels.partials import Partial, partial_from_scores
 from .buffer import Buffer
 from .copying import copy_owned
 from .latent_side import PlainSide, SidesHeld

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..compiler.groups import shares
 from ..compiler.plan import CodecPlan, TierPlan
-from ..stages.bitpack import unpack
+from ..kernels.bitpack import unpack
 from . import code_attention, fused
 from .buffer import Buffer
 from .copying import copy_sharing

@@ -18,7 +18,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .latent import FLOAT, latent_width
 from .principal import principal_axes
 from .registry import in_range, stage

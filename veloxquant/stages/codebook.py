@@ -12,7 +12,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import choices, in_range, stage
 
 
@@ -55,8 +55,12 @@ class LloydMax:
     def check_head_dim(self, head_dim: int) -> str:
         return "" if (head_dim * self.bits) % 32 == 0 else f"{head_dim} channels of {self.bits} bits do not fill words"
 
+    def levels(self) -> np.ndarray:
+        """The codebook's levels (the Lloyd-Max kernels read them)."""
+        return lloyd_max(self.bits, self.dist)
+
     def _levels(self) -> mx.array:
-        return mx.array(lloyd_max(self.bits, self.dist))
+        return mx.array(self.levels())
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         x = x.astype(mx.float32)

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import rope_pairs as rp
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import in_range, stage
 from .unrope import _freeze
 

@@ -18,7 +18,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import choices, in_range, stage
 
 ROLES = ("lo", "mid", "hi")

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..calibration.artifact import CalibrationError, slot_arrays
 from .bit_alloc import allocate, parse_choices
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .codebook import lloyd_max
 from .principal import centred, principal_axes
 from .registry import choices as one_of, in_range, stage

@@ -22,7 +22,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .productvq import kmeans
 from .registry import choices, in_range, stage
 from .transform import _hadamard_matrix

@@ -19,7 +19,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .codebook import lloyd_levels
 from .registry import in_range, stage
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..calibration.artifact import CalibrationError
 from . import rope_pairs as rp
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .productvq import PieceCodes, kmeans
 from .registry import in_range, stage
 from .unrope import _freeze

@@ -19,7 +19,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import in_range, stage
 
 

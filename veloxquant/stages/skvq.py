@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import attrs
 import mlx.core as mx
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import choices, in_range, stage
 
 

@@ -8,7 +8,7 @@ from typing import Dict
 import attrs
 import mlx.core as mx
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import choices, in_range, stage
 
 SIXTEEN_BIT = (mx.float16, mx.bfloat16)

@@ -11,7 +11,7 @@ from typing import Dict
 import attrs
 import mlx.core as mx
 
-from .bitpack import pack, unpack
+from ..kernels.bitpack import pack, unpack
 from .registry import in_range, stage
 from .store import Affine
 
