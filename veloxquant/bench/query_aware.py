@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     args = ap.parse_args(argv)
     import numpy as np
-    from ..calibration import artifact
+    from .. import artifacts as artifact
     from ..calibration.collect import collect
     from ..compiler import ModelShape
     from ..data.corpus import austen_text, load_text
