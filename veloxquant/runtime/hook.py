@@ -8,6 +8,8 @@ any other cache falls through to mlx-lm's original function.
 import sys
 from typing import Dict
 
+from . import model_pass
+
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
 NOT_ROUTED = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
@@ -69,5 +71,4 @@ def uninstall(model=None) -> None:
         if name in _ORIGINALS and name in sys.modules:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
     EPOCH[0] += 1
-    from . import model_pass
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/model_pass.py)
