@@ -28,7 +28,7 @@ def builtin_names() -> list[str]:
 def recipe_logits(model, prompt_ids, name) -> dict:
     import veloxquant as vq
     from mlx_lm.generate import generate_step
-    from veloxquant.calibration import CalibrationError
+    from veloxquant.artifacts import CalibrationError
     try:
         caches = vq.make_prompt_cache(model, name)
     except CalibrationError as e:

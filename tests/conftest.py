@@ -28,7 +28,7 @@ class CharTokenizer:
 
 
 def _with_tokenizer(model):
-    from veloxquant.runtime.model_pass import remember_tokenizer
+    from veloxquant.models.tokenizers import remember_tokenizer
     remember_tokenizer(model, CharTokenizer())
     return model
 

@@ -1,6 +1,6 @@
 """Every built-in recipe, with parameters small enough that a few hundred tokens
 of a tiny model exercise what the recipe does (spills, drops, evictions)."""
-from veloxquant.calibration.binding import needs_artifact
+from veloxquant.compiler.binding import needs_artifact
 from veloxquant.recipe import builtin_names
 
 SMALL = {

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration import CalibrationError, binding
-from veloxquant.calibration.artifact import directory
+from veloxquant.artifacts import CalibrationError
+from veloxquant.calibration.fit import calibrate
+from veloxquant.compiler import binding
+from veloxquant.artifacts import directory
 from veloxquant.calibration.explain import calibration_lines
 from veloxquant.errors import CacheFileError
 from veloxquant.kernels.partials import partial_attention
@@ -41,7 +43,7 @@ def setup(tmp_path, monkeypatch):
 
 def _calibrate(model, recipe):
     plan = vq.compile_recipe(vq.load_recipe(recipe), __import__("veloxquant").compiler.ModelShape.from_model(model))
-    return binding.calibrate(plan, model, Tokens(), progress=False)
+    return calibrate(plan, model, Tokens(), progress=False)
 
 
 def test_missing_artifact_is_a_clear_error_and_calibrate_makes_it(llama_model, setup):
@@ -94,7 +96,7 @@ def test_a_saved_cache_without_its_artifact_names_it(llama_model, setup):
     tokens = mx.random.randint(0, 500, (1, 8), key=mx.random.key(2))
     loaded, _ = load_prompt_cache(str(tmp / "c.safetensors"))
     assert float(mx.abs(llama_model(tokens, cache=caches) - llama_model(tokens, cache=loaded)).max()) == 0.0
-    from veloxquant.calibration import artifact
+    from veloxquant import artifacts as artifact
     digest = caches[0].plan.tiers[0].keys.store._artifact
     for p in directory().iterdir():
         p.unlink()

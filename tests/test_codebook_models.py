@@ -5,7 +5,7 @@ import mlx_lm
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration import CalibrationError
+from veloxquant.artifacts import CalibrationError
 from veloxquant.run import cache_report
 
 pytestmark = pytest.mark.slow

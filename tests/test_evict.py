@@ -11,7 +11,7 @@ import pytest
 import veloxquant
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime import deferred
+from veloxquant.runtime import per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import feed, tiny_llama
@@ -112,7 +112,7 @@ def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, r
         tier = cache.tiers[0]
         if slack and step % 3:
             continue  # decode queries wait unscored (runtime/deferred.py); every third step they are scored now
-        deferred.flush(cache)
+        per_head.score_held(cache)
         for h in range(HKV):  # the scores themselves, not only the sets they select
             got = dict(zip(np.array(tier.positions)[0, h].tolist(), np.array(tier.scores)[0, h].tolist()))
             want = dict(zip(ref.pos[h], ref.s[h]))

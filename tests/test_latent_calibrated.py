@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration import CalibrationError, binding
+from veloxquant.artifacts import CalibrationError
+from veloxquant.calibration.fit import calibrate
+from veloxquant.compiler import binding
 from veloxquant.compiler import ModelShape
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from conftest import feed
@@ -36,7 +38,7 @@ def setup(tmp_path, monkeypatch, llama_model):
     plan = vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(llama_model))
     with pytest.raises(CalibrationError, match="needs a calibration artifact"):
         vq.make_prompt_cache(llama_model, path)
-    binding.calibrate(plan, llama_model, Tokens(), progress=False)
+    calibrate(plan, llama_model, Tokens(), progress=False)
     return path, corpus
 
 
@@ -104,7 +106,7 @@ def test_gemma3_sliding_layers_calibrate_save_and_load(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(chr(1000 + int(i)) for i in np.random.default_rng(1).integers(0, 500, 600)))
     model, path = tiny_gemma3(), recipe(tmp_path, corpus)
-    binding.calibrate(vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(model)), model, Tokens(),
+    calibrate(vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(model)), model, Tokens(),
                       progress=False)
     caches = vq.make_prompt_cache(model, path)
     feed(model, TOKENS[:, :150], caches, 50)  # past the sliding window (32): old latents expire

@@ -5,7 +5,7 @@ import pytest
 
 import test_mlx_contract as contract
 from test_mlx_contract import prompt, smollm2  # noqa: F401 (fixtures)
-from veloxquant.calibration import CalibrationError
+from veloxquant.artifacts import CalibrationError
 from veloxquant.runtime.make import plan_for
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration import binding
+from veloxquant.calibration.fit import calibrate
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.make import plan_for
@@ -36,7 +36,7 @@ def recipes(tmp_path, monkeypatch):
 
 def _calibrated(model, recipe):
     plan = vq.compile_recipe(vq.load_recipe(recipe), vq.compiler.ModelShape.from_model(model))
-    binding.calibrate(plan, model, Tokens(), progress=False)
+    calibrate(plan, model, Tokens(), progress=False)
     return plan_for(model, recipe)
 
 
@@ -88,7 +88,7 @@ def test_commvq_codewords_commute_with_rope(llama_model, recipes):
     rotated = {"re": t["re"] * c - t["im"] * s, "im": t["re"] * s + t["im"] * c}
     enc = store.encode(mx.random.normal((1, 3, 5, 64), key=mx.random.key(4)))
     direct = rp.rotate_at(store.decode(enc, mx.float32), spec, mx.full((5,), 77))  # each key at position 77
-    from veloxquant.calibration import artifact
+    from veloxquant import artifacts as artifact
     slot = (store._artifact, store._slot)
     books = artifact._SLOTS[slot]
     artifact._SLOTS[slot] = rotated

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration import binding
+from veloxquant.calibration.fit import calibrate
 from veloxquant.calibration.explain import calibration_lines
 from veloxquant.compiler import ModelShape
 from veloxquant.kernels.partials import partial_attention
@@ -37,7 +37,7 @@ def recipe(tmp_path, monkeypatch, llama_model):
     corpus.write_text(_text(0))
     plan = vq.compile_recipe(vq.load_recipe("ratequant"), ModelShape.from_model(llama_model),
                              [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"])
-    meta = binding.calibrate(plan, llama_model, Tokens(), progress=False)
+    meta = calibrate(plan, llama_model, Tokens(), progress=False)
     return [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"], meta
 
 

@@ -12,7 +12,7 @@ from veloxquant import cli
 from veloxquant.recipe import builtin_names
 from veloxquant.recipe.fmt import format_file
 from veloxquant.recipe.load import load_recipe
-from veloxquant.recipe.schema import completions, recipe_schema
+from veloxquant.compiler.schema import completions, recipe_schema
 from veloxquant.stages import REGISTRY
 from veloxquant.stages.registry import in_range, stage
 

@@ -239,12 +239,17 @@ def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
 
 
 def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
-    """The protocol: a scorer declared outside the runtime is fed what it needs, and ranks."""
+    """The protocol: a scorer declared in the stage layer (stages/scorers.py) and registered in the
+    runtime is fed what its declaration says it needs, and ranks; an undeclared one is refused."""
     from veloxquant.runtime.scorers import SCORERS, Scorer, scorer
+    from veloxquant.stages.scorers import SPECS, ScorerSpec, declare
+
+    with pytest.raises(ValueError, match="not declared in stages/scorers.py"):
+        scorer("test_undeclared")(type("Undeclared", (Scorer,), {}))
+    declare(ScorerSpec("test_oldest_first", frozenset({"queries", "new_keys"})))
 
     @scorer("test_oldest_first")
     class OldestFirst(Scorer):
-        needs = frozenset({"queries", "new_keys"})
         seen = []
 
         def observe(self, tier, seen):
@@ -259,7 +264,7 @@ def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
         assert [list(h) for h in held(cache)[0]] == [list(range(6))] * HKV
         assert OldestFirst.seen[0] == ((1, HQ, 10, 16), (1, HKV, 10, 16), None)  # no weights asked, none computed
     finally:
-        del SCORERS["test_oldest_first"]
+        del SCORERS["test_oldest_first"], SPECS["test_oldest_first"]
 
 
 @pytest.mark.parametrize("pipeline", ["snap(budget=48, window=4) | identity",
@@ -276,3 +281,24 @@ def test_query_window_is_compact_and_in_the_state(llama_model, tmp_path, pipelin
     np.testing.assert_array_equal(np.array(scorer.queries),
                                   np.concatenate([b[0] for b in blocks(2, [20, 30, 2])], axis=2)[:, :, -4:])
     assert any(a is scorer.queries for a in cache.state)
+
+
+def test_scorers_own_their_parameters(tmp_path):
+    """A scorer parameter set on a scorer that does not read it is an error naming the scorers that do
+    (stages/scorers.py declares who reads what); the field at its default, or on its scorer, is fine."""
+    from veloxquant.compiler import SMOLLM2_135M, compile_recipe
+    from veloxquant.errors import RecipeError
+    from veloxquant.recipe import load_recipe
+
+    def compiled(pipeline):
+        path = tmp_path / "r.yaml"
+        path.write_text(f"veloxquant: 1\nname: r\npipeline: {pipeline}\n")
+        return compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
+
+    compiled("evict(budget=64, score=keyformer, tau=2.0)")
+    compiled("evict(budget=64, score=mass, tau=1.0)")  # the default: nothing was set
+    with pytest.raises(RecipeError, match=r"r.yaml:3:.*tau=2.0 is a parameter of score=keyformer, nested, "
+                                          r"not of score=mass"):
+        compiled("evict(budget=64, score=mass, tau=2.0)")
+    with pytest.raises(RecipeError, match=r"window=16 is a parameter of score=expected, morph, nested, qfilters"):
+        compiled("evict(budget=64, score=curd, window=16)")

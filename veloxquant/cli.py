@@ -128,7 +128,7 @@ def cmd_explain(args) -> int:
     plan = compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)
     print(render(plan))
     from .calibration.explain import calibration_lines
-    from .calibration.binding import calibrated_stages
+    from .compiler.binding import calibrated_stages
     model = _calibration_model(args.model) if calibrated_stages(plan) else None
     for line in calibration_lines(plan, model, args.model or ""):
         print(line)
@@ -190,7 +190,7 @@ def cmd_diff(args) -> int:
 
 def cmd_schema(args) -> int:
     import json
-    from .recipe.schema import completions, recipe_schema
+    from .compiler.schema import completions, recipe_schema
     schema = recipe_schema()
     if args.stage:
         print("\n".join(completions(schema, args.stage)))

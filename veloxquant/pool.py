@@ -9,6 +9,7 @@ arguments (the model is loaded by reference in the worker).
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from .errors import VeloxError
+from .models import load_model
 
 _MODELS: Dict[str, tuple] = {}  # per process (Ray workers too): model reference -> (model, tokenizer)
 
@@ -21,7 +22,6 @@ def load_cached(model_ref: Optional[str]):
         if callable(model_ref):
             _MODELS[key] = model_ref()
         else:
-            from .models import load_model
             _MODELS[key] = load_model(model_ref, progress=False)
     return _MODELS[key]
 

@@ -11,6 +11,12 @@ from .recipe import load_recipe
 from .runtime import make_prompt_cache, uninstall
 from .runtime.cache_list import kept_caches, recipe_caches
 from .runtime.persist import save_prompt_cache
+from .artifacts import by_content
+from .compiler import apply_sets
+from .compiler.binding import calibrated_stages
+from .data import load_text
+from .data.sample import sample_prompt
+from .models import load_model
 
 
 def fp16_bytes(caches) -> int:
@@ -55,8 +61,6 @@ def allocated_budgets(caches) -> Dict[str, object]:
 
 
 def calibration_bytes(caches) -> int:
-    from .calibration import calibrated_stages
-    from .calibration.artifact import by_content
     plan = getattr(caches[0], "plan_root", None) if caches else None
     digests = {s._artifact for _, _, _, s in calibrated_stages(plan)} if plan is not None else set()
     return sum((by_content(d) or {}).get("bytes", 0) for d in digests)
@@ -71,8 +75,6 @@ def prompt_tokens(tokenizer, text: str, raw: bool, limit=None) -> List[int]:
 
 
 def cmd_run(args) -> int:
-    from .models import load_model
-    from .compiler import apply_sets
     if args.save_cache and len(args.recipes) > 1:
         print("veloxquant run: --save-cache takes one recipe (got several)", file=sys.stderr)
         return 2
@@ -82,12 +84,10 @@ def cmd_run(args) -> int:
     if args.prompt_file:
         text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
     elif args.corpus:
-        from .data import load_text
         text = load_text(args.corpus)
     elif args.prompt is not None:
         text = args.prompt
     else:  # long enough that a recipe's compressed tiers hold most of the context
-        from .data.sample import sample_prompt
         text = sample_prompt()
     model, tokenizer = load_model(args.model)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)

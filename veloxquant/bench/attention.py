@@ -26,6 +26,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from veloxquant.kernels import cuda, reference, tc, tc_launch
+from veloxquant.kernels.dispatch import backend
+from veloxquant.kernels.reference import spec_fields
+from veloxquant.kernels.tc_launch import held_bytes
+from veloxquant.stages.store import Affine
+
 HBM_GBPS = 4800.0  # H200 HBM3e peak, for the % column
 
 SEQ = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768, "128k": 131072}
@@ -74,8 +80,6 @@ def _memory_limit() -> Optional[int]:
 
 def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[int]):
     """name -> (callable, bytes read) for one configuration."""
-    from veloxquant.kernels import reference
-    from veloxquant.stages.store import Affine
     kspec = {"bits": bits, "group": group, "axis": "channel"}
     vspec = {"bits": bits, "group": group, "axis": "token"}
     ke, ve = Affine(**kspec).encode(k), Affine(**vspec).encode(v)
@@ -94,9 +98,7 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     except Exception as e:  # noqa: BLE001 -- reported in the table
         methods["mlx-lm"] = (None, f"fails: {type(e).__name__}")
     methods["reference"] = (lambda: reference.affine_partial_attention(q, ke, ve, kspec, vspec, scale), coded)
-    from veloxquant.kernels.dispatch import backend
     if backend() == "cuda":
-        from veloxquant.kernels import cuda
         # "fused": the default attend kernel (table.attend_route, VELOXQUANT_CUDA_IMPL);
         # "fused-v1" / "fused-mma": one kernel explicitly, for A/B rows.
         methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk),
@@ -107,8 +109,6 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
                                 coded)
         methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"),
                                coded)
-        from veloxquant.kernels import tc, tc_launch
-        from veloxquant.kernels.reference import spec_fields
         shape = (tuple(q.shape), q.dtype, tuple(ke["codes"].shape), spec_fields(kspec), spec_fields(vspec), scale)
         for name, fold in (("fused-tc1", True), ("fused-tc2", False)):
             methods[name] = (lambda run=tc_launch.launcher(*shape, fold=fold): run(q, ke, ve), coded) \
@@ -244,7 +244,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                       + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {lone} | {mib} |", flush=True)
                 rows.append({"shape": shape, "S": S, "bits": bits, **{n: res[n] for n in wanted}})
             del q, k, v, kvs
-    from veloxquant.kernels.tc_launch import held_bytes
     if held_bytes():  # allocated once, before the timed calls: the peak column does not see it
         print(f"\nattend_tc's one-launch work buffer, held across calls: {held_bytes() / 2**20:.2f} MiB")
     if a.json:

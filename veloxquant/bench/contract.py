@@ -26,6 +26,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import VeloxError
+from ..compiler import ModelShape, compile_recipe
+from ..compiler.explain import render
+from ..data.corpus import load_text
+from ..models.default import load_model
+from ..recipe import builtin_names, load_recipe
+from ..runtime.make import make_prompt_cache
+from ..runtime.persist import load_prompt_cache, save_prompt_cache
 
 
 def one_recipe(model, tokenizer, name, prompt, gen_tokens, tmp: Path):
@@ -33,11 +40,6 @@ def one_recipe(model, tokenizer, name, prompt, gen_tokens, tmp: Path):
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from ..compiler import ModelShape, compile_recipe
-    from ..compiler.explain import render
-    from ..recipe import load_recipe
-    from ..runtime.make import make_prompt_cache
-    from ..runtime.persist import load_prompt_cache, save_prompt_cache
 
     plan = compile_recipe(load_recipe(name), ModelShape.from_model(model, "model"))
     render(plan)
@@ -70,9 +72,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=700, help="prompt tokens (Austen)")
     ap.add_argument("--tokens", type=int, default=8, help="tokens generated through mlx_lm")
     args = ap.parse_args(argv)
-    from ..data.corpus import load_text
-    from ..models.default import load_model
-    from ..recipe import builtin_names
     model, tokenizer = load_model(args.model)
     names = builtin_names() if args.recipes == ["all"] else args.recipes
     prompt = mx.array(tokenizer.encode(load_text("austen"))[:args.prompt])

@@ -21,6 +21,8 @@ from ..compiler.plan import Plan
 from ..runtime import make_prompt_cache
 from ..runtime.make import caches_for
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
+from ..data.corpus import load_text
+from ..models.default import load_model
 
 
 def keep_entropy(plan: Plan, keep) -> Plan:
@@ -61,8 +63,6 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="mlx-lm model folder (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
 
-    from ..data.corpus import load_text
-    from ..models.default import load_model
     model, tokenizer = load_model(args.model)
     tokens = tokenizer.encode(load_text("austen"))[: args.tokens]
     plan = make_prompt_cache(model, args.recipe, sets=args.set)[0].plan_root  # also installs the hook

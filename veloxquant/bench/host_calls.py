@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..kernels.dispatch import backend
 from ..stages.store import Affine
+from ..kernels import cuda
 
 
 def timed(fn, n: int = 300) -> tuple:
@@ -47,7 +48,6 @@ def calls(S: int, window: int) -> dict:
     out = {"fp16 SDPA": lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1), "x + 1": lambda: q + 1}
     if backend() != "cuda":
         return out
-    from ..kernels import cuda
     ks, vs = {"bits": 2, "group": 32, "axis": "channel"}, {"bits": 2, "group": 32, "axis": "token"}
     ke, ve = Affine(**ks).encode(k), Affine(**vs).encode(k)
     mx.eval(ke, ve)

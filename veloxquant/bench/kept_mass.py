@@ -18,6 +18,8 @@ import numpy as np
 
 from ..runtime.make import make_prompt_cache
 from ..runtime.scoring import attention_weights, position_mask
+from ..data.corpus import load_text
+from ..models.default import gemma3_model_path, load_model
 
 ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
@@ -115,10 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model path (default SmolLM2; 'gemma3' = Gemma-3-270M)")
     ap.add_argument("--only", default=None, help="comma-separated row labels to run (default: all)")
     args = ap.parse_args(argv)
-    from ..data.corpus import load_text
-    from ..models.default import load_model
     if args.model == "gemma3":
-        from ..models.default import gemma3_model_path
         args.model = str(gemma3_model_path())
     model, tokenizer = load_model(args.model) if args.model else load_model()
     ids = tokenizer.encode(load_text(args.corpus))[: args.prompt_tokens + args.next]

@@ -24,6 +24,7 @@ import mlx.core as mx
 from veloxquant.bench.attention import timeit
 from veloxquant.kernels import cuda, tc_launch
 from veloxquant.stages.store import Affine
+from veloxquant.kernels.source import strip
 
 Hq, Hkv, D, G = 32, 8, 128, 32
 
@@ -87,7 +88,6 @@ def main(argv=None) -> int:
     mx.eval(a, b)
     empty = mx.fast.cuda_kernel(name="vq_empty", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
     # the same with attend_tc's header: MLX assembles a kernel's whole text on every call
-    from veloxquant.kernels.source import strip
     big = mx.fast.cuda_kernel(name="vq_empty_big", input_names=["a"], output_names=["o"], source="o[0] = a[0];",
                               header=strip(tc.header(3, True, 1)))
     kw = dict(grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])

@@ -24,6 +24,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from .rabitq_estimators import capture_qkv
+from ..compiler import ModelShape, compile_recipe
+from ..data.corpus import austen_text
+from ..models import load_model
+from ..models.default import default_model_path, gemma3_model_path
+from ..recipe import load_recipe
+from ..runtime.codec import Codec
+from ..runtime.make import plan_for
 
 PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
              "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"
@@ -52,12 +59,6 @@ def main(argv=None) -> int:
                     help="the first N positions scored exactly, as a recipe's fp16 sink tier holds them")
     ap.add_argument("--recipes", help="built-in recipes (name[:k=v,k=v]) separated by ';', instead of --pipelines")
     args = ap.parse_args(argv)
-    from ..compiler import ModelShape, compile_recipe
-    from ..data.corpus import austen_text
-    from ..models import load_model
-    from ..models.default import default_model_path, gemma3_model_path
-    from ..recipe import load_recipe
-    from ..runtime.codec import Codec
     path = gemma3_model_path() if args.model == "gemma3" else (args.model or default_model_path())
     model, tok = load_model(path, dtype=mx.float32)
     shape = ModelShape.from_model(model)
@@ -103,8 +104,6 @@ def main(argv=None) -> int:
 
 def _recipe_scores(model, ref: str, layer: int, qq, k, first: int, qpos, rep: int):
     """Scaled scores of the queries qq against k as recipe `ref`'s coded tier holds them."""
-    from ..runtime.codec import Codec
-    from ..runtime.make import plan_for
     name, _, sets = ref.partition(":")
     codec = Codec(plan_for(model, name, [s for s in sets.split(",") if s]).layers[layer].tiers[-1].keys)
     enc = codec.encode(k, first)

@@ -22,6 +22,14 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from ..data import load_text
+from ..eval.config import EvalConfig
+from ..eval.feed import score, settle
+from ..eval.ppl import window_nll, windows
+from ..eval.rows import recipe_caches
+from ..models import load_model
+from ..runtime import make_prompt_cache, model_pass
+
 # kvpress's measured dPPL (%) at fractions 0.5 / 0.75 / 0.85, with our namesake row.
 KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94)),
            "ExpectedAttention": ("expected_attention", (1.25, 3.11, 5.46)),
@@ -61,8 +69,6 @@ def fork(caches, budget: int):
 def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> List[float]:
     """PPL of the continuation at each budget, summed over the windows."""
     import mlx.core as mx
-    from ..eval.feed import score, settle
-    from ..eval.rows import recipe_caches
     if spec == "streaming":
         path = where / "streaming.yaml"
         path.write_text(STREAMING)
@@ -76,7 +82,6 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
             settle(caches)
         coordinator = getattr(caches[0], "coordinator", None)
         if coordinator is not None:  # a model pass (kvzip) scores alike at every budget: once, before forking
-            from ..runtime import model_pass
             model_pass.run(coordinator, ending=False)
         for i, b in enumerate(budgets):
             mine = fork(caches, b)
@@ -101,18 +106,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-ppl", type=float, default=None,
                     help="fp16 PPL on the same windows, from an earlier run of this bench (skips measuring it)")
     args = ap.parse_args(argv)
-    from ..data import load_text
-    from ..eval.config import EvalConfig
-    from ..eval.ppl import windows
-    from ..models import load_model
-    from ..runtime import make_prompt_cache
     cfg = EvalConfig(windows=args.windows)
     fractions = [float(f) for f in args.fractions.split(",")]
     budgets = [int(cfg.prefix * (1 - f)) for f in fractions]
     model, tokenizer = load_model(args.model, args.dtype)
     wins = windows(tokenizer.encode(load_text(args.corpus)), cfg.windows, cfg.window_len)
     started = time.perf_counter()
-    from ..eval.ppl import window_nll
     base = args.baseline_ppl
     if base is None:
         base_nll = [window_nll(model, lambda: make_prompt_cache(model, "fp16"), w, cfg.prefix, cfg.prefill_chunk,

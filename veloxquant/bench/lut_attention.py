@@ -15,15 +15,15 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from .attention import HBM_GBPS, SEQ, _bytes, cycled, median_run, timeit
+from veloxquant.compiler import compile_recipe
+from veloxquant.compiler.shape import ModelShape
+from veloxquant.kernels import lut
+from veloxquant.recipe import load_recipe
+from veloxquant.runtime.code_attention import codes_partial_attention
+from veloxquant.runtime.tier import Tier
 
 
 def build(Hq: int, Hkv: int, D: int, S: int, sets, copy: int):
-    from veloxquant.compiler import compile_recipe
-    from veloxquant.compiler.shape import ModelShape
-    from veloxquant.kernels import lut
-    from veloxquant.recipe import load_recipe
-    from veloxquant.runtime.code_attention import codes_partial_attention
-    from veloxquant.runtime.tier import Tier
     shape = ModelShape.uniform("bench", 1, Hkv, D)
     tier = Tier(compile_recipe(load_recipe("turboquant_rvq"), shape, sets).layers[0].tiers[-1])
     key = mx.random.key(S + D + copy)

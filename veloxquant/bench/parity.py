@@ -12,6 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..runtime import make_prompt_cache, uninstall
+from ..data import load_text
+from ..models import load_model
 
 
 def chunked_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
@@ -24,8 +26,6 @@ def chunked_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
 
 
 def main(argv=None) -> int:
-    from ..data import load_text
-    from ..models import load_model
     ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.parity", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="fp16")
     ap.add_argument("--set", dest="sets", action="append", default=[])

@@ -17,6 +17,8 @@ from ..eval.config import EvalConfig
 from ..eval.cost import fp16_bytes
 from ..eval.ppl import window_nll, windows
 from ..runtime.make import make_prompt_cache
+from ..data.corpus import load_text
+from ..models.default import load_model
 
 
 def main(argv=None) -> int:
@@ -25,8 +27,6 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=1)
     ap.add_argument("--model", default=None, help="path or alias (smollm2, gemma3)")
     args = ap.parse_args(argv)
-    from ..data.corpus import load_text
-    from ..models.default import load_model
     model, tokenizer = load_model(args.model)
     c = EvalConfig()
     wins = windows(tokenizer.encode(load_text("austen")), c.windows, c.window_len)[:args.windows]

@@ -18,6 +18,8 @@ from ..runtime.codec import Codec
 from ..stages.nuq import Nuq
 from ..stages.store import Affine
 from ..stages.unrope import Unrope
+from ..data import load_text
+from ..models import load_model
 
 QUANTIZERS = {
     "affine per channel, group 32 tokens (KIVI keys)": lambda b: Affine(bits=b, group=32, axis="channel"),
@@ -60,8 +62,6 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="Austen tokens prefilled (a multiple of 128)")
     p.add_argument("--bits", default="2,3,4")
     args = p.parse_args(argv)
-    from ..data import load_text
-    from ..models import load_model
     model, tokenizer = load_model(None if args.model == "smollm2" else args.model)
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
     shape = ModelShape.from_model(model)

@@ -16,6 +16,16 @@ import sys
 import attrs
 import mlx.core as mx
 
+from .. import artifacts as artifact
+from ..calibration.collect import collect
+from ..compiler import ModelShape
+from ..data.corpus import austen_text, load_text
+from ..models import load_model
+from ..models.default import default_model_path
+from ..stages.qavq import QueryAwareVQ
+from ..stages.unrope import rotate
+from .rabitq_estimators import capture_qkv
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="query_aware", description=__doc__.splitlines()[0])
@@ -27,15 +37,6 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     args = ap.parse_args(argv)
     import numpy as np
-    from ..calibration import artifact
-    from ..calibration.collect import collect
-    from ..compiler import ModelShape
-    from ..data.corpus import austen_text, load_text
-    from ..models import load_model
-    from ..models.default import default_model_path
-    from ..stages.qavq import QueryAwareVQ
-    from ..stages.unrope import rotate
-    from .rabitq_estimators import capture_qkv
     layers = [int(x) for x in args.layers.split(",")]
     model, tok = load_model(default_model_path(), dtype=mx.float32)
     shape = ModelShape.from_model(model)

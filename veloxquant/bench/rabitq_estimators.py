@@ -16,11 +16,16 @@ import sys
 
 import mlx.core as mx
 
+from ..data.corpus import austen_text
+from ..models import load_model
+from ..models.default import default_model_path
+from ..runtime.make import make_prompt_cache
+from ..stages.rotation import Rotation
+
 
 def capture_qkv(model, ids, layers):
     """Prefill `ids` through fp16 caches whose `layers` record the real queries they attend with:
     ({layer: (queries, keys, values) float32, scale}, caches). Shared by the key-error benches."""
-    from ..runtime.make import make_prompt_cache
     caches = make_prompt_cache(model, "fp16")
     seen = {}
     for i in layers:
@@ -52,10 +57,6 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--layers", default="0,10,20,29")
     args = ap.parse_args(argv)
-    from ..data.corpus import austen_text
-    from ..models import load_model
-    from ..models.default import default_model_path
-    from ..stages.rotation import Rotation
     model, tok = load_model(args.model or default_model_path(), dtype=mx.float32)
     layers = [int(x) for x in args.layers.split(",")]
     data, _ = capture_qkv(model, tok.encode(austen_text())[: args.tokens], layers)

@@ -13,6 +13,8 @@ import argparse
 import mlx.core as mx
 
 from ..stages.store import Affine
+from ..data import load_text
+from ..models import load_model
 
 
 def layer_kv(model, tokens):
@@ -37,8 +39,6 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3, or an mlx-lm model folder")
     p.add_argument("--tokens", type=int, default=1024, help="Austen tokens (a multiple of 32)")
     args = p.parse_args(argv)
-    from ..data import load_text
-    from ..models import load_model
     model, tokenizer = load_model(None if args.model == "smollm2" else args.model)
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
     kv = layer_kv(model, tokens)

@@ -24,6 +24,8 @@ from ..eval.feed import prefill, score
 from ..eval.ppl import windows
 from ..runtime.make import make_prompt_cache
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
+from ..data.corpus import load_text
+from ..models.default import load_model
 
 
 def saved_then_scored(model, recipe, sets, window, prompt: int, tmp: Path):
@@ -47,8 +49,6 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override for every recipe")
     ap.add_argument("--model", default=None, help="path or alias (smollm2, gemma3)")
     args = ap.parse_args(argv)
-    from ..data.corpus import load_text
-    from ..models.default import load_model
     model, tokenizer = load_model(args.model)
     wins = windows(tokenizer.encode(load_text("austen")), args.windows, args.tokens + args.score + 1)
     rows = []

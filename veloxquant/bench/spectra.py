@@ -16,6 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.make import make_prompt_cache
+from ..data.corpus import load_text
+from ..models.default import load_model
 
 
 def energy_at(x: np.ndarray, ranks: List[int], center: bool, heads: int = 1) -> np.ndarray:
@@ -38,8 +40,6 @@ def main(argv=None) -> None:
     ap.add_argument("--center", action="store_true", help="PCA (mean removed) instead of uncentred SVD")
     ap.add_argument("--heads", type=int, default=1, help="kv heads per basis (PALU's head groups; 0 = all)")
     args = ap.parse_args(argv)
-    from ..data.corpus import load_text
-    from ..models.default import load_model
     model, tokenizer = load_model(args.model)
     ids = mx.array(tokenizer.encode(load_text(args.corpus))[:args.tokens])[None]
     caches = make_prompt_cache(model, "fp16")

@@ -14,16 +14,18 @@ def add_calibrate_args(p) -> None:
 
 
 def cmd_calibrate(args) -> int:
+    # Imported when the command runs, not when `veloxquant --help` builds the parser (no cycle here).
     import mlx.core as mx
 
+    from .. import artifacts as artifact
+    from ..compiler import ModelShape, compile_recipe
+    from ..compiler.binding import calibrated_stages, key_for
     from ..errors import VeloxError
     from ..models import load_model
     from ..models.default import default_model_path, gemma3_model_path
     from ..recipe import load_recipe
     from ..runtime.make import plan_for
-    from . import artifact
-    from .binding import calibrate, calibrated_stages, key_for
-    from ..compiler import ModelShape, compile_recipe
+    from .fit import calibrate
 
     recipe = load_recipe(args.recipe)
     sets = list(args.sets)

@@ -6,15 +6,16 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from ..artifacts import QUERY_STRIDE
+from ..runtime.make import make_prompt_cache
+
 CHUNK = 512  # tokens per forward pass
-QUERY_STRIDE = 4  # keep every 4th query: their second moments need far fewer samples than keys' bases
 
 
 def collect(model, ids: List[int], layers: Set[int], progress: bool = True) -> Dict[int, Dict[str, np.ndarray]]:
     """{layer: {"k": [H, N, D], "v": [H, N, D], "q": [Hq, N/4, D]}} float32: keys and values read
     after each chunk (sliding-window layers forget old tokens, so each chunk's own tokens are
     taken as it arrives), and the real queries the model attends with (post-RoPE)."""
-    from ..runtime.make import make_prompt_cache
     caches = make_prompt_cache(model, "fp16")
     got: Dict[int, Dict[str, list]] = {i: {"k": [], "v": [], "q": []} for i in layers}
     for i in layers:

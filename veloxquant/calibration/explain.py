@@ -2,9 +2,9 @@
 from collections import Counter
 from typing import List, Optional
 
+from .. import artifacts as artifact
+from ..compiler.binding import calibrated_stages, key_for, settings
 from ..compiler.plan import Plan
-from . import artifact
-from .binding import calibrated_stages, key_for, settings
 
 
 def calibration_lines(plan: Plan, model=None, model_label: str = "") -> List[str]:

@@ -1,9 +1,12 @@
 """`veloxquant explain`: the per-layer plan, its storage cost and implementations."""
 import math
 
-import attrs
 from typing import List
 
+import attrs
+
+from ..recipe.params import Schedule
+from ..stages.scorers import SPECS as SCORER_SPECS
 from .groups import codec_bits, render_groups
 from .plan import LayerPlan, Plan, TierPlan, _stage_text
 
@@ -50,7 +53,6 @@ def _call(stage) -> str:
 
 
 def _scheduled(plan: Plan) -> dict:
-    from ..recipe.params import Schedule
     return {k: v for k, v in plan.params.items() if isinstance(v, Schedule)}
 
 
@@ -107,7 +109,6 @@ def render(plan: Plan) -> str:
     if not s.trivial_layout:
         lines.append(f"layout {s.layout_text()}")
     if plan.params:
-        from ..recipe.params import Schedule
         shown = ", ".join(f"{k}={v.text() if isinstance(v, Schedule) else v}" for k, v in plan.params.items())
         lines.append(f"params {shown}")
     lines.append("")
@@ -143,8 +144,8 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
     out = []
     for t in layer.tiers:
         if getattr(t.route, "per_head", False):
-            from ..runtime.scorers import make  # the scorer says what it keeps per token
-            extra = 4 * sum(math.prod(shape) for shape in make(t.route).token_state.values())
+            token_state = SCORER_SPECS[t.route.score].token_state(t.route)  # what the scorer keeps per token
+            extra = 4 * sum(math.prod(shape) for shape in token_state.values())
             slack = t.route.slack
             when = "once, at the end of the prompt" if t.route.once else \
                 f"once a head holds {slack} past the budget" if slack else "every step"
@@ -154,14 +155,32 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
                 out.append(f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote (last "
                            f"{t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), the rest by "
                            f"score={t.route.score}")
-            from ..runtime.allocation import rule
-            if rule(t.route):
-                out.append(f"    budgets decided once at the end of the prompt by the coordinator: {rule(t.route)}")
+            if allocation_rule(t.route):
+                out.append("    budgets decided once at the end of the prompt by the coordinator: "
+                           f"{allocation_rule(t.route)}")
             if getattr(t.route, "explain_pass", None):
                 out.append(f"    {t.route.explain_pass()}")
             if getattr(t.route, "explain_decode", None):
                 out.append(f"    {t.route.explain_decode()}")
     return out
+
+
+def allocation_rule(route) -> str:
+    """How this tier's budgets are decided (runtime/allocation.py decides them)."""
+    parts = []
+    if route.layers == "squeeze":
+        parts.append(f"layer budgets moved by SqueezeAttention (strength {route.strength}): "
+                     "proportional to budget x breadth^strength, breadth = exp(entropy) of the layer's real "
+                     "prefill attention, total over layers fixed")
+    if route.heads == "adakv":
+        parts.append(f"kv-head budgets by Ada-KV (alpha {route.alpha}): each head keeps its best "
+                     f"max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the heads whose "
+                     "tokens carry the most attention; unequal heads held ragged (no padding)")
+    if route.heads == "score":
+        parts.append(f"kv-head budgets by competition on score={route.score} (alpha {route.alpha}): each head keeps "
+                     f"its best max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the "
+                     "highest scores pooled over heads; unequal heads held ragged (no padding)")
+    return "; ".join(parts)
 
 
 def _schedule_lines(plan: Plan) -> List[str]:

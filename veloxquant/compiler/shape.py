@@ -4,6 +4,7 @@ from typing import Optional, Tuple
 import attrs
 
 from ..errors import VeloxError
+from ..stages.unrope import rope_spec
 from . import layout
 
 
@@ -88,7 +89,6 @@ def _list(values) -> str:
 
 
 def _ropes(layers):
-    from ..stages.unrope import rope_spec
     for layer in layers:
         attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
         spec, why = rope_spec(getattr(attn, "rope", None))

@@ -11,10 +11,10 @@ from typing import Dict, List, Optional, Sequence
 
 from ..pool import load_cached, run_all
 from .rows import Row
+from .run import evaluate
 
 
 def evaluate_task(model_ref: Optional[str], rows: Sequence[Row], only: str, text: str, cfg, meta) -> Dict:
-    from .run import evaluate
     model, tokenizer = load_cached(model_ref)
     return evaluate(model, tokenizer, list(rows), text, cfg, meta, progress=False, only=[only])
 

@@ -12,6 +12,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..errors import VeloxError
+from ..recipe import builtin_names
+from ..recipe.load import resolve
+from ..runtime import make_prompt_cache
 
 _SPEC = re.compile(r"^(?P<ref>[^\[\]]+?)(?:\[(?P<sets>[^\[\]]*)\])?$")
 _MLX = re.compile(r"^mlx-q(?P<bits>\d+)$")
@@ -45,7 +48,6 @@ class Row:
         """Fresh caches for `model` (recipe rows also install the attention hook)."""
         if self.kind == "mlx-lm":
             return [self._quantized(c) for c in mlx_prompt_cache(model)]
-        from ..runtime import make_prompt_cache
         return make_prompt_cache(model, self.ref, self.sets)
 
     def _quantized(self, cache):
@@ -79,14 +81,12 @@ def parse_row(spec: str, common_sets: Sequence[str] = ()) -> Row:
         raise VeloxError(f"bad row {spec!r}: expected RECIPE or RECIPE[name=value,...] or mlx-qBITS")
     sets = tuple(common_sets) + tuple(s.strip() for s in (m["sets"] or "").split(",") if s.strip())
     ref = m["ref"].strip()
-    from ..recipe.load import resolve
     resolve(ref)  # fail early, before a model is loaded, on a recipe that does not exist
     return Row(spec if not common_sets else f"{spec}[{','.join(common_sets)}]", "recipe", ref, sets)
 
 
 def recipe_caches(model, spec: str, sets: Sequence[str] = ()):
     """make_prompt_cache for a row spec (`h2o`, `h2o[slack=32]`, a YAML path): the benches' one way in."""
-    from ..runtime import make_prompt_cache
     row = parse_row(spec)
     if row.kind != "recipe":
         raise VeloxError(f"{spec}: not a veloxquant recipe")
@@ -101,7 +101,6 @@ def split_specs(text: str) -> List[str]:
 def expand(specs: Sequence[str], mlx_bits: Sequence[int], common_sets: Sequence[str] = ()) -> List[Row]:
     """The rows of one evaluation: fp16 first (the baseline), then the recipes
     asked for ('all' = every built-in), then mlx-lm's cache at `mlx_bits`."""
-    from ..recipe import builtin_names
     names: List[str] = []
     for s in specs:
         names += [n for n in builtin_names() if n != "fp16"] if s == "all" else [s]

@@ -18,6 +18,7 @@ from ..compiler import ModelShape
 from . import cost, fidelity, passkey, ppl
 from .config import EvalConfig
 from .rows import Row
+from ..runtime import uninstall
 
 SCHEMA = 1
 
@@ -39,7 +40,6 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     `only`: report just these rows (every row still takes part in the fidelity
     pass); how eval/distributed.py splits one evaluation into Ray tasks.
     `on_row`: called with the rows measured so far after each row (partial results)."""
-    from ..runtime import uninstall
     t_start = time.perf_counter()
     shape = ModelShape.from_model(model)
     corpus = tokenizer.encode(text)
@@ -133,7 +133,6 @@ def _why(e: BaseException) -> str:
 def _probe(model, row, corpus: List[int], chunk: int) -> Optional[str]:
     """None if a short prefill plus one decode step runs with the row's caches,
     else the error (type: first line)."""
-    from ..runtime import uninstall
     toks = corpus[: max(2, min(chunk, 256) + 1)]
     try:
         caches = row.make(model)

@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import ModelError
+from .tokenizers import remember_tokenizer
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -223,6 +224,5 @@ def load_model(path: str | os.PathLike | None = None, dtype=None, *, lazy: bool 
         dtype = getattr(mx, dtype)
     if dtype is not None:
         model.set_dtype(dtype)
-    from ..runtime.model_pass import remember_tokenizer
     remember_tokenizer(model, tokenizer)  # a model pass the caches run (KVzip) tokenizes its prompt with it
     return model, tokenizer

@@ -115,21 +115,3 @@ def adakv(p: mx.array, budget: int, alpha: float, floor: int) -> List[int]:
     top = np.array(mx.argpartition(-rest.reshape(-1), pooled - 1)[:pooled])
     counts = np.bincount(top // rest.shape[1], minlength=H)
     return [reserve + int(n) for n in counts]
-
-
-def rule(route) -> str:
-    """One line for `explain`: how this tier's budgets are decided."""
-    parts = []
-    if route.layers == "squeeze":
-        parts.append(f"layer budgets moved by SqueezeAttention (strength {route.strength}): "
-                     "proportional to budget x breadth^strength, breadth = exp(entropy) of the layer's real "
-                     "prefill attention, total over layers fixed")
-    if route.heads == "adakv":
-        parts.append(f"kv-head budgets by Ada-KV (alpha {route.alpha}): each head keeps its best "
-                     f"max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the heads whose "
-                     "tokens carry the most attention; unequal heads held ragged (no padding)")
-    if route.heads == "score":
-        parts.append(f"kv-head budgets by competition on score={route.score} (alpha {route.alpha}): each head keeps "
-                     f"its best max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the "
-                     "highest scores pooled over heads; unequal heads held ragged (no padding)")
-    return "; ".join(parts)

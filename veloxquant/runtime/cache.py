@@ -230,7 +230,7 @@ class TieredCache(_BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
-        deferred.settle(self)  # held decode queries are scored before a cut (evict(slack))
+        per_head.settle_held(self)  # held decode queries are scored before a cut (evict(slack))
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue

@@ -11,7 +11,7 @@ gives as its steps would have (tests/test_deferred.py pins it against the
 per-step path). Decode then costs what an unscored layer costs, plus one
 concatenated query per step (docs/eviction.md, "Decode speed: slack").
 """
-from typing import List
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -33,26 +33,25 @@ def hold(cache, queries: mx.array, first_q: int) -> None:
     held.append(queries)
 
 
-def settle(cache) -> None:
-    """Before a layer settles (and may cut): the held queries are scored if a cut is due, or if as
-    many queries wait as the largest slack (so a head under its budget holds a bounded list)."""
+def due(cache) -> bool:
+    """Before a layer settles (and may cut): the held queries must be scored if a cut is due, or if as
+    many queries wait as the largest slack (so a head under its budget holds a bounded list).
+    per_head.settle_held scores them (this module only holds them: per_head imports it)."""
     held = _held(cache)
     if not held:
-        return
+        return False
     tiers = [t for t in cache.tiers if getattr(t, "per_head", False)]
-    if len(held) >= max(t.route.slack for t in tiers) or any(t.cut_due() for t in tiers):
-        flush(cache)
+    return len(held) >= max(t.route.slack for t in tiers) or any(t.cut_due() for t in tiers)
 
 
-def flush(cache) -> None:
-    """Score the held queries now, as one block (see the module doc)."""
+def take(cache) -> Optional[Tuple[mx.array, int]]:
+    """The held queries as one block and the position of the first, forgotten here; None if none."""
     held = _held(cache)
     if not held:
-        return
+        return None
     queries = held[0] if len(held) == 1 else mx.concatenate(held, axis=2)
     cache.held_queries = []
-    from .per_head import observe_block  # per_head imports this module
-    observe_block(cache, queries, cache.held_first_q)
+    return queries, cache.held_first_q
 
 
 def rewind(cache, n: int) -> None:

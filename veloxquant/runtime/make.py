@@ -1,8 +1,8 @@
 """Recipe + model -> the per-layer caches mlx-lm is handed as `prompt_cache`."""
 from typing import Iterable, List, Union
 
-from ..calibration import bind
 from ..compiler import ModelShape, Plan, compile_recipe
+from ..compiler.binding import bind
 from ..compiler.layout import own_caches
 from ..errors import VeloxError
 from ..recipe import Recipe, load_recipe

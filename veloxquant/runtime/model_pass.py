@@ -31,25 +31,12 @@ import attrs
 import mlx.core as mx
 
 from ..errors import VeloxError
+from ..models.tokenizers import tokenizer_of
 from . import per_head
 from .scoring import attend_blocked, block_size, position_mask
 
 NEED = "model_pass"
 _CALLS: Dict[type, Callable] = {}  # model class -> its own __call__, while recording
-_TOKENIZERS: Dict[int, tuple] = {}  # id(model) -> (weak model, tokenizer), remembered by load_model
-
-
-def remember_tokenizer(model, tokenizer) -> None:
-    """The tokenizer that came with `model` (veloxquant.models.load_model calls this)."""
-    ref = weakref.ref(model, lambda _r, key=id(model): _TOKENIZERS.pop(key, None))
-    _TOKENIZERS[id(model)] = (ref, tokenizer)
-
-
-def _tokenizer_of(model):
-    ref, tokenizer = _TOKENIZERS.get(id(model), (None, None))
-    return tokenizer if ref is not None and ref() is model else None
-
-
 def _encode(tokenizer, text: str) -> List[int]:
     try:
         return list(tokenizer.encode(text, add_special_tokens=False))  # the instruction alone, no BOS
@@ -107,7 +94,7 @@ def attach(model, caches, tokenizer=None) -> None:
     tiers = [t for c in caches for t in c.tiers if needs_pass(t)]
     if coordinator is None or not tiers:
         return
-    tokenizer = tokenizer or _tokenizer_of(model)
+    tokenizer = tokenizer or tokenizer_of(model)
     texts = sorted({text for t in tiers for text in t.scorer.texts})
     if texts and tokenizer is None:
         raise VeloxError(f"recipe '{caches[0].plan_root.recipe}' runs a model pass whose prompt must be tokenized: "

@@ -102,7 +102,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
         deferred.hold(cache, queries, first_q)
         listeners = []  # attends as an unscored layer does
     elif observe:
-        deferred.flush(cache)  # queries held earlier are scored first, in order
+        score_held(cache)  # queries held earlier are scored first, in order
     needs = set().union(*(t.needs for t, _ in listeners))  # the scorer's, plus weights while budgets are open
     live = "weights" in needs
     rows = max([t.scorer.rows for t, _ in listeners if "weights" in t.needs] or [1])
@@ -156,6 +156,19 @@ def observe_block(cache, queries: mx.array, first_q: int) -> None:
     _, total, tail = attend_blocked(queries, k, None, cache.scale_seen, _masker(cache, held, kpos, slices, first_q),
                                     _block(queries, k), rows, sync_bytes=SYNC_BYTES)
     _feed(cache, held, listeners, queries, first_q, k, kpos, slices, total, tail)
+
+
+def score_held(cache) -> None:
+    """Score the decode queries runtime/deferred.py holds now, as one block (see its module doc)."""
+    taken = deferred.take(cache)
+    if taken is not None:
+        observe_block(cache, *taken)
+
+
+def settle_held(cache) -> None:
+    """Before a layer settles (and may cut): score the held queries if deferred.due says so."""
+    if deferred.due(cache):
+        score_held(cache)
 
 
 def finish_prompt(cache) -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import cache_list, checksums, coded, deferred, hook, kept_state
+from . import cache_list, checksums, coded, hook, kept_state, per_head
 from .cache_list import kept_caches, recipe_caches
 from .make import caches_for
 
@@ -32,7 +32,7 @@ def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]
     layers = []
     for cache in caches:  # all layers first: a later layer can still change an earlier one (MiniCache's pairs)
         cache.finish_prompt()  # a saved prompt is over: prompt-time eviction (SnapKV) decides first
-        deferred.flush(cache)  # decode queries held unscored (evict(slack)) are scored into what is saved
+        per_head.score_held(cache)  # decode queries held unscored (evict(slack)) are scored into what is saved
         cache._settle()
     for i, cache in enumerate(caches):
         tiers = []

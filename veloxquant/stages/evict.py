@@ -8,6 +8,7 @@ the approximation other libraries ship, so the two can be compared.
 import attrs
 
 from .registry import choices, in_range, stage
+from .scorers import check_params, selectable
 
 # Budgets the per-model coordinator allocates once, at the end of the prompt, from the
 # attention each token received (runtime/allocation.py); the same four fields on evict and snap.
@@ -41,9 +42,8 @@ def _room_after_protected(route) -> None:
 
 
 def _known_scorer(instance, attribute, value):
-    from ..runtime.scorers import SCORERS, names  # the scorer modules register themselves (runtime/scorers/)
-    # SnapKV's vote is the `snap` stage; scores from a model pass (KVzip) come with `reconstruct`
-    allowed = [n for n in names() if n != "window" and "model_pass" not in SCORERS[n].needs]
+    # declared in stages/scorers.py; SnapKV's vote is the `snap` stage, KVzip's model pass `reconstruct`
+    allowed = selectable()
     if value not in allowed:
         raise ValueError(f"must be one of {', '.join(allowed)}")
 
@@ -53,7 +53,7 @@ def _known_scorer(instance, attribute, value):
 class Evict(_PerHeadRoute):
     """Keeps `budget` tokens per head, the highest by `score`; every step, or once at the end of the prompt.
 
-    score (one module each under runtime/scorers/): mass (H2O, accumulated
+    score (declared with its parameters in stages/scorers.py, run by runtime/scorers/): mass (H2O, accumulated
     attention), mean (mass / queries that saw the token: kvpress's
     ObservedAttention), current (TOVA), proxy (keys as queries), knorm,
     keydiff, qfilters, expected (ExpectedAttention), keyformer, morph
@@ -106,6 +106,7 @@ class Evict(_PerHeadRoute):
 
     def __attrs_post_init__(self):
         _room_after_protected(self)
+        check_params(self, {f.name: f.default for f in attrs.fields(type(self))})
         if self.slack and self.once:
             raise ValueError(f"slack={self.slack} needs once=false (a `once` route cuts a single time)")
         if self.votes > 0 and not self.once:

@@ -32,12 +32,13 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError, slot_arrays
+from ..artifacts import CalibrationError, slot_arrays
 from .bit_alloc import allocate, parse_choices
 from ..kernels.bitpack import pack, unpack
 from .codebook import lloyd_max
 from .principal import centred, principal_axes
 from .registry import choices as one_of, in_range, stage
+from .spectral import _tables
 
 FLOAT = 16  # width that stores a latent as float16
 
@@ -49,7 +50,6 @@ def _choices(instance, attribute, value):
 @lru_cache(maxsize=1)
 def lloyd_distortions() -> np.ndarray:
     """Mean squared error of the Lloyd-Max codes of a unit gaussian, by width 0..8 (the spectral stage's)."""
-    from .spectral import _tables
     return _tables()[2]
 
 

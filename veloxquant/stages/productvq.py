@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError, slot_arrays
+from ..artifacts import CalibrationError, slot_arrays
 from ..kernels.bitpack import pack, unpack
 from .registry import in_range, stage
 from .transform import _hadamard_matrix

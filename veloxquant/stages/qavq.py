@@ -29,7 +29,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError
+from ..artifacts import CalibrationError
 from . import rope_pairs as rp
 from ..kernels.bitpack import pack, unpack
 from .productvq import PieceCodes, kmeans

@@ -24,8 +24,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..calibration.artifact import CalibrationError, slot_arrays
-from ..calibration.collect import QUERY_STRIDE
+from ..artifacts import QUERY_STRIDE, CalibrationError, slot_arrays
 from .codebook import LloydMax
 from .registry import choices, in_range, stage
 from .store import Affine

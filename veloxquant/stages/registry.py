@@ -7,6 +7,9 @@ Families say where a stage may stand in a tier:
   residual  -- after a store: codes what the stages before it left over
   entropy   -- after a store that yields integer codes
 """
+import importlib
+import pkgutil
+from pathlib import Path
 from typing import Dict, FrozenSet, Tuple, Type
 
 import attrs
@@ -78,9 +81,6 @@ def load_builtin_stages() -> None:
     """Import every module of this package (and its subpackages): their @stage decorators register them.
 
     Discovered rather than listed, so a new stage is one new module and no edit here."""
-    import importlib
-    import pkgutil
-
-    from .. import stages
-    for info in pkgutil.walk_packages(stages.__path__, prefix=stages.__name__ + "."):
+    here = str(Path(__file__).parent)  # this package's folder, without importing the package itself
+    for info in pkgutil.walk_packages([here], prefix=__package__ + "."):
         importlib.import_module(info.name)

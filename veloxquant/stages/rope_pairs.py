@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..calibration.artifact import CalibrationError, slot_arrays
+from ..artifacts import CalibrationError, slot_arrays
 from ..errors import VeloxError
 from .unrope import RopeSpec
 

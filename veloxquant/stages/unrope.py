@@ -17,6 +17,7 @@ import attrs
 import mlx.core as mx
 
 from .registry import stage
+from ..errors import VeloxError
 
 # (dims, traditional, base, scale, freqs): base is None when explicit freqs are given.
 RopeSpec = Tuple[int, bool, Optional[float], float, Optional[Tuple[float, ...]]]
@@ -74,6 +75,5 @@ class Unrope:
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
-            from ..errors import VeloxError
             raise VeloxError("unrope has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)")
         return self._rope

@@ -12,6 +12,11 @@ from typing import Dict, List, Optional, Sequence
 import attrs
 
 from ..pool import load_cached
+from ..compiler import ModelShape
+from ..eval.cost import fp16_bytes
+from ..eval.ppl import window_nll, windows
+from ..recipe import load_recipe
+from ..runtime import make_prompt_cache, uninstall
 
 
 
@@ -26,10 +31,6 @@ class Slice:
 
 def measure(model, recipe_text: str, sl: Slice, base_dir: Optional[str] = None) -> Dict[str, float]:
     """{nll, tokens, ppl, cache_bytes, fp16_bytes, ratio} of a recipe (its YAML text) on a slice."""
-    from ..compiler import ModelShape
-    from ..eval.cost import fp16_bytes
-    from ..eval.ppl import window_nll
-    from ..runtime import make_prompt_cache, uninstall
     recipe = recipe_from_text(recipe_text, base_dir)
     shape = ModelShape.from_model(model)
     nll = tokens = held = base = 0
@@ -50,7 +51,6 @@ def recipe_from_text(text: str, base_dir: Optional[str] = None):
     import os
     import tempfile
 
-    from ..recipe import load_recipe
     fd, path = tempfile.mkstemp(suffix=".yaml", dir=base_dir)
     try:
         with os.fdopen(fd, "w") as f:
@@ -69,7 +69,6 @@ def measure_task(model_ref: Optional[str], recipe_text: str, sl: Slice) -> Dict[
 def slices(tokens: Sequence[int], calib_windows: int, heldout_windows: int, prefix: int,
            score_tokens: int) -> List[Slice]:
     """Calibration windows from the first half of the corpus, held-out windows from the second."""
-    from ..eval.ppl import windows
     half = len(tokens) // 2
     length = prefix + score_tokens + 1
     return [Slice("calibration", tuple(map(tuple, windows(tokens[:half], calib_windows, length))), prefix),

@@ -27,6 +27,7 @@ from ..pool import run_all
 from ..recipe import builtin_names
 from .measure import Slice, measure_task
 from .space import Candidate, grid, mixes, shortlist
+from ..compiler.binding import needs_artifact
 
 
 @attrs.frozen
@@ -119,7 +120,6 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     """The whole search; returns {entries, best, fp16, front, builtins_in_budget}."""
     calib, held = search.calib, search.held
     fp16 = builtin_text("fp16")
-    from ..calibration.binding import needs_artifact  # calibrated built-ins need an artifact first: not compared
     builtins = {n: builtin_text(n) for n in builtin_names() if n != "fp16" and not needs_artifact(n)}
     fitting = {c.base: e for c, e in shortlist([Candidate(n) for n in builtins], search.shape, search.context,
                                                 max_ratio, floor=0.0)}

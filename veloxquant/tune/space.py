@@ -21,6 +21,9 @@ from ..compiler.groups import codec_bits
 from ..errors import VeloxError
 from ..recipe import load_recipe
 from ..runtime.tier import UNBOUNDED_STEP
+from ..eval.cost import fp16_bytes
+from ..runtime.make import caches_for
+from .measure import recipe_from_text
 
 # Values tried for the parameters the built-ins share; others keep their default.
 GRID = {"bits": (2, 3, 4), "window": (16, 32, 64, 128), "group": (32, 64), "budget": (64, 96, 128, 192, 256)}
@@ -87,7 +90,6 @@ def estimate_ratio(cand: Candidate, shape: ModelShape, context: int, chunk: int 
     caches are fed random K/V of the model's shape in prefill-sized chunks (no
     model) and their arrays counted. Recipes that need the attention hook
     (eviction) cannot be fed that way: for them, tokens per tier x bits/element."""
-    from ..tune.measure import recipe_from_text
     try:
         recipe = recipe_from_text(cand.yaml("estimate"))
         plan = compile_recipe(recipe, shape)
@@ -100,7 +102,6 @@ def estimate_ratio(cand: Candidate, shape: ModelShape, context: int, chunk: int 
 
 def needs_attention(cand: Candidate, shape: ModelShape) -> bool:
     """Whether a candidate's stages need the attention hook (so its bytes are estimated, not fed)."""
-    from ..tune.measure import recipe_from_text
     plan = compile_recipe(recipe_from_text(cand.yaml("estimate")), shape)
     return any(layer.needs for layer in plan.layers)
 
@@ -108,8 +109,6 @@ def needs_attention(cand: Candidate, shape: ModelShape) -> bool:
 def _fed_ratio(plan, context: int, chunk: int) -> float:
     import mlx.core as mx
 
-    from ..eval.cost import fp16_bytes
-    from ..runtime.make import caches_for
     caches = caches_for(plan)
     for s in range(0, context, chunk):
         n = min(chunk, context - s)

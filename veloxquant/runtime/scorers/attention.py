@@ -10,12 +10,11 @@ current  TOVA: the newest query's weights only; nothing carries over
 import mlx.core as mx
 
 from ..scoring import max_pool
-from . import Scorer, observers, scorer
+from .base import Scorer, observers, scorer
 
 
 @scorer("mass")
 class Mass(Scorer):
-    needs = frozenset({"weights"})
 
     def observe(self, tier, seen):
         tier.set_scores(tier.scores + seen.received)
@@ -30,7 +29,6 @@ class Mean(Mass):
 
 @scorer("current")
 class Current(Scorer):
-    needs = frozenset({"weights"})
 
     def observe(self, tier, seen):
         tier.set_scores(seen.rows[:, :, -1])

@@ -6,7 +6,7 @@ cut it (the priority ties then break by position inside the argpartition)."""
 import mlx.core as mx
 
 from .attention import Mass
-from . import scorer
+from .base import scorer
 
 
 @scorer("chunk")

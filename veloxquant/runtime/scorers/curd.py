@@ -7,7 +7,7 @@ read from the eigenvectors e_j of M'M (D x D per head, not L x L)."""
 import mlx.core as mx
 
 from .attention import Mass
-from . import observers, scorer
+from .base import observers, scorer
 
 
 @scorer("curd")

@@ -8,12 +8,11 @@ RoPE; the cache only sees rotated queries, so the recent statistics stand
 in for the next positions' (docs/eviction.md)."""
 import mlx.core as mx
 
-from . import QueryWindowScorer, scorer
+from .base import QueryWindowScorer, scorer
 
 
 @scorer("expected")
 class Expected(QueryWindowScorer):
-    needs = frozenset({"queries"})
 
     def __init__(self, route):
         super().__init__(route)

@@ -7,7 +7,7 @@ tau_t = tau * budget / max(offset, budget). tau=0 is H2O, bit for bit."""
 import mlx.core as mx
 
 from .attention import Mass
-from . import scorer
+from .base import scorer
 
 
 @scorer("keyformer")

@@ -10,7 +10,7 @@ keydiff  KeyDiff (kvpress): keep the keys least similar to the head's mean
 """
 import mlx.core as mx
 
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 
 def _unit(x: mx.array) -> mx.array:

@@ -5,17 +5,15 @@ topic. Each held token keeps its rows from those queries (a ring of `window`
 floats, gathered with it on eviction). window=1 is TOVA, bit for bit."""
 import mlx.core as mx
 
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 
 @scorer("morph")
 class Morph(Scorer):
-    needs = frozenset({"weights"})
 
     def __init__(self, route):
         super().__init__(route)
         self.rows = route.window
-        self.token_state = {"rows": (route.window,)}
 
     def observe(self, tier, seen):
         new = seen.rows.swapaxes(-1, -2)  # [B, H, L, r], oldest query first

@@ -14,7 +14,7 @@ a* lies in [0, 1] in every head, so heads compete for the layer's budget on it
 """
 import mlx.core as mx
 
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 PRIOR = (0.4, 0.4, 0.2)  # stable, episodic, current (the paper's Appendix A)
 

@@ -3,7 +3,7 @@ choice). With once=true it is kvpress's StreamingLLMPress: sinks plus the
 last prompt tokens are kept at the end of the prompt, then tokens append."""
 import mlx.core as mx
 
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 
 @scorer("newest")

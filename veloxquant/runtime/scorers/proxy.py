@@ -1,12 +1,11 @@
 """The approximation other libraries ship: the new block's keys stand in for
 queries (one per kv head), and what they pay is accumulated like H2O's mass.
 Kept so the two can be compared (docs/eviction.md)."""
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 
 @scorer("proxy")
 class Proxy(Scorer):
-    needs = frozenset({"new_keys"})
 
     def observe(self, tier, seen):
         if seen.new_keys is not None:

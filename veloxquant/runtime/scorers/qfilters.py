@@ -5,12 +5,11 @@ mean projection on u is positive; then <q, k> ~ <E q, k> grows with <k, u>,
 and the keys with the highest <k, u> are kept."""
 import mlx.core as mx
 
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 
 @scorer("qfilters")
 class QFilters(Scorer):
-    needs = frozenset({"queries"})
 
     def __init__(self, route):
         super().__init__(route)

@@ -19,7 +19,7 @@ everything, as the model does). Each chunk scores its own tokens.
 import mlx.core as mx
 
 from ..scoring import attention_weights, block_size, position_mask
-from . import Scorer, scorer
+from .base import Scorer, scorer
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -30,7 +30,6 @@ SCORE_BYTES = 16 * 2 ** 20  # one block's float32 weights at most
 
 @scorer("reconstruct")
 class Reconstruct(Scorer):
-    needs = frozenset({"model_pass"})
     texts = (FIRST, LATER, SUFFIX)
     pass_bytes = None  # the model pass's recorded prompt ids, counted in the first layer (model_pass.attach)
 

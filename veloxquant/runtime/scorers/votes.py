@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from . import Scorer
+from .base import Scorer
 from .window import Window
 
 

@@ -5,12 +5,11 @@ itself always stays."""
 import mlx.core as mx
 
 from ..scoring import max_pool
-from . import QueryWindowScorer, scorer
+from .base import QueryWindowScorer, scorer
 
 
 @scorer("window")
 class Window(QueryWindowScorer):
-    needs = frozenset({"queries"})
 
     def __init__(self, route):
         super().__init__(route)

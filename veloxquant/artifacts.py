@@ -1,4 +1,8 @@
-"""Calibration artifacts on disk: `<cache>/calibration/<key>.safetensors` + `<key>.json`.
+"""The calibration-artifact store: `<cache>/calibration/<key>.safetensors` + `<key>.json`.
+
+Below the stages (calibrated stages read their arrays from here) and above only
+`data` and `errors`; fitting and collecting live in `veloxquant.calibration`,
+binding a plan to its artifact in `veloxquant.compiler.binding`.
 
 The key hashes what the artifact was made from (model weights, the recipe's
 compiled plan, the calibration text, the fitter version); the artifact's own
@@ -13,9 +17,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..data.corpus import cache_root
-from ..errors import VeloxError
+from .data.corpus import cache_root
+from .errors import VeloxError
 
+# The samples a calibrated stage fits on keep every QUERY_STRIDE-th query (calibration/collect.py):
+# their second moments need far fewer samples than keys' bases.
+QUERY_STRIDE = 4
 FIT_VERSION = 2  # bump when a fitter changes what it computes: old artifacts then read as stale
 _LOADED: Dict[str, Dict[str, mx.array]] = {}  # content hash -> arrays
 

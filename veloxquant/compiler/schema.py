@@ -1,6 +1,7 @@
 """`veloxquant schema`: a JSON Schema (draft-07) for recipe files, built from the stage registry.
 
-Generated at run time, so a stage added as a module appears without an edit
+It joins the language (veloxquant.recipe) and the vocabulary (veloxquant.stages),
+so it sits in the compiler, which imports both. Generated at run time, so a stage added as a module appears without an edit
 here: each stage's family, doc, and parameters with their types, defaults,
 ranges (`in_range`) and enums (`choices`) come from its attrs class. YAML
 language servers read it through a first line
@@ -18,8 +19,10 @@ from typing import Any, Dict, List
 
 import attrs
 
-from .load import LAYER_KEYS, SCHEMA_VERSION, TOP_KEYS, builtin_names
-from .params import SCHEDULES, TYPES
+from ..errors import VeloxError, nearest
+from ..recipe.load import LAYER_KEYS, SCHEMA_VERSION, TOP_KEYS, builtin_names
+from ..recipe.params import SCHEDULES, TYPES
+from ..stages import REGISTRY
 
 DRAFT = "http://json-schema.org/draft-07/schema#"
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string",
@@ -93,7 +96,6 @@ def _pipeline_markdown(stages: Dict[str, Any]) -> str:
 
 
 def recipe_schema() -> Dict[str, Any]:
-    from ..stages import REGISTRY
     stages = {name: stage_schema(info) for name, info in sorted(REGISTRY.items())}
     param_value = {"anyOf": [{"type": "number"}, {"type": "boolean"}, {"type": "string"}, _NUMBER_LIST]}
     param_spec = {
@@ -150,7 +152,6 @@ def completions(schema: Dict[str, Any], stage: str) -> List[str]:
     """Editor-style completion items for a stage's parameters, read from the schema alone."""
     stages = schema["definitions"]["stages"]
     if stage not in stages:
-        from ..errors import VeloxError, nearest
         raise VeloxError(f"no stage '{stage}' in the schema; {nearest(stage, stages)}")
     props = stages[stage]["properties"]
     width = max((len(p) for p in props), default=0) + 1
