@@ -123,14 +123,29 @@ def test_gemma4_cross_layer_recipes_pair_only_layers_that_own_caches():
         vq.make_prompt_cache(gemma4(), "xquant")
 
 
-def test_gemma4_save_load_trim_and_copy():
+def test_gemma4_save_load_trim_and_copy(tmp_path):
     model = gemma4()
     caches = vq.make_prompt_cache(model, "kivi", KIVI)
     model(TOKENS[:, :80], cache=caches)
+    path = tmp_path / "g4.safetensors"
+    vq.save_prompt_cache(path, caches)
+    loaded, _ = vq.load_prompt_cache(path, model=model)
     twin = copy.deepcopy(caches)
-    assert twin[0].lends  # a copy lends too: its KV-shared layers read the copy's tiers
+    assert twin[0].lends and loaded[0].lends  # copies and loaded caches lend too: shared layers read their tiers
     expected = model(TOKENS[:, 80:], cache=caches)
     assert maxdiff(model(TOKENS[:, 80:], cache=twin), expected) == 0.0
+    assert maxdiff(model(TOKENS[:, 80:], cache=loaded), expected) == 0.0
+    window = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :90], cache=window)
+    assert trim_prompt_cache(window, 10) == 0  # the window has forgotten tokens, as mlx-lm's RotatingKVCache
+    model = gemma4(types=("full_attention",) * 4)
+    fp16 = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :90], cache=fp16)
+    assert trim_prompt_cache(fp16, 10) == 10 and [c.offset for c in fp16] == [80, 80]
+    fresh = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :80], cache=fresh)
+    # BLAS rounds a 90-row prefill's K/V unlike an 80-row one's, then fp16 storage (test_runtime's trim test too)
+    assert maxdiff(model(TOKENS[:, 80:], cache=fp16), model(TOKENS[:, 80:], cache=fresh)) < 5e-3
 
 
 # --- hybrid models: non-attention layers keep mlx-lm's own caches ---------------------------------------
@@ -193,6 +208,17 @@ def test_explain_shows_gemma4_shared_layers():
     from veloxquant.recipe import load_recipe
     text = render(compile_recipe(load_recipe("kivi"), ModelShape.from_model(gemma4())))
     assert "KV-shared layers 2 (reads 0's), 3 (reads 1's)" in text and "layer 0 (model layers 0, 2; sliding" in text
+
+
+@pytest.mark.parametrize("make", [lambda: gemma4(mx.float16), tiny_qwen3_next])
+def test_mlx_lm_generate_step_gives_the_same_tokens_with_the_fp16_recipe(make):
+    from mlx_lm.generate import generate_step
+    model = make()
+    model.set_dtype(mx.float16)
+
+    def tokens(caches):
+        return [t for t, _ in generate_step(TOKENS[0], model, prompt_cache=caches, max_tokens=8)]
+    assert tokens(vq.make_prompt_cache(model, "fp16")) == tokens(None)  # None: mlx-lm's own make_cache
 
 
 # --- layouts that are refused, never run --------------------------------------------------------------
