@@ -166,6 +166,16 @@ def test_hybrid_fp16_equals_mlx_lm_and_kivi_compresses_the_attention_layers(make
     assert report["cache_bytes"] < report["fp16_bytes"] and report["kept_bytes"] == lossy[0].nbytes + lossy[2].nbytes
 
 
+@pytest.mark.parametrize("recipe", ["xquant", "xkv"])
+def test_hybrid_cross_layer_groups_pair_attention_layers_only(recipe):
+    model = tiny_qwen3_next()
+    caches = vq.make_prompt_cache(model, recipe, ["window=16"])
+    groups = {c.plan.share.layers for c in caches if not isinstance(c, ArraysCache)}
+    assert groups == {(0, 1)}  # attention caches 0 and 1: model layers 1 and 3, never a linear-attention layer
+    assert [caches[1].plan.share.anchor, caches[3].plan.share.anchor] == [0, 0]
+    assert mx.isfinite(feed(model, caches)).all()
+
+
 @pytest.mark.parametrize("make", HYBRIDS)
 def test_hybrid_save_load_copy_and_trim(make, tmp_path):
     model = make()
@@ -239,6 +249,11 @@ def test_a_cache_list_veloxquant_cannot_read_is_refused(bad, match, monkeypatch)
     monkeypatch.setattr(type(model), "make_cache", bad)  # a model class whose own make_cache says so
     with pytest.raises(VeloxError, match=match):
         vq.make_prompt_cache(model, "fp16")
+
+
+def test_a_recipe_running_a_model_pass_is_refused_on_these_layouts():
+    with pytest.raises(VeloxError, match="recipe 'kvzip' scores tokens by a pass through the model"):
+        vq.make_prompt_cache(tiny_qwen3_next(), "kvzip")
 
 
 def test_gemma4_with_mismatched_wiring_is_refused():

@@ -6,7 +6,7 @@ recipe asked for, or whose arrays do not fit the plan.
 """
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
