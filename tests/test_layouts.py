@@ -202,6 +202,16 @@ def test_hybrid_file_refused_for_another_layout(tmp_path):
         vq.load_prompt_cache(path, model=gemma4(types=("full_attention",) * 4, shared=0))
 
 
+def test_hybrid_file_missing_its_kept_state_is_refused(tmp_path):
+    caches = vq.make_prompt_cache(tiny_qwen3_next(), "kivi", KIVI)
+    path = tmp_path / "c.safetensors"
+    vq.save_prompt_cache(path, caches)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    mx.save_safetensors(str(tmp_path / "cut.safetensors"), arrays, {k: v for k, v in meta.items() if k != "kept"})
+    with pytest.raises(CacheFileError, match="cut.safetensors"):
+        vq.load_prompt_cache(tmp_path / "cut.safetensors")
+
+
 def test_explain_with_a_hybrid_model_shows_which_layers_are_compressed(monkeypatch, capsys):
     model = tiny_qwen3_next()
     monkeypatch.setattr("veloxquant.models.load_model", lambda path, lazy=False: (model, None))
