@@ -123,14 +123,29 @@ def test_gemma4_cross_layer_recipes_pair_only_layers_that_own_caches():
         vq.make_prompt_cache(gemma4(), "xquant")
 
 
-def test_gemma4_save_load_trim_and_copy():
+def test_gemma4_save_load_trim_and_copy(tmp_path):
     model = gemma4()
     caches = vq.make_prompt_cache(model, "kivi", KIVI)
     model(TOKENS[:, :80], cache=caches)
+    path = tmp_path / "g4.safetensors"
+    vq.save_prompt_cache(path, caches)
+    loaded, _ = vq.load_prompt_cache(path, model=model)
     twin = copy.deepcopy(caches)
-    assert twin[0].lends  # a copy lends too: its KV-shared layers read the copy's tiers
+    assert twin[0].lends and loaded[0].lends  # copies and loaded caches lend too: shared layers read their tiers
     expected = model(TOKENS[:, 80:], cache=caches)
     assert maxdiff(model(TOKENS[:, 80:], cache=twin), expected) == 0.0
+    assert maxdiff(model(TOKENS[:, 80:], cache=loaded), expected) == 0.0
+    window = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :90], cache=window)
+    assert trim_prompt_cache(window, 10) == 0  # the window has forgotten tokens, as mlx-lm's RotatingKVCache
+    model = gemma4(types=("full_attention",) * 4)
+    fp16 = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :90], cache=fp16)
+    assert trim_prompt_cache(fp16, 10) == 10 and [c.offset for c in fp16] == [80, 80]
+    fresh = vq.make_prompt_cache(model, "fp16")
+    model(TOKENS[:, :80], cache=fresh)
+    # BLAS rounds a 90-row prefill's K/V unlike an 80-row one's, then fp16 storage (test_runtime's trim test too)
+    assert maxdiff(model(TOKENS[:, 80:], cache=fp16), model(TOKENS[:, 80:], cache=fresh)) < 5e-3
 
 
 # --- hybrid models: non-attention layers keep mlx-lm's own caches ---------------------------------------
@@ -149,6 +164,16 @@ def test_hybrid_fp16_equals_mlx_lm_and_kivi_compresses_the_attention_layers(make
     report = cache_report(lossy)
     assert report["compressed_layers"] == [1, 3] and report["kept_layers"] == {"0": "ArraysCache", "2": "ArraysCache"}
     assert report["cache_bytes"] < report["fp16_bytes"] and report["kept_bytes"] == lossy[0].nbytes + lossy[2].nbytes
+
+
+@pytest.mark.parametrize("recipe", ["xquant", "xkv"])
+def test_hybrid_cross_layer_groups_pair_attention_layers_only(recipe):
+    model = tiny_qwen3_next()
+    caches = vq.make_prompt_cache(model, recipe, ["window=16"])
+    groups = {c.plan.share.layers for c in caches if not isinstance(c, ArraysCache)}
+    assert groups == {(0, 1)}  # attention caches 0 and 1: model layers 1 and 3, never a linear-attention layer
+    assert [caches[1].plan.share.anchor, caches[3].plan.share.anchor] == [0, 0]
+    assert mx.isfinite(feed(model, caches)).all()
 
 
 @pytest.mark.parametrize("make", HYBRIDS)
@@ -177,6 +202,16 @@ def test_hybrid_file_refused_for_another_layout(tmp_path):
         vq.load_prompt_cache(path, model=gemma4(types=("full_attention",) * 4, shared=0))
 
 
+def test_hybrid_file_missing_its_kept_state_is_refused(tmp_path):
+    caches = vq.make_prompt_cache(tiny_qwen3_next(), "kivi", KIVI)
+    path = tmp_path / "c.safetensors"
+    vq.save_prompt_cache(path, caches)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    mx.save_safetensors(str(tmp_path / "cut.safetensors"), arrays, {k: v for k, v in meta.items() if k != "kept"})
+    with pytest.raises(CacheFileError, match="cut.safetensors"):
+        vq.load_prompt_cache(tmp_path / "cut.safetensors")
+
+
 def test_explain_with_a_hybrid_model_shows_which_layers_are_compressed(monkeypatch, capsys):
     model = tiny_qwen3_next()
     monkeypatch.setattr("veloxquant.models.load_model", lambda path, lazy=False: (model, None))
@@ -193,6 +228,17 @@ def test_explain_shows_gemma4_shared_layers():
     from veloxquant.recipe import load_recipe
     text = render(compile_recipe(load_recipe("kivi"), ModelShape.from_model(gemma4())))
     assert "KV-shared layers 2 (reads 0's), 3 (reads 1's)" in text and "layer 0 (model layers 0, 2; sliding" in text
+
+
+@pytest.mark.parametrize("make", [lambda: gemma4(mx.float16), tiny_qwen3_next])
+def test_mlx_lm_generate_step_gives_the_same_tokens_with_the_fp16_recipe(make):
+    from mlx_lm.generate import generate_step
+    model = make()
+    model.set_dtype(mx.float16)
+
+    def tokens(caches):
+        return [t for t, _ in generate_step(TOKENS[0], model, prompt_cache=caches, max_tokens=8)]
+    assert tokens(vq.make_prompt_cache(model, "fp16")) == tokens(None)  # None: mlx-lm's own make_cache
 
 
 # --- layouts that are refused, never run --------------------------------------------------------------
@@ -213,6 +259,11 @@ def test_a_cache_list_veloxquant_cannot_read_is_refused(bad, match, monkeypatch)
     monkeypatch.setattr(type(model), "make_cache", bad)  # a model class whose own make_cache says so
     with pytest.raises(VeloxError, match=match):
         vq.make_prompt_cache(model, "fp16")
+
+
+def test_a_recipe_running_a_model_pass_is_refused_on_these_layouts():
+    with pytest.raises(VeloxError, match="recipe 'kvzip' scores tokens by a pass through the model"):
+        vq.make_prompt_cache(tiny_qwen3_next(), "kvzip")
 
 
 def test_gemma4_with_mismatched_wiring_is_refused():

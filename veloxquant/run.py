@@ -176,9 +176,10 @@ def format_report(r: Dict[str, object]) -> str:
     if "saved_cache_bytes" in r:
         rows.append(("saved cache file", f"{r['saved_cache_bytes']:,} bytes"))
     if "compressed_layers" in r:
-        kept = ", ".join(f"{i} ({name})" for i, name in r["kept_layers"].items()) or "none"
+        kept = ", ".join(f"{i} ({name})" for i, name in r["kept_layers"].items())
         rows.insert(3, ("compressed layers", ", ".join(map(str, r["compressed_layers"]))))
-        rows.insert(4, ("kept as the model made", f"layers {kept}: {r['kept_bytes']:,} bytes, not compressed"))
+        if r["kept_layers"]:
+            rows.insert(4, ("kept as the model made", f"layers {kept}: {r['kept_bytes']:,} bytes, not compressed"))
     if r.get("calibration_bytes"):
         rows.insert(3, ("calibration artifact", f"{r['calibration_bytes']:,} bytes (shared, not in the cache)"))
     text = "\n".join(f"{k:<24} {v}" for k, v in rows)

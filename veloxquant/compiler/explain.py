@@ -104,7 +104,8 @@ def long_run_bits(layer: LayerPlan) -> float:
 def render(plan: Plan) -> str:
     s = plan.shape
     lines = [f"recipe {plan.recipe}  fingerprint {plan.fingerprint}",
-             f"model  {s.name}: {s.n_layers} layers, kv heads {sorted(set(s.n_kv_heads))}, "
+             f"model  {s.name}: {s.n_layers} {'layers' if s.trivial_layout else 'attention caches'}, "
+             f"kv heads {sorted(set(s.n_kv_heads))}, "
              f"head_dim {sorted(set(s.head_dim))}, sliding-window layers {sum(w is not None for w in s.windows)}"]
     if not s.trivial_layout:
         lines.append(f"layout {s.layout_text()}")

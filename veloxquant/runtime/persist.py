@@ -6,7 +6,7 @@ recipe asked for, or whose arrays do not fit the plan.
 """
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -106,9 +106,13 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
             kept = kept_state.load(json.loads(meta["kept"]), arrays, len(plan.shape.slots))
         except (KeyError, ValueError, TypeError) as e:
             raise CacheFileError(f"{path}: corrupt state of the model's own caches ({e})") from None
+    try:
+        caches = cache_list.assemble(plan, caches, kept)
+    except VeloxError as e:
+        raise CacheFileError(f"{path}: {e}") from None
     if model is not None:
         hook.install(model)
-    return cache_list.assemble(plan, caches, kept), user
+    return caches, user
 
 
 def _check_model(path: str, plan, model) -> None:
