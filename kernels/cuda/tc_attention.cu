@@ -8,7 +8,7 @@
 //
 // What differs from attend_mma (ncu on the H200: both execute 630-690 warp
 // instructions per 16-token tile; attend_mma's warps wait on global loads,
-// these do not, which made this one 1.5x faster at 128k -- docs/kernels.md):
+// these do not, which made this one faster at 128k -- docs/kernels.md):
 //   * values c*s+z and the probabilities are single fp16 operands (one
 //     rounding each, as fp16 SDPA over the decoded cache has); key codes are
 //     exact and the key scales are folded into the query per key group as an

@@ -4,7 +4,7 @@
 //
 // A decode call used to be two launches: attend (one partial per block) and
 // reduce / reduce_tail (merge, plus the 16-bit tail tiers). Launches cost the
-// host 5.6-9.3 us each on the H200 (docs/kernels.md), so here the dense tail
+// host microseconds each (docs/kernels.md), so here the dense tail
 // is attended by extra blocks of the same grid, each writing a partial like a
 // code block, and the last block of a kv head to finish merges that head's
 // partials: a per-head counter, bumped after a block's partial is written and

@@ -41,8 +41,8 @@ def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg:
 
 def choose_chunk(D: int, R: int, kspec, vspec, L: int = 0) -> int:
     """Tokens per chunk: 256 for long tiers at D = 128 (measured faster on the H200
-    at 32k/128k, docs/kernels.md), else 128 (8 tokens per team; at 9/3/64 it beat
-    256 by 30% at 16k-32k); failing that the smallest size that holds whole
+    at 32k/128k), else 128 (8 tokens per team; faster at 9/3/64; both in
+    docs/kernels.md); failing that the smallest size that holds whole
     channel groups and fits shared memory; 0 if none."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
     low = max(kg if kax == "channel" else 16, vg if vax == "channel" else 16)

@@ -15,6 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+
+from . import lut, tc, tc_launch
+from .cuda import _strip, attend_header, sections
+from .geometry import plan
+from .source import strip
+
 _STANDIN = """#include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda/std/array>
@@ -54,10 +61,6 @@ def render(name: str, header: str, body: str, inputs, outputs, template) -> str:
 
 def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, nx: int = 1) -> str:
     """attend_tc's translation unit (kernels/cuda/tc_attention.cu + tc_fold.cu) as tc_launch builds it."""
-    import mlx.core as mx
-
-    from . import tc, tc_launch
-    from .source import strip
     qd = getattr(mx, qtype)
     p = tc.plan(B, Hq, Lq, D, Hkv, L, qd, kspec, vspec, D ** -0.5)
     x = _CTYPES[qtype]
@@ -70,8 +73,6 @@ def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, 
 
 def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
     """The CUDA-core attend kernel's translation unit (section attend), as MLX would build it."""
-    from .cuda import _strip, attend_header, sections
-    from .geometry import plan
     p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
     return render("custom_kernel_vq_affine_attend", _strip(attend_header(D)), _strip(sections()["attend"]),
                   _attend_inputs(qtype) + [("lo", "int32_t")], _PARTIALS, list(p.template))
@@ -79,7 +80,6 @@ def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16") -> str:
 
 def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend") -> str:
     """The LUT kernel's translation unit (kernels/cuda/lut_attention.cu), as MLX would build it."""
-    from . import lut
     if section == "lloyd_encode":
         ins, outs = [("x", "__half"), ("lv", "float")], [("c1", "uint32_t"), ("n1", "__half"), ("c2", "uint32_t"),
                                                        ("n2", "__half")]

@@ -126,8 +126,8 @@ def folds(B: int, Hkv: int, rows: int, D: int, ns: int) -> bool:
 
 def static_bytes(D: int, rows: int, qdtype) -> int:
     """The kernel's static shared memory: each lane's q pairs (s_q), their float remainders
-    (s_qr: only float32 queries read them; ptxas drops them otherwise: 2,320 vs 4,368 bytes
-    at 32/8/128, nvcc_check --qtype), the warps' max / sum (s_m, s_l), the fold's flag (16)."""
+    (s_qr: only float32 queries read them; ptxas drops them otherwise, nvcc_check --qtype;
+    docs/kernels.md), the warps' max / sum (s_m, s_l), the fold's flag (16)."""
     q_arrays = 2 if str(qdtype).endswith("float32") else 1
     return q_arrays * 32 * (D // 8) * (2 if rows > 8 else 1) * 4 + 2 * NW * 16 * 4 + 16
 
