@@ -26,11 +26,13 @@ def model_dir(tmp_path_factory):
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
+
     from veloxquant.models.default import default_model_path
     d = tmp_path_factory.mktemp("tiny_served")
-    cfg = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
-               rope_theta=10000.0, max_position_embeddings=CONTEXT, tie_word_embeddings=True)
+    cfg = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 128,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "rms_norm_eps": 1e-5,
+           "vocab_size": 49152, "rope_theta": 10000.0, "max_position_embeddings": CONTEXT,
+           "tie_word_embeddings": True}
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(**cfg))
     mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -52,7 +54,7 @@ class Server:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "veloxquant.cli", "serve", recipe, "--model", str(model_dir),
                "--port", str(self.port), "--max-tokens", "16", *[a for s in sets for a in ("--set", s)]]
-        self.log = open(model_dir / f"{recipe}-{self.port}.log", "w+")
+        self.log = open(model_dir / f"{recipe}-{self.port}.log", "w+")  # noqa: SIM115 (open while it runs)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused",
                                     timeout=30, max_retries=0)
@@ -135,6 +137,12 @@ def test_two_turn_chat_reuses_the_prefix(kivi):
     again = kivi.chat(second)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content
+    # a prompt equal to what the server stored: rewound one token, not an empty prefill
+    complete = lambda p: kivi.client.completions.create(model="default_model", prompt=p, max_tokens=8, temperature=0)
+    text = "The sea was calm and the boats were out"
+    repeat = complete(text + complete(text).choices[0].text)
+    assert 0 < repeat.usage.prompt_tokens_details.cached_tokens < repeat.usage.prompt_tokens
+    assert repeat.usage.completion_tokens == 8
 
 
 def test_eight_concurrent_clients(kivi):
@@ -174,6 +182,7 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     prefix of the new prompt. Its second answer equals one cache continued in-process the same way."""
     import mlx_lm
     from mlx_lm.models.cache import can_trim_prompt_cache
+
     import veloxquant
     sets = ["budget=8", "sinks=2"]
     server = Server(model_dir, "h2o", *sets)
@@ -185,6 +194,9 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
         second = first + reply.choices[0].text + " More words here."
         again = complete(second)
         assert server.status()["last_sequence"]["tokens"] == again.usage.total_tokens
+        # the stored tokens exactly (an untrimmable hit with nothing left to prefill): answered afresh
+        repeat = complete(first + reply.choices[0].text)
+        assert repeat.usage.prompt_tokens_details.cached_tokens == 0 and repeat.choices[0].text
     finally:
         server.stop()
     model, tokenizer = mlx_lm.load(str(model_dir))
@@ -199,4 +211,7 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     assert again.usage.prompt_tokens_details.cached_tokens == len(key)  # LRUPromptCache's shorter-prefix reuse
     out2 = mlx_lm.stream_generate(model, tokenizer, p2[len(key):], max_tokens=8, prompt_cache=caches)
     assert again.choices[0].text == "".join(r.text for r in out2)
+    fresh = veloxquant.make_prompt_cache(model, "h2o", sets=sets)
+    out3 = mlx_lm.stream_generate(model, tokenizer, key, max_tokens=8, prompt_cache=fresh)
+    assert repeat.choices[0].text == "".join(r.text for r in out3)
     veloxquant.uninstall(model)

@@ -10,7 +10,8 @@ import argparse
 import json
 import logging
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 
 from ..compiler import apply_sets
@@ -27,12 +28,13 @@ log = logging.getLogger("veloxquant.serve")
 
 def server_args(model: str, **overrides) -> argparse.Namespace:
     """mlx_lm.server's command-line namespace with its defaults (mlx-lm 0.32.2), `overrides` applied."""
-    args = dict(model=model, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins="*",
-                draft_model=None, num_draft_tokens=3, trust_remote_code=False, log_level="INFO",
-                chat_template="", use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                max_tokens=512, chat_template_args={}, decode_concurrency=32, prompt_concurrency=8,
-                prefill_step_size=2048, prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None,
-                kv_group_size=64, quantized_kv_start=0, pipeline=False)
+    args = {"model": model, "adapter_path": None, "host": "127.0.0.1", "port": 8080, "allowed_origins": "*",
+            "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False, "log_level": "INFO",
+            "chat_template": "", "use_default_chat_template": False, "temp": 0.0, "top_p": 1.0, "top_k": 0,
+            "min_p": 0.0, "max_tokens": 512, "chat_template_args": {}, "decode_concurrency": 32,
+            "prompt_concurrency": 8, "prefill_step_size": 2048, "prompt_cache_size": 10,
+            "prompt_cache_bytes": None, "kv_bits": None, "kv_group_size": 64,
+            "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "pipeline": False}
     args.update({k: v for k, v in overrides.items() if v is not None})
     return argparse.Namespace(**args)
 
@@ -59,6 +61,8 @@ class RecipeModelProvider(ModelProvider):
         return self.plan.recipe if self.plan else getattr(self.recipe, "name", str(self.recipe))
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        # Every load goes through here (ModelProvider.load), so is_batchable, the one switch that sends the
+        # server down its BatchGenerator path, is always the recipe caches' answer.
         super()._load(model_path, adapter_path, draft_model_path)
         model, tokenizer = self.model, self.tokenizer
         # Compiled before make_cache is replaced: the model's shape (sliding windows) is read off its own.
@@ -99,6 +103,16 @@ class ReportingPromptCache(LRUPromptCache):
         super().__init__(max_size, max_bytes)
         self.provider = provider
         self.stored = {"sequences": 0, "bytes": 0}  # replaced whole: the status handler reads it from its thread
+
+    def fetch_nearest_cache(self, model, tokens):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is None or rest:
+            return cache, rest
+        # An exact hit leaves nothing to prefill, and mlx-lm 0.32.2's stream_generate refuses an empty prompt
+        # (the connection drops). Step back one token where the caches rewind exactly; else start afresh.
+        if can_trim_prompt_cache(cache) and trim_prompt_cache(cache, 1) == 1:
+            return cache, tokens[-1:]
+        return None, tokens
 
     def insert_cache(self, model, tokens, prompt_cache, **kwargs):
         report = cache_report(prompt_cache)
