@@ -215,3 +215,26 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     out3 = mlx_lm.stream_generate(model, tokenizer, key, max_tokens=8, prompt_cache=fresh)
     assert repeat.choices[0].text == "".join(r.text for r in out3)
     veloxquant.uninstall(model)
+
+
+def test_recipe_errors_exit_before_the_server_starts(model_dir):
+    cmd = [sys.executable, "-m", "veloxquant.cli", "serve", "kivi", "--model", str(model_dir),
+           "--port", str(_free_port()), "--set", "bitz=3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "recipe 'kivi' has no parameter 'bitz'" in done.stderr
+    assert "Starting httpd" not in done.stderr + done.stdout
+
+
+def test_the_batched_path_is_off_for_recipe_caches(model_dir):
+    """mlx-lm's server takes its BatchGenerator path only when the provider's is_batchable is true."""
+    from veloxquant.runtime import uninstall
+    from veloxquant.serve.server import RecipeModelProvider, server_args
+    provider = RecipeModelProvider(server_args(str(model_dir)), "kivi")
+    model, _ = provider.load("default_model")
+    try:
+        assert provider.is_batchable is False and "no merge()" in provider.serial_reason
+        assert len(model.make_cache()) == 2 and model.make_cache()[0].fingerprint == provider.plan.fingerprint
+        with pytest.raises(ValueError, match="ask for model 'default_model'"):
+            provider.load("another/model")
+    finally:
+        uninstall(model)
