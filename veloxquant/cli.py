@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     add_calibrate_args(sub.add_parser("calibrate", help="fit a recipe's calibrated stages on a model and write "
                                       "the artifact that run/eval/make_prompt_cache bind to"))
 
+    from .serve.cli import add_serve_args
+    add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
+                                  "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -235,6 +239,9 @@ def main(argv=None) -> int:
                 "eval": cmd_eval, "compare": cmd_compare}
     commands["calibrate"] = cmd_calibrate
     try:
+        if args.command == "serve":
+            from .serve.cli import cmd_serve
+            return cmd_serve(args)
         if args.command == "run":
             from .run import cmd_run
             return cmd_run(args)
