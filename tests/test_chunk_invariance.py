@@ -94,8 +94,14 @@ def check(model, recipe, s):
     for name, caches in runs.items():
         assert reachable_bytes(caches) == held[name], (recipe, name, "arrays outside nbytes")
     if _once(runs["block"]):
-        # the decision is made at the prompt's end, which differs by feed: each holds at most
-        # the budget plus what came after its decision (checked in test_once_*)
+        # The decision is made at the prompt's end, which differs by feed (the block's at its last
+        # token, the singles' after the prefix, the chunks' only when told: docs/eviction.md).
+        # Told, the chunks hold no more than the block, which decided one token before its end.
+        for c in runs["chunks"]:
+            c.finish_prompt()
+        chunks = sum(c.nbytes for c in runs["chunks"])
+        assert chunks <= held["block"] + slack and held["block"] <= held["singles"], (recipe, held, chunks)
+        assert reachable_bytes(runs["chunks"]) == chunks
         return held
     lo, hi = min(held.values()), max(held.values())
     assert hi - lo <= slack, (recipe, held)
