@@ -83,6 +83,8 @@ class TieredCache(_BaseCache):
         self._awaiting_attend = self.scored
         if (self.per_head or self._prompt_tiers) and keys.shape[2] == 1:
             self.finish_prompt()  # mlx-lm feeds the prompt's last token alone: the prompt is over
+        elif self.per_head:
+            per_head.new_turn(self)  # a block after a decision opens the next prompt (docs/eviction.md)
         self._settle()
         self.dtype = keys.dtype
         self.new_keys = keys if self.per_head else None

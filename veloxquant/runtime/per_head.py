@@ -123,6 +123,7 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
             mask=mask if mask is None or isinstance(mask, str) else additive(expand_heads(mask, Hq), queries.dtype))
     if listeners:
         _feed(cache, held, listeners, queries, first_q, k.astype(mx.float32), kpos, slices, total, tail)
+    cache.new_keys = None  # fed: the block's keys are held by the tiers, not twice by the cache
     return out.astype(queries.dtype)
 
 
@@ -192,3 +193,12 @@ def finish_prompt(cache) -> None:
             t.keep(t.scorer.priority(t, cache.offset, lambda q, f, where=where: weigh(q, f, where)), cache.offset)
         t.decided = True
         t.scorer.release()
+
+
+def new_turn(cache) -> None:
+    """A block of several tokens after a `once` tier decided is a new prompt (a chat's next turn, a
+    scored continuation): the tier listens again, and decides again over everything it holds (the
+    kept prompt, the tokens generated since, the new block) at the next prompt's end."""
+    for t in cache.tiers:
+        if t.scorer is not None and t.route.once and t.decided:
+            t.decided = False
