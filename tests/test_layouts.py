@@ -123,14 +123,19 @@ def test_gemma4_cross_layer_recipes_pair_only_layers_that_own_caches():
         vq.make_prompt_cache(gemma4(), "xquant")
 
 
-def test_gemma4_save_load_trim_and_copy(tmp_path):
-    model = gemma4()
+def _saved_loaded_and_copied(model, tmp_path):
+    """kivi caches after 80 tokens, the same loaded back from a file, and a deep copy."""
     caches = vq.make_prompt_cache(model, "kivi", KIVI)
     model(TOKENS[:, :80], cache=caches)
-    path = tmp_path / "g4.safetensors"
+    path = tmp_path / "c.safetensors"
     vq.save_prompt_cache(path, caches)
     loaded, _ = vq.load_prompt_cache(path, model=model)
-    twin = copy.deepcopy(caches)
+    return caches, loaded, copy.deepcopy(caches)
+
+
+def test_gemma4_save_load_trim_and_copy(tmp_path):
+    model = gemma4()
+    caches, loaded, twin = _saved_loaded_and_copied(model, tmp_path)
     assert twin[0].lends and loaded[0].lends  # copies and loaded caches lend too: shared layers read their tiers
     expected = model(TOKENS[:, 80:], cache=caches)
     assert maxdiff(model(TOKENS[:, 80:], cache=twin), expected) == 0.0
@@ -179,12 +184,7 @@ def test_hybrid_cross_layer_groups_pair_attention_layers_only(recipe):
 @pytest.mark.parametrize("make", HYBRIDS)
 def test_hybrid_save_load_copy_and_trim(make, tmp_path):
     model = make()
-    caches = vq.make_prompt_cache(model, "kivi", KIVI)
-    model(TOKENS[:, :80], cache=caches)
-    path = tmp_path / "c.safetensors"
-    vq.save_prompt_cache(path, caches)
-    loaded, _ = vq.load_prompt_cache(path, model=model)
-    twin = copy.deepcopy(caches)
+    caches, loaded, twin = _saved_loaded_and_copied(model, tmp_path)
     assert [type(c) for c in loaded] == [type(c) for c in caches] and isinstance(loaded[0], ArraysCache)
     expected = model(TOKENS[:, 80:], cache=caches)
     assert maxdiff(model(TOKENS[:, 80:], cache=loaded), expected) == 0.0
