@@ -39,12 +39,19 @@ def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable
     veloxquant.models.load_model bring their own.
     """
     plan = plan_for(model, recipe, sets, use_hook)
+    caches = prompt_caches(model, plan, tokenizer)
+    if use_hook:
+        hook.install(model)
+    return caches
+
+
+def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
+    """A fresh cache list for `model` from its compiled `plan`, laid out as the model's own make_cache()
+    lays it out (make_prompt_cache, and `veloxquant serve` for each sequence; the hook is the caller's)."""
     if not plan.shape.trivial_layout and any(model_pass.NEED in layer.needs for layer in plan.layers):
         raise VeloxError(f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run this "
                          "model's non-attention or KV-shared layers outside their own caches: not supported "
                          "on this layout (see `veloxquant explain --model`)")
-    if use_hook:
-        hook.install(model)
     caches = caches_for(plan)
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))

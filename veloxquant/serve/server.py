@@ -14,10 +14,10 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 
-from ..compiler import apply_sets
 from ..recipe import load_recipe
 from ..run import cache_report
-from ..runtime import caches_for, hook, model_pass, plan_for
+from ..runtime import hook, plan_for
+from ..runtime.make import prompt_caches
 
 STATUS_PATH = "/v1/veloxquant/status"
 # Request fields that would ask for another recipe: refused (the recipe is fixed when the server starts).
@@ -68,18 +68,13 @@ class RecipeModelProvider(ModelProvider):
         # Compiled before make_cache is replaced: the model's shape (sliding windows) is read off its own.
         plan = self.plan = plan_for(model, self.recipe, self.sets)
         hook.install(model)
-
-        def make_cache():
-            caches = caches_for(plan)
-            model_pass.attach(model, caches, tokenizer)
-            return caches
-
-        model.make_cache = make_cache
-        caches = make_cache()
+        model.make_cache = lambda: prompt_caches(model, plan, tokenizer)
+        caches = model.make_cache()
         # mlx-lm's own load-time test (ModelProvider._load), now over the recipe's caches.
-        self.is_batchable = all(hasattr(c, "merge") for c in caches)
-        if not self.is_batchable:
-            self.serial_reason = (f"{type(caches[0]).__name__} has no merge() (batched recipe caches are "
+        unmergeable = [c for c in caches if not hasattr(c, "merge")]
+        self.is_batchable = not unmergeable
+        if unmergeable:
+            self.serial_reason = (f"{type(unmergeable[0]).__name__} has no merge() (batched recipe caches are "
                                   "not built yet), so mlx-lm serves requests one at a time")
         self.context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         log.info("veloxquant: model %s, recipe '%s', fingerprint %s, %d layers", model_path, plan.recipe,
@@ -157,9 +152,8 @@ def check_recipe(recipe_ref, sets, model_path: str):
     """Load and compile the recipe for the model (its weights left lazy): errors before the server starts."""
     from ..models import load_model
     recipe = load_recipe(recipe_ref)
-    apply_sets(recipe, sets)
     model, _ = load_model(model_path, lazy=True)
-    plan_for(model, recipe, sets)
+    plan_for(model, recipe, sets)  # the --set values are checked as the plan applies them
     return recipe
 
 
