@@ -2,7 +2,7 @@
 the backends it is verified on.
 
 Each kernel module registers its kernels here when imported (`veloxquant.kernels` imports
-them all); `dispatch` routes by this table and `explain` names the route from it. A kernel
+them all); `dispatch` routes by this table and the compiler asks it what is verified. A kernel
 lists a backend in `verified` only after its parity tests passed there on real hardware
 (docs/kernels.md, "Parity on the H200"); everywhere else the MLX-ops reference answers.
 """
