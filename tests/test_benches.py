@@ -4,7 +4,8 @@ import io
 
 import pytest
 
-from veloxquant.bench import decode_ops, decode_split, prefill_peak
+from benchmarks import decode_split, prefill_peak
+from veloxquant.bench import decode_ops
 
 
 def test_decode_split_prints_its_table(capsys):
@@ -69,7 +70,7 @@ def test_e2e_repeats_rows_and_prints_medians(capsys):
 
 
 def test_run_peaks_prints_a_row_per_run(capsys):
-    from veloxquant.bench import run_peaks
+    from benchmarks import run_peaks
     assert run_peaks.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
                            "--vocab", "300", "--dtype", "float32", "--recipes", "kvcache,fp16", "--runs", "2"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| kvcache |", "| fp16 |"))]
@@ -84,7 +85,7 @@ def test_fp16_decode_step_builds_kvcache_graph():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-    from veloxquant.bench import host_step
+    from benchmarks import host_step
     from veloxquant.bench.e2e import random_llama
     from veloxquant.eval.feed import prefill
     from veloxquant.runtime import make_prompt_cache, uninstall
@@ -106,7 +107,7 @@ def test_fp16_decode_step_builds_kvcache_graph():
 
 
 def test_host_step_prints_ops_table(capsys):
-    from veloxquant.bench import host_step
+    from benchmarks import host_step
     assert host_step.main(["--context", "64", "--layers", "1", "--heads", "4/2", "--head-dim", "64", "--vocab", "300",
                            "--dtype", "float32", "--recipes", "fp16", "--rounds", "1", "--steps", "2",
                            "--ops-table"]) == 0
@@ -116,7 +117,7 @@ def test_host_step_prints_ops_table(capsys):
 
 
 def test_host_calls_prints_its_table(capsys):
-    from veloxquant.bench import host_calls
+    from benchmarks import host_calls
     assert host_calls.main(["--seq", "256", "--window", "16", "--calls", "16"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 SDPA |" in out and "| x + 1 |" in out
@@ -133,7 +134,7 @@ def test_long_generation_prints_first_and_last_windows(capsys):
 
 
 def test_eviction_cost_prints_ratios_against_interleaved_fp16(capsys, tmp_path):
-    from veloxquant.bench import eviction_cost
+    from benchmarks import eviction_cost
     before = tmp_path / "before.json"
     assert eviction_cost.main(["tova", "knorm", "--tokens", "200", "--chunk", "64", "--decode", "2",
                                "--fp16-every", "2", "--json", str(before)]) == 0
@@ -156,7 +157,7 @@ def test_contract_prints_a_row_per_recipe_and_fails_on_an_error(capsys, tmp_path
 
 
 def test_eviction_cost_rounds_print_one_median_row_per_spec(capsys):
-    from veloxquant.bench import eviction_cost
+    from benchmarks import eviction_cost
     assert eviction_cost.main(["h2o[slack=8]", "--tokens", "200", "--chunk", "64", "--decode", "2",
                                "--rounds", "2", "--no-warmup"]) == 0
     out = capsys.readouterr().out
@@ -165,7 +166,7 @@ def test_eviction_cost_rounds_print_one_median_row_per_spec(capsys):
 
 
 def test_peak_phases_prints_a_row_per_recipe(capsys):
-    from veloxquant.bench import peak_phases
+    from benchmarks import peak_phases
     assert peak_phases.main(["fp16", "tova[slack=4]", "--tokens", "128"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 | " in out and "| tova[slack=4] | " in out and "first decode" in out
@@ -184,7 +185,7 @@ def test_e2e_runs_a_recipe_under_a_named_kernel_and_restores_the_setting(capsys,
 
 
 def test_launch_cost_builds_its_empty_kernels_where_cuda_is():
-    from veloxquant.bench import launch_cost
+    from benchmarks import launch_cost
     from veloxquant.kernels import backend
     if backend() != "cuda":
         return  # mx.fast.cuda_kernel exists only on the CUDA backend; the module must still import

@@ -237,7 +237,7 @@ def test_stage_arithmetic_round_trips_codes():
 
 
 def test_saved_ppl_scores_the_live_and_the_loaded_cache_alike(tmp_path):
-    from veloxquant.bench.saved_ppl import saved_then_scored
+    from benchmarks.saved_ppl import saved_then_scored
     model = tiny_llama()
     window = np.random.default_rng(0).integers(0, 500, 230).tolist()
     size, live, loaded = saved_then_scored(model, "kvtc", ["window=32"], window, 192, tmp_path)

@@ -23,8 +23,8 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 
 
 def _copy(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "veloxquant", tmp_path / "veloxquant",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in ("veloxquant", "benchmarks"):  # the contract's root packages
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 

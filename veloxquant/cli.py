@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from .errors import VeloxError
+from .bench import registry as bench_registry
 
 
 def _add_recipe_opts(p, model=True):
@@ -81,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
-    p = sub.add_parser("bench", help="benchmarks that print tables")
-    p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
+    p = sub.add_parser("bench", help="benchmarks that print tables (veloxquant bench --list names them)")
+    p.add_argument("what", nargs="?", help="the bench to run; `veloxquant bench NAME --help` shows its options")
+    p.add_argument("--list", action="store_true", help="list the benches, with what each measures")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
@@ -168,17 +170,10 @@ def cmd_show(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.what == "entropy":
-        from .bench.entropy import main as bench_entropy
-        return bench_entropy(args.args) or 0
-    if args.what == "kept-mass":
-        from .bench.kept_mass import main as bench_kept_mass
-        return bench_kept_mass(args.args) or 0
-    if args.what == "decode-ops":
-        from .bench.decode_ops import main as bench_decode_ops
-        return bench_decode_ops(args.args) or 0
-    from .bench.attention import main as bench_attention
-    return bench_attention(args.args) or 0
+    if args.list or not args.what:
+        print("veloxquant bench NAME [options]; the benches:\n" + bench_registry.listing())
+        return 0
+    return bench_registry.run(args.what, args.args)
 
 
 def cmd_diff(args) -> int:

@@ -1,1 +1,1 @@
-"""Benchmarks behind `veloxquant bench ...` (attention: fused decode kernel vs alternatives)."""
+"""The benches behind `veloxquant bench NAME` (the registry: bench/registry.py; `veloxquant bench --list`)."""

@@ -25,6 +25,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+from .registry import bench
 
 from veloxquant.kernels import cuda, reference, tc, tc_launch
 from veloxquant.kernels.dispatch import backend
@@ -38,7 +39,7 @@ SEQ = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768, "128k": 131072}
 SHAPES = ["32/8/128", "9/3/64", "4/1/256"]
 
 
-def _bytes(*arrays) -> int:
+def array_bytes(*arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
 
@@ -84,9 +85,9 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     vspec = {"bits": bits, "group": group, "axis": "token"}
     ke, ve = Affine(**kspec).encode(k), Affine(**vspec).encode(v)
     mx.eval(ke, ve)
-    coded = _bytes(*ke.values(), *ve.values())
+    coded = array_bytes(*ke.values(), *ve.values())
     methods: Dict[str, Tuple[Callable, int]] = {
-        "sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), _bytes(k, v)),
+        "sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), array_bytes(k, v)),
     }
     try:
         from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
@@ -94,7 +95,7 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
         qv = tuple(mx.quantize(v, group_size=group, bits=bits))
         mx.eval(qk, qv)
         methods["mlx-lm"] = (lambda: qsdpa(q, qk, qv, scale=scale, mask=None, group_size=group, bits=bits),
-                             _bytes(*qk, *qv))
+                             array_bytes(*qk, *qv))
     except Exception as e:  # noqa: BLE001 -- reported in the table
         methods["mlx-lm"] = (None, f"fails: {type(e).__name__}")
     methods["reference"] = (lambda: reference.affine_partial_attention(q, ke, ve, kspec, vspec, scale), coded)
@@ -169,6 +170,7 @@ def cell(r: Dict) -> str:
     return r["err"] if "err" in r else f"{r['us']:.1f} µs · {r['gbps']:.0f} GB/s"
 
 
+@bench("attention", "one decode query against a long coded tier: fused kernel vs MLX ops vs fp16 SDPA (time, bytes)")
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="veloxquant bench attention", description=__doc__.splitlines()[0])
     p.add_argument("--seq", default=",".join(SEQ), help="sequence lengths (1k,4k,16k,32k,128k)")

@@ -1,7 +1,7 @@
 """Every recipe through the user's path on a real model: check, explain, mlx_lm.generate, save/load, bytes.
 
-    python -m veloxquant.bench.contract --model gemma3 skvq kitty zipcache
-    python -m veloxquant.bench.contract --model gemma3 all --prompt 700
+    veloxquant bench contract --model gemma3 skvq kitty zipcache
+    veloxquant bench contract --model gemma3 all --prompt 700
 
 The unit tests run mlx-lm's cache contract on SmolLM2 (tests/test_mlx_contract.py) and on
 small random models; this prints the same checks as a table for any model and recipe list,
@@ -33,6 +33,7 @@ from ..models.default import load_model
 from ..recipe import builtin_names, load_recipe
 from ..runtime.make import make_prompt_cache
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
+from .registry import bench
 
 
 def one_recipe(model, tokenizer, name, prompt, gen_tokens, tmp: Path):
@@ -65,8 +66,9 @@ def one_recipe(model, tokenizer, name, prompt, gen_tokens, tmp: Path):
     return row
 
 
+@bench("contract", "every recipe through the user's path on a real model: check, explain, generate, save/load, bytes")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.contract", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench contract", description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="+", help="built-in names or YAML paths; 'all' = every built-in")
     ap.add_argument("--model", default=None, help="path or alias (smollm2, gemma3)")
     ap.add_argument("--prompt", type=int, default=700, help="prompt tokens (Austen)")

@@ -31,6 +31,7 @@ from ..kernels import cuda, dispatch, lut
 from ..kernels import table as kernel_table
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_model
+from .registry import bench
 
 _OP = re.compile(r'label ="([^"]+)", shape=rectangle')
 
@@ -90,6 +91,7 @@ def step(model, cache, context: int, steps: int):
     return ops, build / steps
 
 
+@bench("decode-ops", "what one decode step costs the host: graph ops per layer and graph-build time")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="veloxquant bench decode-ops", description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="fp16,kivi,kivi_sink,streaming_llm,turboquant_rvq,cachegen")

@@ -1,7 +1,7 @@
 """End-to-end generation under recipes on a random-init Llama or Gemma 3 (no weights needed).
 
-    python -m veloxquant.bench.e2e --context 32768 --layers 8 --heads 32/8 --head-dim 128 --recipes fp16,kivi
-    python -m veloxquant.bench.e2e --arch gemma3 --context 8192 --layers 18 --heads 4/1 --head-dim 256 \
+    veloxquant bench e2e --context 32768 --layers 8 --heads 32/8 --head-dim 128 --recipes fp16,kivi
+    veloxquant bench e2e --arch gemma3 --context 8192 --layers 18 --heads 4/1 --head-dim 256 \
         --hidden 640 --intermediate 2048 --vocab 262144 --window 512   # Gemma-3-270M's shapes
 
 Prefills `--context` random tokens through mlx-lm's generate_step (2048-token
@@ -25,6 +25,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..runtime import make_prompt_cache, uninstall
+from .registry import bench
 
 
 def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype,
@@ -86,8 +87,9 @@ def _set_impl(impl) -> None:
         os.environ[_IMPL_ENV] = impl
 
 
+@bench("e2e", "end-to-end generation speed and memory under recipes on a random-init Llama or Gemma 3")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.e2e", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--layers", type=int, default=8)

@@ -1,6 +1,6 @@
 """Saved-cache sizes of the `cachegen` recipe with and without its entropy stages (real model, real files).
 
-    python -m veloxquant.bench.entropy --tokens 2048
+    veloxquant bench entropy --tokens 2048
 
 Prefills the first `--tokens` tokens of Austen through SmolLM2 under the recipe,
 saves the prompt cache with veloxquant's save_prompt_cache, and saves the same
@@ -23,6 +23,7 @@ from ..runtime.make import caches_for
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
 from ..data.corpus import load_text
 from ..models.default import load_model
+from .registry import bench
 
 
 def keep_entropy(plan: Plan, keep) -> Plan:
@@ -55,8 +56,9 @@ def same_arrays(a, b) -> bool:
                for ca, cb in zip(a, b) for ta, tb in zip(ca.tiers, cb.tiers) for k, x in ta.arrays().items())
 
 
+@bench("entropy", "saved-cache sizes of cachegen with and without its entropy stages (real model, real files)")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.entropy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench entropy", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens (Austen)")
     ap.add_argument("--recipe", default="cachegen")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="recipe parameter override")

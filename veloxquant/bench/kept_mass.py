@@ -1,6 +1,6 @@
 """How much of fp16's attention lands on the tokens an eviction recipe kept.
 
-    python -m veloxquant.bench.kept_mass --prompt-tokens 1024 --budget 256
+    veloxquant bench kept-mass --prompt-tokens 1024 --budget 256
 
 The prompt goes through each recipe as mlx-lm's generate feeds it (all but
 the last token in one prefill call, then the last token alone), so eviction
@@ -20,6 +20,7 @@ from ..runtime.make import make_prompt_cache
 from ..runtime.scoring import attention_weights, position_mask
 from ..data.corpus import load_text
 from ..models.default import gemma3_model_path, load_model
+from .registry import bench
 
 ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
@@ -108,6 +109,7 @@ def jaccard(a: List[np.ndarray], b: List[np.ndarray]) -> float:
     return float(np.mean(scores))
 
 
+@bench("kept-mass", "how much of fp16's attention lands on the tokens an eviction recipe kept")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="veloxquant bench kept-mass", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-tokens", type=int, default=1024)
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         prompt_through(model, caches, tokens[:, :n])
         for c in caches:
             c.finish_prompt()
-            c._settle()
+            c.meta_state  # reading it settles the cache: the last spill of the prompt lands where it is kept
         kept[label] = kept_positions(caches)  # the whole prompt went in: every position is < n
         per_layer = kept_mass(weights, kept[label], n)
         held = held_per_head(kept[label], n)

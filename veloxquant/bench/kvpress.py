@@ -1,6 +1,6 @@
 """Eviction under NVIDIA kvpress's protocol, on the eval's perplexity windows.
 
-    python -m veloxquant.bench.kvpress --fractions 0.5,0.75,0.85
+    veloxquant bench kvpress --fractions 0.5,0.75,0.85
 
 Per window (4 x 1,536-token Austen prefix + 256 continuation tokens, the
 eval's windows): the prefix is prefilled through the cache, which compresses
@@ -29,6 +29,7 @@ from ..eval.ppl import window_nll, windows
 from ..eval.rows import recipe_caches
 from ..models import load_model
 from ..runtime import make_prompt_cache, model_pass
+from .registry import bench
 
 # kvpress's measured dPPL (%) at fractions 0.5 / 0.75 / 0.85, with our namesake row.
 KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94)),
@@ -93,8 +94,9 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
     return [math.exp(v / n) for v in nll]
 
 
+@bench("kvpress", "eviction under NVIDIA kvpress's protocol, on the eval's perplexity windows")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.kvpress", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench kvpress", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipes", nargs="*", help="rows (RECIPE or RECIPE[k=v,...]); default: kvpress's namesakes + ours")
     ap.add_argument("--fractions", default="0.5,0.75,0.85", help="fractions of the prefix removed")
     ap.add_argument("--windows", type=int, default=4)
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             if args.json:  # after every row, so a long run's finished rows are kept
                 Path(args.json).write_text(json.dumps({
-                    "command": " ".join(["python -m veloxquant.bench.kvpress", *(argv or sys.argv[1:])]),
+                    "command": " ".join(["veloxquant bench kvpress", *(argv or sys.argv[1:])]),
                     "baseline_ppl": base, "windows": len(wins), "fractions": fractions, "budgets": budgets,
                     "delta_ppl_percent": ours, "kvpress_reference": {k: v[1] for k, v in KVPRESS.items()}},
                     indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Long generation: memory and decode speed over tens of thousands of tokens.
 
-    python -m veloxquant.bench.long_generation --tokens 20000 --recipes identity,streaming_llm,h2o,tova,snapkv,kivi
+    veloxquant bench long-generation --tokens 20000 --recipes identity,streaming_llm,h2o,tova,snapkv,kivi
 
 A random-init Llama (no weights needed) generates `--tokens` tokens greedily
 after a short prompt, through mlx-lm's generate_step, under mlx-lm's KVCache and
@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..runtime import make_prompt_cache, uninstall
 from .e2e import random_llama
+from .registry import bench
 
 EXACT = {"identity": "veloxquant: 1\nname: identity\nsummary: float K/V as computed\npipeline: identity\n"}
 
@@ -50,8 +51,9 @@ def generate(model, prompt: mx.array, cache, tokens: int, window: int) -> Dict:
     return {"tokens": out, "windows": windows}
 
 
+@bench("long-generation", "memory and decode speed over tens of thousands of generated tokens")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.long_generation", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench long-generation", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--window", type=int, default=1000)
     ap.add_argument("--prompt", type=int, default=64)

@@ -1,6 +1,6 @@
 """Logit parity of a recipe against mlx-lm's plain KVCache on a real model.
 
-    python -m veloxquant.bench.parity --recipe fp16 --tokens 1024 --chunk 256 --dtype float16
+    veloxquant bench parity --recipe fp16 --tokens 1024 --chunk 256 --dtype float16
 
 Feeds the same prompt (Austen by default) through both caches in chunks, as
 generation prefills, and prints the max abs difference of the logits.
@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from ..runtime import make_prompt_cache, uninstall
 from ..data import load_text
 from ..models import load_model
+from .registry import bench
 
 
 def chunked_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
@@ -25,8 +26,9 @@ def chunked_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
     return mx.concatenate(outs, axis=1)
 
 
+@bench("parity", "logit parity of a recipe against mlx-lm's plain KVCache on a real model")
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.parity", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="veloxquant bench parity", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="fp16")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--model")

@@ -217,6 +217,13 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
     return _Launch(_mma_kernel(), a_kw, scale)
 
 
+def mma_partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
+    """`attend(codes) -> (pm, pl, pacc)`: attend_mma's launch without the merge (codes = the 7
+    inputs), as tc_launch.partials is attend_tc's: what a profile times apart from the merge."""
+    la = _launch_mma(qshape, qdtype, cshape, kspec, vspec, scale)
+    return lambda codes: la.attend(inputs=codes, **la.a_kw)
+
+
 def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
              impl: Optional[str] = None, chunk: int = 0, hides: bool = False):
     """`run(q, k_enc, v_enc) -> (out, lse)` for calls of these shapes, with the kernel

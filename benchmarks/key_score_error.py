@@ -1,6 +1,6 @@
 """Score error of key codecs on a real model's keys and queries, against the sketch theory.
 
-    python -m veloxquant.bench.key_score_error --model gemma3 --tokens 1024
+    python -m benchmarks.key_score_error --model gemma3 --tokens 1024
 
 For the last --queries queries of a corpus prompt, per layer: the key norm, the
 norm of the keys' mean (the offset every token shares), the scaled query norm,
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .rabitq_estimators import capture_qkv
-from ..compiler import ModelShape, compile_recipe
-from ..data.corpus import austen_text
-from ..models import load_model
-from ..models.default import default_model_path, gemma3_model_path
-from ..recipe import load_recipe
-from ..runtime.codec import Codec
-from ..runtime.make import plan_for
+from benchmarks.rabitq_estimators import capture_qkv
+from veloxquant.compiler import ModelShape, compile_recipe
+from veloxquant.data.corpus import austen_text
+from veloxquant.models import load_model
+from veloxquant.models.default import default_model_path, gemma3_model_path
+from veloxquant.recipe import load_recipe
+from veloxquant.runtime.codec import Codec
+from veloxquant.runtime.make import plan_for
 
 PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
              "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"

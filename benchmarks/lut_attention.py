@@ -1,6 +1,6 @@
 """Decode attention per call from Lloyd-Max codes (turboquant_rvq's tier): LUT kernel vs MLX ops vs fp16 SDPA.
 
-    python -m veloxquant.bench.lut_attention --shapes 32/8/128,9/3/64,4/1/256 --seq 32k --rounds 5
+    python -m benchmarks.lut_attention --shapes 32/8/128,9/3/64,4/1/256 --seq 32k --rounds 5
 
 Rows: `sdpa` = fp16 SDPA over the same keys/values decoded to float16 (what an
 fp16 cache reads); `ops` = runtime.code_attention's MLX-ops path (the
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .attention import HBM_GBPS, SEQ, _bytes, cycled, median_run, timeit
+from veloxquant.bench.attention import HBM_GBPS, SEQ, array_bytes, cycled, median_run, timeit
 from veloxquant.compiler import compile_recipe
 from veloxquant.compiler.shape import ModelShape
 from veloxquant.kernels import lut
@@ -40,14 +40,14 @@ def build(Hq: int, Hkv: int, D: int, S: int, sets, copy: int):
     if lut.unsupported(q, ke, ve, kc, vc):
         raise SystemExit(f"the LUT kernel does not take this call: {lut.unsupported(q, ke, ve, kc, vc)}")
     return {
-        "sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k16, v16, scale=scale), _bytes(k16, v16)),
-        "ops": (lambda: codes_partial_attention(q, ke, ve, kc, vc, scale), _bytes(*ke.values(), *ve.values())),
-        "lut": (lambda: lut.partial_attention(q, ke, ve, kc, vc, scale), _bytes(*ke.values(), *ve.values())),
+        "sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k16, v16, scale=scale), array_bytes(k16, v16)),
+        "ops": (lambda: codes_partial_attention(q, ke, ve, kc, vc, scale), array_bytes(*ke.values(), *ve.values())),
+        "lut": (lambda: lut.partial_attention(q, ke, ve, kc, vc, scale), array_bytes(*ke.values(), *ve.values())),
     }
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m veloxquant.bench.lut_attention", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lut_attention", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="32/8/128,9/3/64,4/1/256", help="Hq/Hkv/D,...")
     p.add_argument("--seq", default="32k", help="sequence lengths (4k,32k,128k or token counts)")
     p.add_argument("--bits", default="2", help="bits of each of turboquant_rvq's two stages, e.g. 1,2")

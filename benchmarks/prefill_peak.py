@@ -1,6 +1,6 @@
 """Peak memory of prefilling a prompt into each recipe's caches (SmolLM2, Austen).
 
-    python -m veloxquant.bench.prefill_peak fp16 h2o tova snapkv --tokens 2048 --chunk 512
+    python -m benchmarks.prefill_peak fp16 h2o tova snapkv --tokens 2048 --chunk 512
 
 Prefills `--tokens` corpus tokens in chunks the way generate does (the cache
 settles after every chunk), then one decode step; prints the peak of MLX's
@@ -16,11 +16,11 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..data import load_text
-from ..eval.feed import prefill
-from ..models import load_model
-from ..runtime import make_prompt_cache, uninstall
-from ..runtime.cache import TieredCache
+from veloxquant.data import load_text
+from veloxquant.eval.feed import prefill
+from veloxquant.models import load_model
+from veloxquant.runtime import make_prompt_cache, uninstall
+from veloxquant.runtime.cache import TieredCache
 
 
 @contextmanager
@@ -41,7 +41,7 @@ def layers_synced(on: bool):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.prefill_peak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill_peak", description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="+")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)

@@ -1,6 +1,6 @@
 """RaBitQ's bias-corrected estimator against raw Hamming scores, on a real model's keys and queries.
 
-    python -m veloxquant.bench.rabitq_estimators --tokens 1024 --layers 0,10,20,29
+    python -m benchmarks.rabitq_estimators --tokens 1024 --layers 0,10,20,29
 
 For the last --queries queries of a corpus prompt, per layer: the exact scores
 q.k, and three 1-bit estimates from the signs of the rotated key x = R k:
@@ -16,11 +16,11 @@ import sys
 
 import mlx.core as mx
 
-from ..data.corpus import austen_text
-from ..models import load_model
-from ..models.default import default_model_path
-from ..runtime.make import make_prompt_cache
-from ..stages.rotation import Rotation
+from veloxquant.data.corpus import austen_text
+from veloxquant.models import load_model
+from veloxquant.models.default import default_model_path
+from veloxquant.runtime.make import make_prompt_cache
+from veloxquant.stages.rotation import Rotation
 
 
 def capture_qkv(model, ids, layers):

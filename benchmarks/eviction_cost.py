@@ -1,8 +1,8 @@
 """Peak memory and decode speed of every eviction recipe on a long real prompt, fp16 interleaved.
 
-    python -m veloxquant.bench.eviction_cost --tokens 8192 --decode 32 --json after.json
-    python -m veloxquant.bench.eviction_cost --tokens 8192 --decode 32 --before before.json
-    python -m veloxquant.bench.eviction_cost h2o 'h2o[slack=32]' --decode 64 --rounds 5
+    python -m benchmarks.eviction_cost --tokens 8192 --decode 32 --json after.json
+    python -m benchmarks.eviction_cost --tokens 8192 --decode 32 --before before.json
+    python -m benchmarks.eviction_cost h2o 'h2o[slack=32]' --decode 64 --rounds 5
 
 Feeds `--tokens` corpus tokens (Austen) to the model through mlx-lm's
 generate_step (prefill in `--chunk`-token steps, as generate does), then
@@ -31,10 +31,10 @@ from typing import Dict, List
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from ..data import load_text
-from ..models import load_model
-from ..eval.rows import recipe_caches
-from ..runtime import uninstall
+from veloxquant.data import load_text
+from veloxquant.models import load_model
+from veloxquant.eval.rows import recipe_caches
+from veloxquant.runtime import uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
             "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
@@ -104,7 +104,7 @@ def table(rows: List[Dict], before: List[Dict] = ()) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.eviction_cost", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.eviction_cost", description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="*", default=list(EVICTION))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--decode", type=int, default=32)

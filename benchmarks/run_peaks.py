@@ -1,6 +1,6 @@
 """Peak memory by phase, and what each run leaves allocated for the next, on a random model.
 
-    python -m veloxquant.bench.run_peaks --recipes fp16,kivi,fp16 --runs 2      # 32k, 8 layers 32/8/128
+    python -m benchmarks.run_peaks --recipes fp16,kivi,fp16 --runs 2      # 32k, 8 layers 32/8/128
 
 Each run makes a cache (mlx-lm's KVCache for `kvcache`), prefills `--context`
 random tokens through mlx-lm's generate_step, then decodes `--decode` tokens;
@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..runtime import make_prompt_cache, uninstall
-from .e2e import random_llama
+from veloxquant.runtime import make_prompt_cache, uninstall
+from veloxquant.bench.e2e import random_llama
 
 GiB = 2 ** 30
 
@@ -42,7 +42,7 @@ def one_run(model, prompt: mx.array, recipe: str, decode: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.run_peaks", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run_peaks", description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="kvcache,fp16,kivi", help="run in this order; 'kvcache' = mlx-lm's")
     ap.add_argument("--runs", type=int, default=2, help="consecutive runs of each recipe")
     ap.add_argument("--context", type=int, default=32768)

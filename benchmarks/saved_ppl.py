@@ -1,7 +1,7 @@
 """Saved-file size of a prompt cache, and perplexity read through the cache loaded back.
 
-    python -m veloxquant.bench.saved_ppl kvtc --tokens 2048 --score 256 --windows 2
-    python -m veloxquant.bench.saved_ppl kvtc kvtc:calibrated=true:k_budget=128 --windows 1
+    python -m benchmarks.saved_ppl kvtc --tokens 2048 --score 256 --windows 2
+    python -m benchmarks.saved_ppl kvtc kvtc:calibrated=true:k_budget=128 --windows 1
 
 Per window of Austen: the first `--tokens` tokens are prefilled (chunks of 512,
 as `eval`) under fp16 and under each recipe; each cache is saved with
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..eval.feed import prefill, score
-from ..eval.ppl import windows
-from ..runtime.make import make_prompt_cache
-from ..runtime.persist import load_prompt_cache, save_prompt_cache
-from ..data.corpus import load_text
-from ..models.default import load_model
+from veloxquant.eval.feed import prefill, score
+from veloxquant.eval.ppl import windows
+from veloxquant.runtime.make import make_prompt_cache
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
+from veloxquant.data.corpus import load_text
+from veloxquant.models.default import load_model
 
 
 def saved_then_scored(model, recipe, sets, window, prompt: int, tmp: Path):
@@ -41,7 +41,7 @@ def saved_then_scored(model, recipe, sets, window, prompt: int, tmp: Path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.saved_ppl", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.saved_ppl", description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="+", help="RECIPE or RECIPE:NAME=VALUE:NAME=VALUE (its own settings)")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens saved")
     ap.add_argument("--score", type=int, default=256, help="tokens scored after loading")

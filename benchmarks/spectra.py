@@ -1,7 +1,7 @@
 """Rank spectra of a model's cached keys and values: what low-rank latents can keep.
 
-    python -m veloxquant.bench.spectra --model smollm2 --tokens 2048
-    python -m veloxquant.bench.spectra --model gemma3 --tokens 2048 --ranks 16,32,64,128
+    python -m benchmarks.spectra --model smollm2 --tokens 2048
+    python -m benchmarks.spectra --model gemma3 --tokens 2048 --ranks 16,32,64,128
 
 The prompt goes through an fp16 cache; per layer and kv head, the eigenvalues
 of the keys' (values') second-moment matrix -- uncentred, as SVDq/PALU fit it,
@@ -15,9 +15,9 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.make import make_prompt_cache
-from ..data.corpus import load_text
-from ..models.default import load_model
+from veloxquant.runtime.make import make_prompt_cache
+from veloxquant.data.corpus import load_text
+from veloxquant.models.default import load_model
 
 
 def energy_at(x: np.ndarray, ranks: List[int], center: bool, heads: int = 1) -> np.ndarray:

@@ -1,6 +1,6 @@
 """age_tiered's bands re-code from the previous band's codes: what that costs against coding from fp16.
 
-    python -m veloxquant.bench.recode --tokens 1024
+    python -m benchmarks.recode --tokens 1024
 
 A token leaving the 8-bit band is decoded and re-coded at 4 bits, later at 2
 (the cache keeps no fp16 copy to start from). This codes each layer's real
@@ -12,9 +12,9 @@ import argparse
 
 import mlx.core as mx
 
-from ..stages.store import Affine
-from ..data import load_text
-from ..models import load_model
+from veloxquant.stages.store import Affine
+from veloxquant.data import load_text
+from veloxquant.models import load_model
 
 
 def layer_kv(model, tokens):
@@ -35,7 +35,7 @@ def code(x, chain, axis):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="veloxquant.bench.recode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="benchmarks.recode", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3, or an mlx-lm model folder")
     p.add_argument("--tokens", type=int, default=1024, help="Austen tokens (a multiple of 32)")
     args = p.parse_args(argv)

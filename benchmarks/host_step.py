@@ -1,7 +1,7 @@
 """The host's share of one decode step, per cache: MLX ops built and Python time.
 
-    python -m veloxquant.bench.host_step --context 2048 --layers 8 --heads 32/8 --head-dim 128
-    python -m veloxquant.bench.host_step --arch gemma3 --layers 18 --heads 4/1 --head-dim 256 --hidden 640
+    python -m benchmarks.host_step --context 2048 --layers 8 --heads 32/8 --head-dim 128
+    python -m benchmarks.host_step --arch gemma3 --layers 18 --heads 4/1 --head-dim 256 --hidden 640
 
 Runs on any backend (the CPU included): the graph a decode step builds does
 not depend on where it is evaluated. For mlx-lm's KVCache and each recipe,
@@ -24,9 +24,9 @@ from collections import Counter
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..eval.feed import prefill
-from ..eval.rows import recipe_caches, split_specs
-from .e2e import random_model
+from veloxquant.eval.feed import prefill
+from veloxquant.eval.rows import recipe_caches, split_specs
+from veloxquant.bench.e2e import random_model
 
 
 def step_ops(model, cache, y: mx.array) -> Counter:
@@ -83,7 +83,7 @@ def build_us(model, cache, y: mx.array, n: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.host_step", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_step", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", default="32/8")

@@ -1,6 +1,6 @@
 """Where a decode token's time goes: building the graph on the host vs evaluating it.
 
-    python -m veloxquant.bench.decode_split --context 8192 --layers 30 --heads 9/3 --head-dim 64
+    python -m benchmarks.decode_split --context 8192 --layers 30 --heads 9/3 --head-dim 64
 
 Prefills a random-init Llama, then decodes with a sync after every token and
 times three parts: `model(token)` (Python + MLX graph building), `mx.async_eval`
@@ -20,9 +20,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..eval.feed import prefill
-from ..runtime import make_prompt_cache, uninstall
-from .e2e import random_llama
+from veloxquant.eval.feed import prefill
+from veloxquant.runtime import make_prompt_cache, uninstall
+from veloxquant.bench.e2e import random_llama
 
 
 def decode(model, cache, n: int, profile=None):
@@ -49,7 +49,7 @@ def decode(model, cache, n: int, profile=None):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.decode_split", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_split", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", default="9/3")

@@ -1,4 +1,4 @@
-"""`python -m veloxquant.bench.launch_cost`: what one `mx.fast.cuda_kernel` call costs the host,
+"""`python -m benchmarks.launch_cost`: what one `mx.fast.cuda_kernel` call costs the host,
 by feature, on an empty kernel (CUDA backend only).
 
 Rows: a one-input kernel; 13 inputs; 13 inputs whose shapes and strides the text reads
@@ -12,8 +12,8 @@ import statistics
 
 import mlx.core as mx
 
-from .attention import timeit
-from .kernel_profile import host_us
+from veloxquant.bench.attention import timeit
+from benchmarks.kernel_profile import host_us
 
 
 def empty_kernel(name: str, n_in: int, n_out: int, strides: bool, n_template: int, header_bytes: int):

@@ -1,6 +1,6 @@
 """Quick perplexity and held-bytes ratio of recipe variants, on a few of `eval`'s windows.
 
-    python -m veloxquant.bench.ppl_sweep fp16 kvtc kvtc:k_budget=160:v_budget=208 --windows 1
+    python -m benchmarks.ppl_sweep fp16 kvtc kvtc:k_budget=160:v_budget=208 --windows 1
 
 A variant is RECIPE[:NAME=VALUE...]. Each is scored as `veloxquant eval` scores
 perplexity (same windows, 1536 prefix tokens prefilled in chunks of 512, 256
@@ -12,17 +12,17 @@ import argparse
 import math
 import time
 
-from ..compiler import ModelShape
-from ..eval.config import EvalConfig
-from ..eval.cost import fp16_bytes
-from ..eval.ppl import window_nll, windows
-from ..runtime.make import make_prompt_cache
-from ..data.corpus import load_text
-from ..models.default import load_model
+from veloxquant.compiler import ModelShape
+from veloxquant.eval.config import EvalConfig
+from veloxquant.eval.cost import fp16_bytes
+from veloxquant.eval.ppl import window_nll, windows
+from veloxquant.runtime.make import make_prompt_cache
+from veloxquant.data.corpus import load_text
+from veloxquant.models.default import load_model
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.ppl_sweep", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ppl_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="+", help="RECIPE or RECIPE:NAME=VALUE:NAME=VALUE")
     ap.add_argument("--windows", type=int, default=1)
     ap.add_argument("--model", default=None, help="path or alias (smollm2, gemma3)")

@@ -1,6 +1,6 @@
 """How much key quantization error falls when keys are coded before RoPE (KVQuant's claim).
 
-    python -m veloxquant.bench.prerope --model smollm2 --tokens 2048 --bits 2,3,4
+    python -m benchmarks.prerope --model smollm2 --tokens 2048 --bits 2,3,4
 
 The model prefills Austen tokens into mlx-lm's own cache; each layer's keys
 are then coded by a quantizer with and without `unrope` in front (the same
@@ -13,13 +13,13 @@ import argparse
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..compiler import CodecPlan, ModelShape
-from ..runtime.codec import Codec
-from ..stages.nuq import Nuq
-from ..stages.store import Affine
-from ..stages.unrope import Unrope
-from ..data import load_text
-from ..models import load_model
+from veloxquant.compiler import CodecPlan, ModelShape
+from veloxquant.runtime.codec import Codec
+from veloxquant.stages.nuq import Nuq
+from veloxquant.stages.store import Affine
+from veloxquant.stages.unrope import Unrope
+from veloxquant.data import load_text
+from veloxquant.models import load_model
 
 QUANTIZERS = {
     "affine per channel, group 32 tokens (KIVI keys)": lambda b: Affine(bits=b, group=32, axis="channel"),
@@ -57,7 +57,7 @@ def errors(keys, ropes, store):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="veloxquant.bench.prerope", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="benchmarks.prerope", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3, or an mlx-lm model folder")
     p.add_argument("--tokens", type=int, default=2048, help="Austen tokens prefilled (a multiple of 128)")
     p.add_argument("--bits", default="2,3,4")

@@ -1,6 +1,6 @@
 """A2ATS's query-aware VQ and windowed RoPE, judged by attention output error on real queries.
 
-    python -m veloxquant.bench.query_aware --layers 5,20
+    python -m benchmarks.query_aware --layers 5,20
 
 Per layer: the `qavq` stage is fitted on that layer alone (keys and real
 queries of --cal-tokens tokens of Emma, as `veloxquant calibrate` would, so no
@@ -16,15 +16,15 @@ import sys
 import attrs
 import mlx.core as mx
 
-from .. import artifacts as artifact
-from ..calibration.collect import collect
-from ..compiler import ModelShape
-from ..data.corpus import austen_text, load_text
-from ..models import load_model
-from ..models.default import default_model_path
-from ..stages.qavq import QueryAwareVQ
-from ..stages.unrope import rotate
-from .rabitq_estimators import capture_qkv
+from veloxquant import artifacts as artifact
+from veloxquant.calibration.collect import collect
+from veloxquant.compiler import ModelShape
+from veloxquant.data.corpus import austen_text, load_text
+from veloxquant.models import load_model
+from veloxquant.models.default import default_model_path
+from veloxquant.stages.qavq import QueryAwareVQ
+from veloxquant.stages.unrope import rotate
+from benchmarks.rabitq_estimators import capture_qkv
 
 
 def main(argv=None) -> int:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         for beta in (float(b) for b in args.betas.split(",")):
             stage = attrs.evolve(QueryAwareVQ(beta=beta), _rope=spec)
             fitted = {name: mx.array(a) for name, a in stage.fit(pre, cal[i]["q"]).items()}
-            artifact._SLOTS[("bench", f"{i}.{beta}")] = fitted  # the stage reads its arrays from here
+            artifact.hold_slot("bench", f"{i}.{beta}", fitted)  # the stage reads its arrays from here
             stage = attrs.evolve(stage, artifact="bench", slot=f"{i}.{beta}")
             enc = stage.encode(kpre)
             mse = float(mx.sum((stage.decode(enc, mx.float32) - kpre) ** 2) / mx.sum(kpre * kpre))

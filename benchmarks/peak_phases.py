@@ -1,6 +1,6 @@
 """Where a recipe's peak memory happens on a long prompt: per prefill chunk, first decode step, decode.
 
-    python -m veloxquant.bench.peak_phases fp16 observed_attention 'h2o[slack=32]' --tokens 8192
+    python -m benchmarks.peak_phases fp16 observed_attention 'h2o[slack=32]' --tokens 8192
 
 Feeds `--tokens` Austen tokens in four equal chunks (each followed by an
 evaluation of the caches' state, as mlx-lm's prefill does), then one decode
@@ -13,10 +13,10 @@ import argparse
 
 import mlx.core as mx
 
-from ..data import load_text
-from ..eval.rows import recipe_caches
-from ..models import load_model
-from ..runtime import uninstall
+from veloxquant.data import load_text
+from veloxquant.eval.rows import recipe_caches
+from veloxquant.models import load_model
+from veloxquant.runtime import uninstall
 
 MiB = 2 ** 20
 PHASES = ("chunk 1", "chunk 2", "chunk 3", "chunk 4", "first decode", "16 decode")
@@ -58,7 +58,7 @@ def phases(model, prompt: mx.array, spec: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.peak_phases", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.peak_phases", description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="+")
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=8192)

@@ -1,4 +1,4 @@
-"""`python -m veloxquant.bench.kernel_profile wall|host|ncu SEQS BITS IMPLS`: the attend kernels'
+"""`python -m benchmarks.kernel_profile wall|host|ncu SEQS BITS IMPLS`: the attend kernels'
 per-call cost split into launches, beside the host floor, and an ncu target.
 
     wall  32 calls per evaluation, medians of 5 interleaved rounds, microseconds per
@@ -58,9 +58,7 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
         if impl == "tc":
             att = tc_launch.partials(*shape)
         else:
-            la = cuda._launch_mma(*shape)
-            a, kw = la.attend, la.a_kw
-            att = lambda inputs, a=a, kw=kw: a(inputs=inputs, **kw)  # noqa: E731
+            att = cuda.mma_partials(*shape)
         out[impl + "-attend"] = cycler([lambda ke=ke, ve=ve, att=att: att(
             [q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]])
             for _, _, ke, ve in sets])

@@ -1,6 +1,6 @@
 """What one attention call costs the host: graph build and encode, per call.
 
-    python -m veloxquant.bench.host_calls --seq 32768
+    python -m benchmarks.host_calls --seq 32768
 
 A decode step on MLX's CUDA backend is host-bound when the host's work per
 token (Python building the graph, then MLX encoding its launches) exceeds the
@@ -14,9 +14,9 @@ import time
 
 import mlx.core as mx
 
-from ..kernels.dispatch import backend
-from ..stages.store import Affine
-from ..kernels import cuda
+from veloxquant.kernels.dispatch import backend
+from veloxquant.stages.store import Affine
+from veloxquant.kernels import cuda
 
 
 def timed(fn, n: int = 300) -> tuple:
@@ -61,7 +61,7 @@ def calls(S: int, window: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m veloxquant.bench.host_calls", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_calls", description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32768, help="tokens of K/V (32 q heads, 8 kv heads, D=128)")
     ap.add_argument("--window", type=int, default=128, help="dense tokens reduce_tail attends over")
     ap.add_argument("--calls", type=int, default=300)
