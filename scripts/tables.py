@@ -1,0 +1,118 @@
+"""Regenerate the measured tables in docs/ from the JSON in results/.
+
+A table in a doc is a block
+
+    <!-- table: results/A.json [results/B.json ...] -->
+    ...generated...
+    <!-- /table -->
+
+whose body this script writes from the named files: a `veloxquant eval --json` result renders as
+`veloxquant compare --md` does (protocol line, table, passkey grid; the command that made it); any
+other JSON with a `rows` list renders as a table of its rows' fields, under its `command`. A block
+
+    <!-- printed: results/A.json :: KEY -->
+
+renders the output a session recorded under KEY (a bench's printed table) as it was printed.
+
+    python scripts/tables.py           # rewrite the blocks in docs/*.md and README.md
+    python scripts/tables.py --check   # exit 1, naming the docs whose tables differ from results/
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+from veloxquant.eval import report
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- (?P<kind>table|printed): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def _cell(x) -> str:
+    if isinstance(x, float):
+        return f"{x:,.3f}" if abs(x) < 1000 else f"{x:,.0f}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return str(x)
+
+
+def rows_table(data: Dict, source: str) -> str:
+    rows: List[Dict] = data["rows"]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = [f"`{source}`" + (f", made by `{data['command']}`" if data.get("command") else "") + ":", "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(r.get(k, "–")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render(paths: List[str], root: Path = ROOT) -> str:
+    datas = [(p, json.loads((root / p).read_text())) for p in paths]
+    if all(isinstance(d, dict) and "veloxquant_eval" in d for _, d in datas):
+        results = [dict(d, source=p) for p, d in datas]
+        parts = []
+        for res in results:
+            if len(results) > 1:
+                parts.append(f"`{res['source']}`:\n")
+            if res.get("command"):
+                parts.append(f"```sh\n{res['command']}\n```\n")
+            parts += [report.protocol(res) + "\n", report.table(res) + "\n"]
+            grid = report.passkey_grid(res)
+            if grid:
+                parts += ["Passkey retrieval by prompt length @ needle depth (correct/trials):\n", grid + "\n"]
+        return "\n".join(parts)
+    return "\n".join(rows_table(d, p) for p, d in datas)
+
+
+def printed(spec: str, root: Path = ROOT) -> str:
+    path, key = (x.strip() for x in spec.split("::", 1))
+    text = json.loads((root / path).read_text())[key]
+    if isinstance(text, list):
+        text = "\n".join(text)
+    lines = [x for x in str(text).strip("\n").splitlines()]
+    tabular = [x for x in lines if x.startswith("|")]
+    notes = [x for x in lines if not x.startswith("|") and x.strip()]
+    out = [f"`{path}`, key `{key}`:", ""]
+    if notes:
+        out += ["```", *notes, "```", ""]
+    return "\n".join(out + tabular) + "\n"
+
+
+def _body(m, root: Path) -> str:
+    if m.group("kind") == "printed":
+        return printed(m.group("spec"), root)
+    return render(m.group("spec").split(), root)
+
+
+def regenerate(text: str, root: Path = ROOT) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + _body(m, root) + m.group(5), text)
+
+
+def docs(root: Path = ROOT) -> List[Path]:
+    return sorted((root / "docs").glob("*.md")) + [root / "README.md"]
+
+
+def stale(root: Path = ROOT) -> List[str]:
+    return [str(p.relative_to(root)) for p in docs(root) if regenerate(p.read_text(), root) != p.read_text()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/tables.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a doc's tables are stale")
+    args = ap.parse_args(argv)
+    if args.check:
+        out = stale()
+        for p in out:
+            print(f"{p}: its tables differ from results/ (python scripts/tables.py rewrites them)")
+        return 1 if out else 0
+    for p in docs():
+        new = regenerate(p.read_text())
+        if new != p.read_text():
+            p.write_text(new)
+            print(f"rewrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
