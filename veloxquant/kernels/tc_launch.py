@@ -1,7 +1,7 @@
 """attend_tc's launches through `mx.fast.cuda_kernel` (geometry: tc.py).
 
 What a call costs the host was measured per feature of an empty kernel on the H200
-(`python -m veloxquant.bench.launch_cost`, docs/kernels.md):
+(`python -m benchmarks.launch_cost`, docs/kernels.md):
 template arguments, outputs, inputs read with strides and the kernel's text length all
 add microseconds per call, because MLX rebuilds and hashes the text on every call. So a
 kernel here is built once per plan with its constants written into the text (no template
