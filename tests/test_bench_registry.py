@@ -42,8 +42,9 @@ def test_bench_prints_its_table(name, capsys):
     assert any(line.startswith(row) for line in table), out
 
 
-def test_list_names_every_bench_with_its_purpose(capsys):
-    assert cli(["bench", "--list"]) == 0
+@pytest.mark.parametrize("argv", [["--list"], ["--help"], []])
+def test_list_and_help_name_every_bench_with_its_purpose(argv, capsys):
+    assert cli(["bench", *argv]) == 0
     out = capsys.readouterr().out
     for bench in registry.discover().values():
         assert f"{bench.name} " in out and bench.purpose in out and bench.purpose

@@ -82,10 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
-    p = sub.add_parser("bench", help="benchmarks that print tables (veloxquant bench --list names them)")
+    p = sub.add_parser("bench", help="benchmarks that print tables (veloxquant bench --list names them)",
+                       add_help=False)  # --help also lists the benches, imported only then (cmd_bench)
     p.add_argument("what", nargs="?", help="the bench to run; `veloxquant bench NAME --help` shows its options")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and the benches, then exit")
     p.add_argument("--list", action="store_true", help="list the benches, with what each measures")
     p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(bench_parser=p)
     return ap
 
 
@@ -170,8 +173,10 @@ def cmd_show(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.list or not args.what:
-        print("veloxquant bench NAME [options]; the benches:\n" + bench_registry.listing())
+    if args.help or args.list or not args.what:
+        if args.help:
+            print(args.bench_parser.format_help())
+        print("the benches (veloxquant bench NAME --help shows one's options):\n" + bench_registry.listing())
         return 0
     return bench_registry.run(args.what, args.args)
 

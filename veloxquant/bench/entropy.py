@@ -10,6 +10,9 @@ is loaded back and checked bit-exact. Prints a markdown table of file sizes in
 bytes (the files on disk, metadata included) and of the codes arrays alone.
 """
 import argparse
+import json
+import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ import attrs
 import mlx.core as mx
 
 from ..compiler.plan import Plan
+from ..errors import VeloxError
 from ..runtime import make_prompt_cache
 from ..runtime.make import caches_for
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
@@ -63,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default="cachegen")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="recipe parameter override")
     ap.add_argument("--model", default=None, help="mlx-lm model folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--json", default=None, help="also write the rows (and the command) to this JSON file")
     args = ap.parse_args(argv)
 
     model, tokenizer = load_model(args.model)
@@ -86,6 +91,9 @@ def main(argv=None) -> int:
             rows.append((label, size, codes_bytes(path), codes_bytes(path, "k"), codes_bytes(path, "v"),
                          sum(c.nbytes for c in caches), saved, load_s, same_arrays(caches, loaded)))
     base, base_codes, base_k, base_v = rows[0][1:5]
+    if not (base_k and base_v):
+        raise VeloxError(f"--tokens {args.tokens}: {args.recipe} codes no keys or values of so short a prompt "
+                         "(its fp16 window holds them all); pass more tokens")
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     sets = f" --set {' --set '.join(args.set)}" if args.set else ""
     print(f"recipe {args.recipe}{sets}, model {model_name}, {len(tokens)} Austen tokens, "
@@ -97,6 +105,14 @@ def main(argv=None) -> int:
         print(f"| {label} | {size:,} | {size / base:.3f} | {codes:,} | {codes / base_codes:.3f} | "
               f"{k:,} ({k / base_k:.3f}) | {v:,} ({v / base_v:.3f}) | {live:,} | {saved:.2f} | {load_s:.2f} | "
               f"{'bit-exact' if exact else 'DIFFERS'} |")
+    if args.json:
+        keys = ("saved as", "file bytes", "codes bytes", "K codes bytes", "V codes bytes", "live cache bytes",
+                "save s", "load s", "bit-exact round trip")
+        command = "veloxquant bench entropy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        Path(args.json).write_text(json.dumps({
+            "command": command, "model": model_name, "tokens": len(tokens), "fingerprint": plan.fingerprint,
+            "rows": [dict(zip(keys, (*r[:6], round(r[6], 2), round(r[7], 2), bool(r[8])))) for r in rows]},
+            indent=1) + "\n")
     return 0 if all(r[-1] for r in rows) else 1
 
 

@@ -10,6 +10,9 @@ yardstick: kept mass = the share of it on positions the recipe still holds
 (for that query head's kv head). Averaged over queries and heads, then layers.
 """
 import argparse
+import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -118,7 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", default="austen")
     ap.add_argument("--model", default=None, help="model path (default SmolLM2; 'gemma3' = Gemma-3-270M)")
     ap.add_argument("--only", default=None, help="comma-separated row labels to run (default: all)")
+    ap.add_argument("--json", default=None, help="also write the rows (and the command) to this JSON file")
     args = ap.parse_args(argv)
+    rows: List[Dict] = []
     if args.model == "gemma3":
         args.model = str(gemma3_model_path())
     model, tokenizer = load_model(args.model) if args.model else load_model()
@@ -149,10 +154,17 @@ def main(argv=None) -> int:
         held = held_per_head(kept[label], n)
         worst = int(np.argmin(per_layer))
         print(f"| {label} | {held:.0f} | {np.mean(per_layer):.4f} | {per_layer[worst]:.4f} (layer {worst}) |")
-    if "h2o" not in kept or "h2o proxy" not in kept:
-        return 0
-    print(f"\nkept-set overlap (Jaccard, mean over layers and kv heads), h2o real vs proxy: "
-          f"{jaccard(kept['h2o'], kept['h2o proxy']):.3f}")
+        rows.append({"recipe": label, "held per head": round(held), "mass kept": round(float(np.mean(per_layer)), 4),
+                     "worst layer": worst, "mass kept there": round(float(per_layer[worst]), 4)})
+    overlap = None
+    if "h2o" in kept and "h2o proxy" in kept:
+        overlap = jaccard(kept["h2o"], kept["h2o proxy"])
+        print(f"\nkept-set overlap (Jaccard, mean over layers and kv heads), h2o real vs proxy: {overlap:.3f}")
+    if args.json:
+        command = "veloxquant bench kept-mass " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        Path(args.json).write_text(json.dumps({"command": command, "model": model_name, "prompt_tokens": n,
+                                               "budget": args.budget, "rows": rows,
+                                               "h2o_real_vs_proxy_jaccard": overlap}, indent=1) + "\n")
     return 0
 
 
