@@ -12,7 +12,9 @@ other JSON with a `rows` list renders as a table of its rows' fields, under its 
 
     <!-- printed: results/A.json :: KEY -->
 
-renders the output a session recorded under KEY (a bench's printed table) as it was printed.
+renders the output a session recorded under KEY (a bench's printed table) as it was printed; a
+`<!-- kvpress: results/A.json -->` block renders `veloxquant bench kvpress --json`'s ΔPPL by fraction,
+kvpress's published rows beside ours.
 
     python scripts/tables.py           # rewrite the blocks in docs/*.md and README.md
     python scripts/tables.py --check   # exit 1, naming the docs whose tables differ from results/
@@ -27,12 +29,14 @@ from typing import Dict, List
 from veloxquant.eval import report
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- (?P<kind>table|printed): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+BLOCK = re.compile(r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
 def _cell(x) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
     if isinstance(x, float):
-        return f"{x:,.3f}" if abs(x) < 1000 else f"{x:,.0f}"
+        return f"{x:,.4f}".rstrip("0").rstrip(".") if abs(x) < 1000 else f"{x:,.0f}"
     if isinstance(x, int):
         return f"{x:,}"
     return str(x)
@@ -79,9 +83,26 @@ def printed(spec: str, root: Path = ROOT) -> str:
     return "\n".join(out + tabular) + "\n"
 
 
+def kvpress(spec: str, root: Path = ROOT) -> str:
+    path = spec.strip()
+    data = json.loads((root / path).read_text())
+    fractions = data["fractions"]
+    rows = [(f"kvpress {k}", v) for k, v in data["kvpress_reference"].items()]
+    rows += [(f"ours {k}", v) for k, v in data["delta_ppl_percent"].items()]
+    best = [("**best kvpress**", [min(v[i] for v in data["kvpress_reference"].values()) for i in range(len(fractions))]),
+            ("**best ours**", [min(v[i] for v in data["delta_ppl_percent"].values()) for i in range(len(fractions))])]
+    lines = [f"`{path}` (baseline PPL {data['baseline_ppl']:.3f}, {data['windows']} windows; {data['machine']}); "
+             "ΔPPL at the fraction of the prefix removed:", "",
+             "| row | " + " | ".join(str(f) for f in fractions) + " |", "|---|" + "---|" * len(fractions)]
+    lines += [f"| {name} | " + " | ".join(f"{x:+.2f}%" for x in vals) + " |" for name, vals in rows + best]
+    return "\n".join(lines) + "\n"
+
+
 def _body(m, root: Path) -> str:
     if m.group("kind") == "printed":
         return printed(m.group("spec"), root)
+    if m.group("kind") == "kvpress":
+        return kvpress(m.group("spec"), root)
     return render(m.group("spec").split(), root)
 
 
