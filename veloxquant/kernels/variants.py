@@ -13,6 +13,8 @@ from typing import Callable, List, Optional, Set
 
 import mlx.core as mx
 
+from .source import prune, squeeze
+
 _RECORDERS: List[Set[tuple]] = []
 
 
@@ -30,7 +32,17 @@ class Kernel:
     __slots__ = ("spec", "built")
 
     def __init__(self, **spec):
+        # MLX rebuilds and hashes the whole text at every launch: only what this kernel
+        # uses, without the spaces the compiler does not need (nvcc_check: same PTX).
+        spec["source"] = squeeze(spec.get("source", ""))
+        if spec.get("header"):
+            spec["header"] = squeeze(prune(spec["header"], spec["source"]))
         self.spec, self.built = spec, None
+
+    @property
+    def text_bytes(self) -> int:
+        """Bytes of kernel text (header and body) MLX rebuilds and hashes at each launch."""
+        return len(self.spec.get("header", "")) + len(self.spec.get("source", ""))
 
     @property
     def name(self) -> str:
