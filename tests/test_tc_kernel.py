@@ -60,7 +60,7 @@ def test_scope_names_what_it_refuses():
 def test_nvcc_renders_the_tc_kernel_as_mlx_would():
     from veloxquant.kernels import nvcc_check
     src = nvcc_check.tc_unit(1, 32, 1, 128, 8, 32768, (4, 32, "channel"), (4, 32, "token"))
-    assert "#define VQ_LAUNCH_BOUNDS 128, 3" in src and "constexpr int NST = 3;" in src
+    assert "#define VQ_LAUNCH_BOUNDS 128, 3" in src and "constexpr int NST=3;" in src
     assert "const __grid_constant__ Shape kc_shape" in src and "vq_warp_rows" in src
 
 

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
+    p = sub.add_parser("warmup", help="compile a recipe's GPU kernels for a model and context before generating "
+                       "(fills MLX's on-disk kernel cache; run it at the context you will generate at)")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens (random) to prefill")
+    p.add_argument("--decode", type=int, default=256, help="decode steps (cross the window spills)")
+    _add_recipe_opts(p)
+
     p = sub.add_parser("bench", help="benchmarks that print tables (veloxquant bench --list names them)",
                        add_help=False)  # --help also lists the benches, imported only then (cmd_bench)
     p.add_argument("what", nargs="?", help="the bench to run; `veloxquant bench NAME --help` shows its options")
@@ -223,6 +230,19 @@ def cmd_compare(args) -> int:
     return run_compare(args)
 
 
+def cmd_warmup(args) -> int:
+    from .models import load_model
+    from .runtime.warmup import warmup
+    if args.context < 2 or args.decode < 1:
+        raise VeloxError(f"warmup: --context must be at least 2 and --decode positive "
+                         f"(got {args.context}, {args.decode})")
+    model, _ = load_model(args.model)
+    seen, seconds = warmup(model, args.recipe, args.context, args.decode, args.sets)
+    print(f"warmed {args.recipe} at {args.context} tokens + {args.decode} steps in {seconds:.1f} s: "
+          f"{len(seen)} veloxquant kernel variants launched")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from .calibration.cli import cmd_calibrate as run_calibrate
     return run_calibrate(args)
@@ -238,6 +258,7 @@ def main(argv=None) -> int:
                 "tune": cmd_tune,
                 "eval": cmd_eval, "compare": cmd_compare}
     commands["calibrate"] = cmd_calibrate
+    commands["warmup"] = cmd_warmup
     try:
         if args.command == "serve":
             from .serve.cli import cmd_serve

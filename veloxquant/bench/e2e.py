@@ -13,6 +13,14 @@ median with its range (peak: the highest), and the median over rounds of its
 decode tok/s divided by KVCache's in the same round (drift between rounds cancels).
 A recipe written `kivi@tc` runs with that CUDA attend kernel (VELOXQUANT_CUDA_IMPL
 while the row runs): A/B rows of one recipe in one process.
+
+    python -m veloxquant.bench.e2e --preset llama3-8b --weights-bits 4 --context 32768 --recipes fp16,kivi
+
+`--preset llama3-8b` takes Llama-3-8B's shapes; `--weights-bits 4` (or 8) quantizes the random
+weights (nn.quantize, group 64) as users run them. The "first use" column is each row's first run
+in this process (rows in order: KVCache, then the recipes), before any warm run: on CUDA it pays
+for every kernel variant that row is the first to need. `--warmup` runs runtime.warmup for each
+recipe first (what `veloxquant warmup` does), so that column shows first use after a warm-up.
 """
 import argparse
 import os
@@ -20,12 +28,17 @@ import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from ..runtime import make_prompt_cache, uninstall
+from ..runtime.warmup import warmup
 from .registry import bench
+
+# Model shapes by name: layers, heads/kv heads, head_dim, hidden, intermediate, vocab.
+PRESETS = {"llama3-8b": dict(layers=32, heads="32/8", head_dim=128, hidden=4096, intermediate=14336, vocab=128256)}
 
 
 def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype,
@@ -104,17 +117,27 @@ def main(argv=None) -> int:
     ap.add_argument("--sliding-pattern", type=int, default=6, help="gemma3: every n-th layer is global")
     ap.add_argument("--recipes", default="fp16,kivi")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
+    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16),
+                    help="quantize the random weights (group 64) to this width")
+    ap.add_argument("--warmup", action="store_true", help="runtime.warmup each recipe before its first-use row")
     args = ap.parse_args(argv)
+    for k, v in PRESETS.get(args.preset, {}).items():
+        setattr(args, k, v)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
     shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden,
              args.intermediate)
     model, name = random_model(args.arch, shape, args.window, args.sliding_pattern)
+    if args.weights_bits < 16:
+        nn.quantize(model, group_size=64, bits=args.weights_bits)
+        mx.eval(model.parameters())
+        name += f", {args.weights_bits}-bit weights"
     prompt = mx.random.randint(0, args.vocab, (args.context,))
     print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
           f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
-    print("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | peak memory GiB | cache MiB |")
-    print("|---|---|---|---|---|---|")
+    head = ("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | first-use decode tok/s "
+            "| first use ÷ warm | peak memory GiB | cache MiB |")
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
     rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
 
@@ -127,8 +150,20 @@ def main(argv=None) -> int:
         finally:
             _set_impl(default)
             uninstall(model)
-    for label, make in rows:  # warm up as measured: kernel variants follow the tier length (CUDA compiles each once)
-        run(label, make)
+    warmed = {}
+    if args.warmup:
+        for label, _ in rows[1:]:
+            _set_impl(label.split("@")[1] if "@" in label else default)
+            try:
+                warmed[label] = warmup(model, label.split("@")[0], args.context, args.decode)[1]
+            finally:
+                _set_impl(default)
+        print("warm-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in warmed.items()))
+    print(head)
+    print("|---|---|---|---|---|---|---|---|")
+    # First use: kernel variants follow the tier length (CUDA compiles each once), so the
+    # warm rounds come after a first run of every row at this context.
+    first = {label: run(label, make) for label, make in rows}
     runs = {label: [] for label, _ in rows}
     for i in range(args.repeat):
         # Each round starts at another row: no row always follows the same one (allocator, clocks).
@@ -140,7 +175,9 @@ def main(argv=None) -> int:
         peak = max(r[2] for r in got)
         spread = f" ({min(r[1] for r in got):,.1f}–{max(r[1] for r in got):,.1f})" if len(got) > 1 else ""
         paired = statistics.median(r[1] / b[1] for r, b in zip(got, base))  # same round: drift cancels
-        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {peak / 2**30:.2f} "
+        cold = first[label][1]
+        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {cold:,.1f} | {cold / dec:.3f}× "
+              f"| {peak / 2**30:.2f} "
               f"| {got[0][3] / 2**20:,.1f} |", flush=True)
     return 0
 

@@ -16,6 +16,7 @@ from .source import split_sections, strip as _strip
 from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
 from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
 from .reference import Spec, spec_fields
+from . import variants
 from .table import Kernel, attend_route, register
 from .table import KERNELS
 
@@ -91,7 +92,7 @@ def attend_header(threads: int) -> str:
 
 @lru_cache(maxsize=None)
 def _attend_kernel(smem: int, threads: int):
-    return mx.fast.cuda_kernel(
+    return variants.kernel(
         name=f"vq_affine_attend_{smem}_{threads}_{blocks_per_sm(threads)}",
         input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "lo"],
         output_names=["pm", "pl", "pacc"],
@@ -112,7 +113,7 @@ def hidden_count(n: int) -> mx.array:
 @lru_cache(maxsize=None)
 def _reduce_kernel():
     s = sections()
-    return mx.fast.cuda_kernel(
+    return variants.kernel(
         name="vq_affine_reduce", input_names=["pm", "pl", "pacc"], output_names=["out", "lse"],
         source=_strip(s["reduce"]), header=_strip(s["header"]))
 
@@ -121,7 +122,7 @@ def _reduce_kernel():
 def _reduce_tail_kernel():
     """The reduce that also attends over dense 16-bit tiers (views read in place, any strides)."""
     s = sections()
-    return mx.fast.cuda_kernel(
+    return variants.kernel(
         name="vq_affine_reduce_tail", input_names=["pm", "pl", "pacc", "q", "xk0", "xv0", "xk1", "xv1"],
         output_names=["out", "lse"], source=_strip(s["reduce_tail"]), header=_strip(s["header"]),
         ensure_row_contiguous=False)
@@ -182,7 +183,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
 
 @lru_cache(maxsize=None)
 def _mma_kernel():
-    return mx.fast.cuda_kernel(
+    return variants.kernel(
         name="vq_affine_attend_mma", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
         output_names=["pm", "pl", "pacc"], source=_strip(sections()["attend_mma"]),
         header=_strip(sections()["mma_header"]))

@@ -8,13 +8,14 @@ import mlx.core as mx
 
 from .cuda import _QTYPES, _strip, sections
 from .reference import Spec, spec_fields
+from . import variants
 from .table import Kernel, register
 
 
 @lru_cache(maxsize=None)
 def _dequant_kernel():
     s = sections()
-    return mx.fast.cuda_kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros", "at"],
+    return variants.kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros", "at"],
                                output_names=["out"], source=_strip(s["dequant"]), header=_strip(s["header"]))
 
 

@@ -22,6 +22,7 @@ from ..paths import kernels_dir
 from .cuda import sections as affine
 from .geometry import SM_COUNT
 from .source import split_sections, strip
+from . import variants
 from .table import Kernel, register
 
 SOURCE = "cuda/lut_attention.cu"
@@ -107,11 +108,11 @@ def sections() -> Dict[str, str]:
 
 @lru_cache(maxsize=None)
 def _kernels():
-    attend = mx.fast.cuda_kernel(
+    attend = variants.kernel(
         name="vq_lut_attend",
         input_names=["q", "kc1", "kn1", "kc2", "kn2", "vc1", "vn1", "vc2", "vn2", "lv"],
         output_names=["pm", "pl", "pacc"], source=strip(sections()["lut_attend"]), header=header())
-    reduce = mx.fast.cuda_kernel(
+    reduce = variants.kernel(
         name="vq_lut_reduce", input_names=["pm", "pl", "pacc"], output_names=["out", "lse"],
         source=strip(sections()["lut_reduce"]), header=header())
     return attend, reduce
@@ -168,7 +169,7 @@ def encode_unsupported(codec) -> str:
 
 @lru_cache(maxsize=None)
 def _encoder():
-    return mx.fast.cuda_kernel(name="vq_lloyd_encode", input_names=["x", "lv"], output_names=["c1", "n1", "c2", "n2"],
+    return variants.kernel(name="vq_lloyd_encode", input_names=["x", "lv"], output_names=["c1", "n1", "c2", "n2"],
                                source=strip(sections()["lloyd_encode"]), header=header())
 
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 from . import tc
 from .cuda import merge
 from .source import strip
+from . import variants
 from .table import Kernel, register
 
 _CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
@@ -39,7 +40,7 @@ def kernel(template: tuple, smem: int, bps: int, fold: bool, nx: int):
     body = constants(template + (("NX", nx),)) + strip(tc.sections()["attend_tc"])
     names = CODES + (["work", "after"] if fold else []) + TAIL[:2 * nx]
     tag = f"{zlib.crc32(f'{fold}{body}'.encode()):08x}"  # stable across processes: MLX caches builds by name
-    return mx.fast.cuda_kernel(
+    return variants.kernel(
         name=f"vq_tc_{tag}", input_names=names, output_names=["out", "lse"] if fold else ["pm", "pl", "pacc"],
         source=body, header=strip(tc.header(bps, fold, nx)), shared_memory=smem,
         ensure_row_contiguous=False)  # views are read in place (strides); the kernel checks its rows
