@@ -131,6 +131,10 @@ def cmd_explain(args) -> int:
     from .recipe import load_recipe
     plan = compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)
     print(render(plan))
+    from .compiler.batching import refusal
+    why = refusal(plan)
+    print("batching: batches (mlx-lm batch caches: merge/extend/filter/extract; veloxquant serve batches it)"
+          if why is None else f"batching: one sequence at a time: {why}")
     from .calibration.explain import calibration_lines
     from .compiler.binding import calibrated_stages
     model = _calibration_model(args.model) if calibrated_stages(plan) else None

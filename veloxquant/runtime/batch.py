@@ -32,12 +32,24 @@ class Rows:
         self.pad_end = int(self.left.max().item()) if self.left.size else 0
 
 
-def check(cache) -> None:
-    why = refusal(cache.plan_root) if getattr(cache, "plan_root", None) is not None else None
+class BatchRefused(VeloxError, AttributeError):
+    """A cache whose plan does not batch has no `merge`: mlx-lm's own test (hasattr(cache, "merge"), its
+    server's load-time check) then serves it one sequence at a time; asked directly, it says why."""
+
+
+def why_not(cache) -> Optional[str]:
+    """Why this cache cannot join a batch (compiler/batching.py's declared refusal), or None."""
+    plan = getattr(cache, "plan_root", None)
+    why = refusal(plan) if plan is not None else None
     if why is None and cache._plain is None:
         why = f"layer {cache.plan.index}'s cache is not one plain 16-bit tier"
+    return why
+
+
+def check(cache) -> None:
+    why = why_not(cache)
     if why is not None:
-        raise VeloxError(f"{why}; serve it one sequence at a time (veloxquant serve does)")
+        raise BatchRefused(f"{why}; serve it one sequence at a time (veloxquant serve does)")
 
 
 def _blank(like):
@@ -190,8 +202,11 @@ class BatchProtocol:
 
     rows: Optional[Rows] = None  # None: the cache holds one sequence
 
-    def merge(self, caches):
-        return merge(caches)
+    @property
+    def merge(self):
+        """merge(caches) -> one batch cache; absent (BatchRefused, an AttributeError) where the plan refuses."""
+        check(self)
+        return merge
 
     def extend(self, other) -> None:
         extend(self, other)

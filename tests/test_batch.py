@@ -1,0 +1,142 @@
+"""Batched caches (runtime/batch.py): a batch equals its sequences run alone, or the recipe refuses.
+
+mlx-lm's BatchGenerator drives the caches as its server does: ragged prompts (right-padded while
+processed, then left-padded), sequences joining a running batch (extend) and leaving it (filter,
+extract). fp16 must give every sequence the tokens it gets alone; every other built-in declares its
+refusal (compiler/batching.py), which explain prints and merge raises."""
+import types
+
+import mlx.core as mx
+import pytest
+from conftest import tiny_gemma3, tiny_llama
+from mlx_lm import batch_generate
+from mlx_lm.generate import BatchGenerator, generate_step
+
+import veloxquant
+from veloxquant.compiler import ModelShape, compile_recipe
+from veloxquant.compiler.batching import refusal
+from veloxquant.errors import VeloxError
+from veloxquant.recipe import builtin_names, load_recipe
+
+LENGTHS = [5, 17, 9, 30, 3, 12]
+MAX_TOKENS = [10, 4, 12, 7, 9, 5]  # sequences leave the batch at different steps
+LOGPROB_TOL = 2e-3  # float32: attention over a padded, masked row sums in another order
+
+
+def _prompts():
+    return [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+def _alone(model, recipe, prompt, n):
+    cache = veloxquant.make_prompt_cache(model, recipe)
+    steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n)
+    return [(int(t), lp) for t, lp in steps]
+
+
+def _batched(model, recipe, prompts, max_tokens, join_after=3):
+    """The first half inserted at once; the second half joins after `join_after` steps."""
+    gen = BatchGenerator(model, prefill_batch_size=2, completion_batch_size=8)
+    half = len(prompts) // 2
+    make = lambda ps: [veloxquant.make_prompt_cache(model, recipe) for _ in ps]
+    uids = gen.insert(prompts[:half], max_tokens[:half], caches=make(prompts[:half]))
+    got, steps, caches = {}, 0, {}
+    while True:
+        responses = gen.next_generated()
+        steps += 1
+        if steps == join_after:
+            uids += gen.insert(prompts[half:], max_tokens[half:], caches=make(prompts[half:]))
+        elif not responses:
+            break
+        for r in responses:
+            got.setdefault(r.uid, []).append((r.token, r.logprobs))
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    return [got[u] for u in uids], [caches[u] for u in uids]
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, lambda: tiny_gemma3(window=8)], ids=["llama", "gemma3"])
+def test_fp16_batch_equals_alone(make_model):
+    model = make_model()
+    prompts = _prompts()
+    alone = [_alone(model, "fp16", p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    batched, caches = _batched(model, "fp16", prompts, MAX_TOKENS)
+    for a, b, p, n, c in zip(alone, batched, prompts, MAX_TOKENS, caches):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
+        # a sequence extracted from the batch holds its own tokens only (never padding), at its positions
+        held = len(p) + n  # the prompt and each token fed back (the last step ran ahead one token)
+        assert c[0].offset == held and not c[0].rows
+        window = model.args.sliding_window if hasattr(model.args, "sliding_window") else None
+        assert [x.size() for x in c] == [min(held, window) if (window and x.plan.window) else held for x in c]
+
+
+def test_an_extracted_cache_continues_as_one_run_alone():
+    """A sequence leaves the batch with its cache (mlx-lm's server stores it for prefix reuse) and goes on."""
+    model = tiny_llama()
+    prompts = _prompts()[:3]
+    batched, caches = _batched(model, "fp16", prompts, [6, 6, 6], join_after=1)
+    tokens = prompts[1] + [t for t, _ in batched[1]]
+    cache = veloxquant.make_prompt_cache(model, "fp16")
+    model(mx.array([tokens]), cache=cache)  # the same tokens, alone
+    for alone, out in zip(cache, caches[1]):
+        assert out.offset == alone.offset and out.size() == alone.size()
+        assert mx.allclose(alone.tiers[0].decoded(mx.float32)[0], out.tiers[0].decoded(mx.float32)[0], atol=2e-2)
+    follow = [7, 8, 9]
+    on_alone = model(mx.array([follow]), cache=cache)
+    on_out = model(mx.array([follow]), cache=caches[1])
+    assert float(mx.abs(on_alone - on_out).max()) < LOGPROB_TOL * 10
+
+
+def test_batch_bytes_count_the_rows():
+    model = tiny_llama()
+    caches = [veloxquant.make_prompt_cache(model, "fp16") for _ in range(3)]
+    for c, n in zip(caches, (4, 9, 6)):
+        model(mx.array([list(range(1, n + 1))]), cache=c)
+    merged = caches[0][0].merge([c[0] for c in caches])
+    assert merged.offset.tolist() == [4, 9, 6] and merged.rows.left.tolist() == [5, 0, 3]
+    assert merged.nbytes == 3 * 9 * 3 * 64 * 2 * 2  # rows x longest x kv heads x head dim x fp16 x (K, V)
+    merged.filter([0, 2])  # the longest leaves: columns that are padding in every row are let go
+    assert merged.rows.left.tolist() == [5, 3] and merged.tiers[0].start == 3
+
+
+def _refusals(shape):
+    """Each built-in's declared refusal on `shape` (recipes this shape refuses at compile time left out)."""
+    out = {}
+    for name in builtin_names():
+        try:
+            out[name] = refusal(compile_recipe(load_recipe(name), shape))
+        except VeloxError:
+            continue  # e.g. xquant on sliding layers: a located compile error of its own
+    return out
+
+
+def test_every_builtin_batches_or_declares_why():
+    model = tiny_llama()
+    for shape in (ModelShape.from_model(model), ModelShape.from_model(tiny_gemma3())):
+        reasons = _refusals(shape)
+        assert reasons.pop("fp16") is None
+        assert all(why and "does not batch: layer" in why for why in reasons.values()), reasons
+
+
+@pytest.mark.parametrize("recipe", ["kivi", "kivi_sink", "gear", "h2o", "streaming_llm", "xquant"])
+def test_a_refused_recipe_has_no_merge(recipe):
+    """mlx-lm's batchability test (hasattr merge: its server's, at load) sees a refused recipe as serial, so
+    mlx_lm.server serves it one sequence at a time; merge asked for directly says why."""
+    model = tiny_llama()
+    tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+    caches = [veloxquant.make_prompt_cache(model, recipe) for _ in range(2)]
+    assert not hasattr(caches[0][0], "merge")
+    with pytest.raises(VeloxError, match=f"recipe '{recipe}' does not batch: layer 0: .*one sequence at a time"):
+        caches[0][0].merge([c[0] for c in caches])
+    with pytest.raises(ValueError, match="TieredCache'> does not yet support batching"):
+        batch_generate(model, tokenizer, _prompts()[:2], prompt_caches=caches, max_tokens=2)
+
+
+def test_batch_generate_with_fp16_caches():
+    model = tiny_llama()
+    tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: " ".join(map(str, ids)))
+    prompts = _prompts()[:4]
+    caches = [veloxquant.make_prompt_cache(model, "fp16") for _ in prompts]
+    out = batch_generate(model, tokenizer, prompts, prompt_caches=caches, max_tokens=5, return_token_ids=True)
+    assert out.token_ids == [[t for t, _ in _alone(model, "fp16", p, 5)] for p in prompts]
