@@ -140,3 +140,19 @@ def test_batch_generate_with_fp16_caches():
     caches = [veloxquant.make_prompt_cache(model, "fp16") for _ in prompts]
     out = batch_generate(model, tokenizer, prompts, prompt_caches=caches, max_tokens=5, return_token_ids=True)
     assert out.token_ids == [[t for t, _ in _alone(model, "fp16", p, 5)] for p in prompts]
+
+
+def test_run_batch_reports_each_sequence_and_the_whole():
+    from veloxquant.recipe import load_recipe as load
+    from veloxquant.run_batch import format_batch, generate_batch, ragged_prompts
+    model = tiny_llama()
+    tokenizer = types.SimpleNamespace(eos_token_ids=[])
+    args = types.SimpleNamespace(batch=3, sets=[], no_hook=False, max_tokens=4)
+    tokens = list(range(1, 61))
+    assert [len(p) for p in ragged_prompts(tokens, 3)] == [60, 50, 40]
+    r = generate_batch(model, tokenizer, tokens, load("fp16"), args)
+    assert r["mode"] == "batched" and r["reason"] is None
+    assert [s["prompt_tokens"] for s in r["sequences"]] == [60, 50, 40]
+    assert all(s["generated_tokens"] == 4 and s["ratio"] == 1.0 for s in r["sequences"])  # no padding held
+    assert r["cache_bytes"] == sum(s["cache_bytes"] for s in r["sequences"]) and r["decode_tok_s"] > 0
+    assert "3 sequences, batched" in format_batch(r)

@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="store_true",
                    help="generate once untimed with each recipe first (GPU: first use compiles kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON object (one line per recipe) instead of text")
+    p.add_argument("--batch", type=int, metavar="N", help="N sequences of different lengths (the prompt cut down "
+                   "to half): batched where the recipe batches, else one at a time; per-sequence and aggregate figures")
     _add_recipe_opts(p)
 
     p = sub.add_parser("check", help="load and compile recipes; report errors")
@@ -246,6 +248,9 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from .serve.cli import cmd_serve
             return cmd_serve(args)
+        if args.command == "run" and args.batch is not None:
+            from .run_batch import cmd_run_batch
+            return cmd_run_batch(args)
         if args.command == "run":
             from .run import cmd_run
             return cmd_run(args)
