@@ -156,3 +156,16 @@ def test_run_batch_reports_each_sequence_and_the_whole():
     assert all(s["generated_tokens"] == 4 and s["ratio"] == 1.0 for s in r["sequences"])  # no padding held
     assert r["cache_bytes"] == sum(s["cache_bytes"] for s in r["sequences"]) and r["decode_tok_s"] > 0
     assert "3 sequences, batched" in format_batch(r)
+
+
+def test_bench_serve_prints_its_table(capsys):
+    from veloxquant.bench.serve import main
+    assert main(["--recipes", "fp16,streaming_llm", "--context", "40", "--decode", "3", "--concurrency", "1,3",
+                 "--layers", "2", "--budget-mib", "1", "--dtype", "float32"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| fp16")
+            or line.startswith("| streaming_llm")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("| fp16", "1", "batched"), ("| fp16", "3", "batched"),
+        ("| streaming_llm", "1", "one at a time"), ("| streaming_llm", "3", "one at a time")]
+    # fp16 holds exactly its tokens: 43 x 2 layers x 2 kv heads x 64 x 2 bytes x (K, V), padding never kept
+    assert all(float(r[4]) == round(43 * 2 * 2 * 64 * 2 * 2 / 1024) for r in rows[:2])

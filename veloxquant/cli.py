@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
     p = sub.add_parser("bench", help="benchmarks that print tables")
-    p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
+    p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops", "serve"])
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
@@ -180,6 +180,9 @@ def cmd_bench(args) -> int:
     if args.what == "kept-mass":
         from .bench.kept_mass import main as bench_kept_mass
         return bench_kept_mass(args.args) or 0
+    if args.what == "serve":
+        from .bench.serve import main as bench_serve
+        return bench_serve(args.args) or 0
     if args.what == "decode-ops":
         from .bench.decode_ops import main as bench_decode_ops
         return bench_decode_ops(args.args) or 0
