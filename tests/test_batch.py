@@ -2,8 +2,9 @@
 
 mlx-lm's BatchGenerator drives the caches as its server does: ragged prompts (right-padded while
 processed, then left-padded), sequences joining a running batch (extend) and leaving it (filter,
-extract). fp16 must give every sequence the tokens it gets alone; every other built-in declares its
-refusal (compiler/batching.py), which explain prints and merge raises."""
+extract). fp16 must give every sequence the tokens it gets alone; a recipe whose tiers are a chain of
+sink? >> recent? >> codes (kivi & co, runtime/batch_chain.py) the tokens, and logprobs within float
+tolerance; every other built-in declares its refusal (compiler/batching.py), which explain prints."""
 import types
 
 import mlx.core as mx
@@ -14,7 +15,8 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 import veloxquant
 from veloxquant.compiler import ModelShape, compile_recipe
-from veloxquant.compiler.batching import refusal
+from veloxquant.artifacts import CalibrationError
+from veloxquant.compiler.batching import layer_layout, refusal
 from veloxquant.errors import VeloxError
 from veloxquant.recipe import builtin_names, load_recipe
 
@@ -27,17 +29,17 @@ def _prompts():
     return [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-def _alone(model, recipe, prompt, n):
-    cache = veloxquant.make_prompt_cache(model, recipe)
+def _alone(model, recipe, prompt, n, sets=(), cache=None):
+    cache = veloxquant.make_prompt_cache(model, recipe, sets) if cache is None else cache
     steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n)
     return [(int(t), lp) for t, lp in steps]
 
 
-def _batched(model, recipe, prompts, max_tokens, join_after=3):
+def _batched(model, recipe, prompts, max_tokens, join_after=3, sets=()):
     """The first half inserted at once; the second half joins after `join_after` steps."""
     gen = BatchGenerator(model, prefill_batch_size=2, completion_batch_size=8)
     half = len(prompts) // 2
-    make = lambda ps: [veloxquant.make_prompt_cache(model, recipe) for _ in ps]
+    make = lambda ps: [veloxquant.make_prompt_cache(model, recipe, sets) for _ in ps]
     uids = gen.insert(prompts[:half], max_tokens[:half], caches=make(prompts[:half]))
     got, steps, caches = {}, 0, {}
     while True:
@@ -111,15 +113,51 @@ def _refusals(shape):
     return out
 
 
+CHAINS = ["cachegen", "composite", "gear", "kitty", "kivi", "kivi_sink", "polarquant", "qjl", "rabitq",
+          "ratekivi", "ratequant", "spectralquant", "turboquant_mse", "turboquant_prod", "turboquant_rvq", "vecinfer"]
+
+
 def test_every_builtin_batches_or_declares_why():
     model = tiny_llama()
-    for shape in (ModelShape.from_model(model), ModelShape.from_model(tiny_gemma3())):
-        reasons = _refusals(shape)
-        assert reasons.pop("fp16") is None
-        assert all(why and "does not batch: layer" in why for why in reasons.values()), reasons
+    llama, gemma = (_refusals(ModelShape.from_model(m)) for m in (model, tiny_gemma3()))
+    assert sorted(n for n, why in llama.items() if why is None) == sorted(["fp16"] + CHAINS)
+    assert [n for n, why in gemma.items() if why is None] == ["fp16"]  # chains code on sliding layers: refused
+    assert all("a sliding-window layer whose tiers code" in gemma[n] for n in CHAINS if n in gemma), gemma
+    for reasons in (llama, gemma):
+        assert all("does not batch: layer" in why for why in reasons.values() if why), reasons
+    plan = compile_recipe(load_recipe("kivi_sink"), ModelShape.from_model(model))
+    assert {layer_layout(layer) for layer in plan.layers} == {"chain"}
 
 
-@pytest.mark.parametrize("recipe", ["kivi", "kivi_sink", "gear", "h2o", "streaming_llm", "xquant"])
+CHAIN_LENGTHS = [5, 40, 9, 70, 3, 27]
+CHAIN_TOKENS = [12, 5, 14, 8, 11, 6]
+# The same tokens in the same code groups, but a batched matmul rounds its float32 sums in another order
+# (fp16's logprobs move ~2e-4): at 2 bits a key or value on a level's edge then takes the next code.
+CHAIN_TOL = 5e-2
+
+
+@pytest.mark.parametrize("recipe", CHAINS)
+def test_a_chain_batch_equals_alone(recipe):
+    """Each sequence's sinks, window spills and code groups are its own in a batch: tokens as alone,
+    logprobs within float tolerance, and the cache it leaves with holds codes where alone it would."""
+    model = tiny_llama()
+    sets = ["window=8"] if "window" in load_recipe(recipe).params else []
+    prompts = [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(CHAIN_LENGTHS)]
+    try:
+        alone_caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
+        alone = [_alone(model, recipe, p, n, sets, c) for p, n, c in zip(prompts, CHAIN_TOKENS, alone_caches)]
+    except CalibrationError:
+        pytest.skip(f"{recipe} needs a calibration artifact for this model (its batch is untested here)")
+    batched, caches = _batched(model, recipe, prompts, CHAIN_TOKENS, sets=sets)
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < CHAIN_TOL
+    for c, cache in zip(caches, alone_caches):  # what each tier holds, as alone
+        assert [x.meta_state for x in c] == [x.meta_state for x in cache]
+    assert sum(c[0].tiers[-1].count for c in caches) > 0  # some rows hold codes
+
+
+@pytest.mark.parametrize("recipe", ["h2o", "streaming_llm", "xquant", "kvquant", "age_tiered"])
 def test_a_refused_recipe_has_no_merge(recipe):
     """mlx-lm's batchability test (hasattr merge: its server's, at load) sees a refused recipe as serial, so
     mlx_lm.server serves it one sequence at a time; merge asked for directly says why."""

@@ -15,8 +15,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..compiler.batching import refusal
+from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
+from . import batch_chain as chain
 
 
 class Rows:
@@ -41,7 +42,7 @@ def why_not(cache) -> Optional[str]:
     """Why this cache cannot join a batch (compiler/batching.py's declared refusal), or None."""
     plan = getattr(cache, "plan_root", None)
     why = refusal(plan) if plan is not None else None
-    if why is None and cache._plain is None:
+    if why is None and cache._plain is None and layer_layout(cache.plan) != "chain":
         why = f"layer {cache.plan.index}'s cache is not one plain 16-bit tier"
     return why
 
@@ -65,6 +66,9 @@ def merge(caches: List) -> "object":
     """One batch cache from per-sequence caches (each may hold a prompt), right-aligned."""
     for c in caches:
         check(c)
+    if layer_layout(caches[0].plan) == "chain":  # tiers that route and code: each row from column 0
+        return chain.merge(caches, _blank)
+    for c in caches:
         if c.rows is not None:
             raise VeloxError("merge takes one-sequence caches; a batch joins another with extend()")
         c._settle()  # a window's pending expiry
@@ -168,6 +172,8 @@ def _start(cache, window: Optional[int]) -> int:
 
 
 def make_mask(cache, N: int, window_size: Optional[int] = None):
+    if chain.is_chain(cache):
+        return chain.make_mask(cache, N)
     rows = cache.rows
     window = window_size or cache.plan.window
     start = _start(cache, cache.plan.window)
@@ -182,6 +188,8 @@ def make_mask(cache, N: int, window_size: Optional[int] = None):
 
 
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
+    if chain.is_chain(cache):
+        return chain.update_and_fetch(cache, keys, values)
     rows, plain = cache.rows, cache._plain
     if cache.plan.window and rows.right is None:
         plain.expire(rows.end - cache.plan.window + 1)
@@ -193,6 +201,8 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
 
 
 def attend(cache, queries: mx.array, scale: float, mask):
+    if chain.is_chain(cache):
+        return chain.attend(cache, queries, scale)
     k, v = cache._plain.fetch(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
@@ -209,16 +219,16 @@ class BatchProtocol:
         return merge
 
     def extend(self, other) -> None:
-        extend(self, other)
+        (chain.extend if chain.is_chain(self) else extend)(self, other)
 
     def filter(self, batch_indices) -> None:
-        filter(self, list(batch_indices))
+        (chain.filter if chain.is_chain(self) else filter)(self, list(batch_indices))
 
     def extract(self, idx: int):
-        return extract(self, idx)
+        return chain.extract(self, idx, _blank) if chain.is_chain(self) else extract(self, idx)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        prepare(self, left_padding, lengths, right_padding)
+        (chain.prepare if chain.is_chain(self) else prepare)(self, left_padding, lengths, right_padding)
 
     def finalize(self) -> None:
-        finalize(self)
+        (chain.finalize if chain.is_chain(self) else finalize)(self)
