@@ -31,6 +31,11 @@ class ChainRows:
         self.pending: Optional[np.ndarray] = None  # real tokens left in a right-padded prompt (prepare)
         self.unsettled = True
 
+    @property
+    def end(self) -> int:
+        """Positions the longest row has seen (0: the batch holds nothing; TieredCache.empty)."""
+        return int(self.seen.max(initial=0))
+
 
 def roles(cache):
     """(sink index or None, recent index or None, the rest's index) of the cache's chain."""
