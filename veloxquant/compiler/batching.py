@@ -11,8 +11,7 @@ sequence's meaning exactly:
   and fills its own count; padding is never written (runtime/batch_chain.py).
 Everything else refuses, with the reason, and is served one sequence at a time: per-head eviction and
 scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds of their own (latent,
-merged, anchor, query-aware), positional or fitted codes, coded windows, and sliding-window layers that
-code (expiry of coded groups per row is not built).
+merged, anchor, query-aware), positional or fitted codes, coded windows and drops.
 """
 from typing import Optional
 
@@ -59,8 +58,6 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
         why = _codes_refusal(c)
         if why is not None:
             return why
-    if layer.window is not None:
-        return "a sliding-window layer whose tiers code tokens (per-row expiry of code groups is not built yet)"
     return None
 
 

@@ -173,7 +173,7 @@ def _start(cache, window: Optional[int]) -> int:
 
 def make_mask(cache, N: int, window_size: Optional[int] = None):
     if chain.is_chain(cache):
-        return chain.make_mask(cache, N)
+        return chain.make_mask(cache, N, window_size)
     rows = cache.rows
     window = window_size or cache.plan.window
     start = _start(cache, cache.plan.window)

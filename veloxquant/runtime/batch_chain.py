@@ -23,10 +23,12 @@ from ..errors import VeloxError
 
 
 class ChainRows:
-    """Per-row counts of a chain batch (host arrays: [tier, row] tokens held, [row] positions seen)."""
+    """Per-row counts of a chain batch (host arrays: [tier, row] tokens held and the position of each
+    tier's column 0, [row] positions seen)."""
 
-    def __init__(self, counts: np.ndarray, offset: np.ndarray):
+    def __init__(self, counts: np.ndarray, starts: np.ndarray, offset: np.ndarray):
         self.counts = counts
+        self.starts = starts
         self.seen = offset
         self.pending: Optional[np.ndarray] = None  # real tokens left in a right-padded prompt (prepare)
         self.unsettled = True
@@ -67,9 +69,20 @@ def settle(cache) -> None:
         return
     rows.unsettled = False
     _, recent, rest = roles(cache)
-    if recent is None:
-        return
-    tier = cache.tiers[recent]
+    if recent is not None:
+        _spill_rows(cache, cache.tiers[recent], recent, rest)
+    if cache.plan.window:  # a sliding-window layer forgets, per row, what no later query sees
+        oldest = rows.seen - cache.plan.window + 1
+        for t, tier in enumerate(cache.tiers):
+            gone = np.clip(oldest - rows.starts[t], 0, rows.counts[t]) // tier.granularity * tier.granularity
+            if gone.max(initial=0) > 0:
+                tier.ragged_drop_front(rows.counts[t], gone)
+                rows.starts[t] = rows.starts[t] + gone
+                rows.counts[t] = rows.counts[t] - gone
+
+
+def _spill_rows(cache, tier, recent: int, rest: int) -> None:
+    rows = cache.rows
     moved = _spill(tier.route, tier.plan.chunk, rows.counts[recent])
     widest = int(moved.max()) if moved.size else 0
     if not widest:
@@ -77,8 +90,10 @@ def settle(cache) -> None:
     keys, values = tier.rows_front(widest, cache.dtype)
     cache.tiers[rest].ragged_encode_append(keys, values, rows.counts[rest], moved)
     tier.ragged_drop_front(rows.counts[recent], moved)
-    rows.counts[rest] += moved
-    rows.counts[recent] -= moved
+    rows.starts[rest] = np.where(rows.counts[rest] == 0, rows.starts[recent], rows.starts[rest])
+    rows.counts[rest] = rows.counts[rest] + moved
+    rows.counts[recent] = rows.counts[recent] - moved
+    rows.starts[recent] = rows.starts[recent] + moved
 
 
 def _placement(cache, real: np.ndarray):
@@ -97,9 +112,19 @@ def _place(cache, keys: mx.array, values: mx.array, real: np.ndarray) -> None:
     for t, take, source in _placement(cache, real):
         if take.max(initial=0) > 0:
             cache.tiers[t].ragged_encode_append(keys, values, rows.counts[t], take, source)
-            rows.counts[t] = rows.counts[t] + take
+    rows.counts, rows.starts = _placed(cache, real)
     rows.seen = rows.seen + real
     rows.unsettled = True
+
+
+def _placed(cache, real: np.ndarray):
+    """The counts and starts once a block's real tokens are placed (no array touched)."""
+    rows = cache.rows
+    counts, starts = rows.counts.copy(), rows.starts.copy()
+    for t, take, source in _placement(cache, real):
+        starts[t] = np.where((counts[t] == 0) & (take > 0), rows.seen + source, starts[t])
+        counts[t] = counts[t] + take
+    return counts, starts
 
 
 def _real(cache, n: int, consume: bool = True) -> np.ndarray:
@@ -113,19 +138,21 @@ def _real(cache, n: int, consume: bool = True) -> np.ndarray:
     return real
 
 
-def _mask(cache, counts: np.ndarray, first_q: np.ndarray, n: int) -> mx.array:
+def _mask(cache, counts: np.ndarray, starts: np.ndarray, first_q: np.ndarray, n: int,
+          window: Optional[int] = None) -> mx.array:
     """[B, 1, n, keys] over the held tiers in tier order (a tier's width is its longest row): a key is
-    seen by the queries at or after its position; a column its row has not filled, by none."""
-    sink, recent, rest = roles(cache)
-    first = _sink_n(cache)
+    seen by the queries at or after its position (and within the window); a column its row has not
+    filled, by none."""
     q = first_q[:, None] + np.arange(n)[None]  # [B, n]
     parts = []
-    for t, held in enumerate(counts):
+    for held, start in zip(counts, starts):
         cols = np.arange(int(held.max(initial=0)))[None]
-        start = 0 if t == sink else first + (counts[rest][:, None] if t == recent else 0)
-        parts.append(np.where(cols < held[:, None], start + cols, np.iinfo(np.int64).max))
-    k = np.concatenate(parts, axis=1)
-    return mx.array((k[:, None, :] <= q[:, :, None])[:, None])
+        parts.append(np.where(cols < held[:, None], start[:, None] + cols, np.iinfo(np.int64).max))
+    k = np.concatenate(parts, axis=1)[:, None, :]
+    seen = k <= q[:, :, None]
+    if window:
+        seen &= q[:, :, None] - k < window
+    return mx.array(seen[:, None])
 
 
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
@@ -134,7 +161,8 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
     first_q = cache.rows.seen.copy()
     _place(cache, keys, values, _real(cache, keys.shape[2]))
     cache.offset = mx.array(cache.rows.seen, dtype=mx.int32)
-    cache._batch_mask = _mask(cache, cache.rows.counts, first_q, keys.shape[2])
+    rows = cache.rows
+    cache._batch_mask = _mask(cache, rows.counts, rows.starts, first_q, keys.shape[2], cache.plan.window)
     return _fetch(cache, keys.dtype)
 
 
@@ -150,13 +178,11 @@ def attend(cache, queries: mx.array, scale: float):
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=cache._batch_mask)
 
 
-def make_mask(cache, n: int):
+def make_mask(cache, n: int, window_size: Optional[int] = None):
     """The mask update_and_fetch will build for an n-token block (mlx-lm's own attention reads it)."""
     settle(cache)
-    counts = cache.rows.counts.copy()
-    for t, take, _ in _placement(cache, _real(cache, n, consume=False)):
-        counts[t] = counts[t] + take
-    return _mask(cache, counts, cache.rows.seen, n)
+    counts, starts = _placed(cache, _real(cache, n, consume=False))
+    return _mask(cache, counts, starts, cache.rows.seen, n, window_size or cache.plan.window)
 
 
 # --- mlx-lm's batch methods -------------------------------------------------
@@ -169,9 +195,10 @@ def merge(caches: list, blank):
     batch = blank(first)
     batch.dtype = next((c.dtype for c in caches if c.size()), first.dtype)
     counts = np.array([[t.count for t in c.tiers] for c in caches], dtype=np.int64).T
+    starts = np.array([[t.start for t in c.tiers] for c in caches], dtype=np.int64).T
     for i, tier in enumerate(batch.tiers):
         tier.ragged_stack([c.tiers[i] for c in caches])
-    batch.rows = ChainRows(counts, np.array([c.offset for c in caches], dtype=np.int64))
+    batch.rows = ChainRows(counts, starts, np.array([c.offset for c in caches], dtype=np.int64))
     batch.rows.unsettled = False
     batch.offset = mx.array(batch.rows.seen, dtype=mx.int32)
     return batch
@@ -184,6 +211,7 @@ def extend(cache, other) -> None:
     for a, b in zip(cache.tiers, other.tiers):
         a.ragged_concat(b, rows.seen.size, more.seen.size)
     rows.counts = np.concatenate([rows.counts, more.counts], axis=1)
+    rows.starts = np.concatenate([rows.starts, more.starts], axis=1)
     rows.seen = np.concatenate([rows.seen, more.seen])
     rows.pending = None
     cache.offset = mx.array(rows.seen, dtype=mx.int32)
@@ -193,7 +221,7 @@ def extend(cache, other) -> None:
 def filter(cache, keep: List[int]) -> None:
     rows = cache.rows
     idx = np.array(keep, dtype=np.int64)
-    rows.counts, rows.seen = rows.counts[:, idx], rows.seen[idx]
+    rows.counts, rows.starts, rows.seen = rows.counts[:, idx], rows.starts[:, idx], rows.seen[idx]
     for tier, counts in zip(cache.tiers, rows.counts):
         tier.ragged_keep(mx.array(idx, dtype=mx.int32), int(counts.max(initial=0)))
     cache.offset = mx.array(rows.seen, dtype=mx.int32)
@@ -204,12 +232,9 @@ def extract(cache, i: int, blank):
     rows = cache.rows
     alone = blank(cache)
     alone.dtype = cache.dtype
-    sink, recent, rest = roles(cache)
-    first = _sink_n(cache)
-    starts = {sink: 0, rest: first, recent: first + int(rows.counts[rest][i])}
     for t, (src, dst) in enumerate(zip(cache.tiers, alone.tiers)):
         n = int(rows.counts[t][i])
-        dst.set_rows(src.ragged_row(i, n) if n else {}, starts[t] if n else 0, n)  # empty: a fresh tier's
+        dst.set_rows(src.ragged_row(i, n) if n else {}, int(rows.starts[t][i]), n)
     alone.offset = int(rows.seen[i])
     return alone
 
