@@ -26,7 +26,7 @@ class Tokenizer:  # what batch_generate reads of a tokenizer
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("recipe", ["streaming_llm", "h2o"])
+@pytest.mark.parametrize("recipe", ["age_tiered", "h2o"])
 def test_batching_a_refused_recipe_fails_before_any_token(llama_model, recipe):
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     gen = BatchGenerator(llama_model, stop_tokens=[[499]])
