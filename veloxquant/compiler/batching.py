@@ -5,13 +5,14 @@ sequence's meaning exactly:
 - "plain": a layer that is one 16-bit tier holding every token it is given (fp16, sliding windows
   included: a window is a column distance, the same for every row). Rows are left-padded to a common
   end, as mlx-lm's BatchKVCache (runtime/batch.py).
-- "chain": sink(n)? >> recent(n)? >> one tier holding the rest in codes (kivi, kivi_sink, gear,
+- "chain": sink(n)? >> recent(n)? >> one tier holding the rest in codes, or drop (kivi, kivi_sink, gear,
   turboquant, ...). Such tiers act at each sequence's own positions (a spill when *its* window
   fills, code groups from *its* first spilled token), so each row starts at column 0 of every tier
   and fills its own count; padding is never written (runtime/batch_chain.py).
 Everything else refuses, with the reason, and is served one sequence at a time: per-head eviction and
 scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds of their own (latent,
-merged, anchor, query-aware), positional or fitted codes, coded windows and drops.
+merged, anchor, query-aware), positional or fitted codes and coded windows. A chain may end in
+drop (streaming_llm): the window's spill is let go, and it sees n+1 keys back as alone.
 """
 from typing import Optional
 
@@ -47,14 +48,17 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
     tiers = list(layer.tiers)
     routes = [t.route.stage_name if t.route is not None else None for t in tiers]
     text = " >> ".join(t.name for t in tiers)
-    allowed = [["sink", "recent", None], ["recent", None], ["sink", None], [None]]
+    allowed = [["sink", "recent", None], ["recent", None], ["sink", None], [None], ["sink", "recent", "drop"],
+               ["recent", "drop"]]
     if routes not in allowed:
         return (f"its tiers ({text}) are not sink? >> recent? >> rest (coded windows, drops and tier "
                 "kinds of their own are not batched yet)")
     rest = tiers[-1]
+    if rest.drops:  # streaming_llm: what the window spills is let go
+        tiers = tiers[:-1]
     if any(not all(_sixteen_bit(c) for c in (t.keys, t.values)) for t in tiers[:-1]):
         return f"its tiers ({text}) code tokens before the last tier (a coded window is not batched yet)"
-    for c in (rest.keys, rest.values):
+    for c in () if rest.drops else (rest.keys, rest.values):
         why = _codes_refusal(c)
         if why is not None:
             return why

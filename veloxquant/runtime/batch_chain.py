@@ -87,6 +87,11 @@ def _spill_rows(cache, tier, recent: int, rest: int) -> None:
     widest = int(moved.max()) if moved.size else 0
     if not widest:
         return
+    if cache.tiers[rest].drops:  # streaming_llm: the spill is let go
+        tier.ragged_drop_front(rows.counts[recent], moved)
+        rows.counts[recent] = rows.counts[recent] - moved
+        rows.starts[recent] = rows.starts[recent] + moved
+        return
     keys, values = tier.rows_front(widest, cache.dtype)
     cache.tiers[rest].ragged_encode_append(keys, values, rows.counts[rest], moved)
     tier.ragged_drop_front(rows.counts[recent], moved)
@@ -140,19 +145,22 @@ def _real(cache, n: int, consume: bool = True) -> np.ndarray:
 
 def _mask(cache, counts: np.ndarray, starts: np.ndarray, first_q: np.ndarray, n: int,
           window: Optional[int] = None) -> mx.array:
+    """`window`: mlx-lm's for the layer; each tier's own (TieredCache.windows: a recent(n) whose spill
+    is dropped sees n+1 keys back) narrows it."""
     """[B, 1, n, keys] over the held tiers in tier order (a tier's width is its longest row): a key is
     seen by the queries at or after its position (and within the window); a column its row has not
     filled, by none."""
     q = first_q[:, None] + np.arange(n)[None]  # [B, n]
     parts = []
-    for held, start in zip(counts, starts):
+    for held, start, own in zip(counts, starts, cache.windows):
         cols = np.arange(int(held.max(initial=0)))[None]
-        parts.append(np.where(cols < held[:, None], start[:, None] + cols, np.iinfo(np.int64).max))
-    k = np.concatenate(parts, axis=1)[:, None, :]
-    seen = k <= q[:, :, None]
-    if window:
-        seen &= q[:, :, None] - k < window
-    return mx.array(seen[:, None])
+        k = np.where(cols < held[:, None], start[:, None] + cols, np.iinfo(np.int64).max)[:, None, :]
+        seen = k <= q[:, :, None]
+        reach = min(w for w in (window, own) if w) if (window or own) else None
+        if reach:
+            seen &= q[:, :, None] - k < reach
+        parts.append(seen)
+    return mx.array(np.concatenate(parts, axis=2)[:, None])
 
 
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
