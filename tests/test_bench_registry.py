@@ -24,6 +24,8 @@ TINY = {
     "long-generation": (["--tokens", "60", "--window", "20", "--recipes", "identity", "--layers", "1"],
                         "| identity |"),
     "parity": (["--tokens", "64", "--chunk", "32"], "| fp16 |"),
+    "serve": (["--recipes", "fp16", "--context", "40", "--decode", "3", "--concurrency", "1", "--layers", "2",
+               "--budget-mib", "1", "--dtype", "float32"], "| fp16 |"),
 }
 SLOW = {"entropy", "kvpress"}  # tens of seconds on the CPU, on the real model
 

@@ -113,10 +113,10 @@ def kivi(model_dir):
 def test_start_log_and_status(kivi):
     status = kivi.status()
     assert status["recipe"] == "kivi" and len(status["fingerprint"]) == 16
-    assert status["batched"] is False and status["context"] == CONTEXT
+    assert status["batched"] is True and status["serving"] == "batched" and status["context"] == CONTEXT
     log = kivi.text_log()
     assert f"recipe 'kivi', fingerprint {status['fingerprint']}" in log
-    assert "serving one sequence at a time: TieredCache has no merge()" in log
+    assert "serving one sequence at a time" not in log
 
 
 def test_streaming_and_not(kivi):
@@ -146,13 +146,18 @@ def test_two_turn_chat_reuses_the_prefix(kivi):
 
 
 def test_eight_concurrent_clients(kivi):
+    """kivi batched: 8 clients at once (prompts of 5 to 166 words, past the 16-token window, so rows spill
+    and code at different steps) get the answers each gets alone."""
     prompts = [("word " * (5 + 23 * i)).strip() for i in range(8)]
+    ask = lambda p: kivi.chat([{"role": "user", "content": p}])
+    alone = [ask(p).choices[0].message.content for p in prompts]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda p: kivi.chat([{"role": "user", "content": p}]), prompts))
+        replies = list(pool.map(ask, prompts))
     wall = time.perf_counter() - t0
     assert all(r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length" for r in replies)
     assert len({r.usage.prompt_tokens for r in replies}) == 8
+    assert [r.choices[0].message.content for r in replies] == alone
     print(f"8 concurrent clients answered in {wall:.2f} s")
 
 
@@ -188,6 +193,8 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     server = Server(model_dir, "h2o", *sets)
     first = "The sea was calm and the boats were out"
     try:
+        assert server.status()["batched"] is False  # h2o scores per sequence: served one at a time, logged
+        assert "serving one sequence at a time: recipe 'h2o' does not batch: layer 0" in server.text_log()
         complete = lambda p: server.client.completions.create(model="default_model", prompt=p, max_tokens=8,
                                                                 temperature=0)
         reply = complete(first)
@@ -225,16 +232,60 @@ def test_recipe_errors_exit_before_the_server_starts(model_dir):
     assert "Starting httpd" not in done.stderr + done.stdout
 
 
-def test_the_batched_path_is_off_for_recipe_caches(model_dir):
+def test_the_batched_path_is_off_for_a_refused_recipe(model_dir):
     """mlx-lm's server takes its BatchGenerator path only when the provider's is_batchable is true."""
     from veloxquant.runtime import uninstall
     from veloxquant.serve.server import RecipeModelProvider, server_args
-    provider = RecipeModelProvider(server_args(str(model_dir)), "kivi")
+    provider = RecipeModelProvider(server_args(str(model_dir)), "h2o")
     model, _ = provider.load("default_model")
     try:
-        assert provider.is_batchable is False and "no merge()" in provider.serial_reason
+        assert provider.is_batchable is False and "'h2o' does not batch" in provider.serial_reason
         assert len(model.make_cache()) == 2 and model.make_cache()[0].fingerprint == provider.plan.fingerprint
         with pytest.raises(ValueError, match="ask for model 'default_model'"):
             provider.load("another/model")
     finally:
         uninstall(model)
+
+
+@pytest.fixture(scope="module")
+def fp16(model_dir):
+    server = Server(model_dir, "fp16")
+    yield server
+    server.stop()
+
+
+def test_fp16_is_served_batched(fp16):
+    status = fp16.status()
+    assert status["batched"] is True and status["serving"] == "batched"
+    assert "serving one sequence at a time" not in fp16.text_log()
+
+
+def test_fp16_concurrent_clients_answer_as_one_at_a_time(fp16):
+    """8 clients at once with prompts of different lengths (a batch with ragged rows, sequences joining as
+    they arrive and leaving as they finish) get what each gets alone; a bad request among them is a 4xx."""
+    prompts = [("word " * (3 + 29 * i)).strip() + f" {i}" for i in range(8)]
+    ask = lambda p: fp16.chat([{"role": "user", "content": p}])
+    alone = [ask(p).choices[0].message.content for p in prompts]
+    headers = {"Content-Type": "application/json"}
+    with ThreadPoolExecutor(9) as pool:
+        replies = [pool.submit(ask, p) for p in prompts]
+        bad = pool.submit(fp16.request, "POST", "/v1/chat/completions", b'{"messages": [', headers)
+        replies = [r.result() for r in replies]
+        assert bad.result()[0] == 400
+    assert len({r.usage.prompt_tokens for r in replies}) == 8
+    assert [r.choices[0].message.content for r in replies] == alone
+    assert all(r.usage.completion_tokens == 8 for r in replies)
+
+
+def test_fp16_two_turn_chat_merges_a_stored_prefix(fp16):
+    """The second turn's cache comes from the prefix cache (a cache holding a prompt, merged into the batch)."""
+    first = [{"role": "user", "content": "Name three rivers of Europe, please."}]
+    reply = fp16.chat(first)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And which is longest?"}]
+    with ThreadPoolExecutor(2) as pool:  # another sequence in the batch meanwhile
+        other = pool.submit(fp16.chat, [{"role": "user", "content": "word " * 40}])
+        again = pool.submit(fp16.chat, second)
+        other, again = other.result(), again.result()
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and other.usage.completion_tokens == 8
+    assert again.choices[0].message.content == fp16.chat(second).choices[0].message.content

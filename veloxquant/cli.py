@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="store_true",
                    help="generate once untimed with each recipe first (GPU: first use compiles kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON object (one line per recipe) instead of text")
+    p.add_argument("--batch", type=int, metavar="N", help="N sequences of different lengths (the prompt cut down "
+                   "to half): batched where the recipe batches, else one at a time; per-sequence and aggregate figures")
     _add_recipe_opts(p)
 
     p = sub.add_parser("check", help="load and compile recipes; report errors")
@@ -143,6 +145,10 @@ def cmd_explain(args) -> int:
     from .recipe import load_recipe
     plan = compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)
     print(render(plan))
+    from .compiler.batching import refusal
+    why = refusal(plan)
+    print("batching: batches (mlx-lm batch caches: merge/extend/filter/extract; veloxquant serve batches it)"
+          if why is None else f"batching: one sequence at a time: {why}")
     from .calibration.explain import calibration_lines
     from .compiler.binding import calibrated_stages
     model = _calibration_model(args.model) if calibrated_stages(plan) else None
@@ -263,6 +269,9 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from .serve.cli import cmd_serve
             return cmd_serve(args)
+        if args.command == "run" and args.batch is not None:
+            from .run_batch import cmd_run_batch
+            return cmd_run_batch(args)
         if args.command == "run":
             from .run import cmd_run
             return cmd_run(args)

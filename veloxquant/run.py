@@ -78,23 +78,10 @@ def cmd_run(args) -> int:
     if args.save_cache and len(args.recipes) > 1:
         print("veloxquant run: --save-cache takes one recipe (got several)", file=sys.stderr)
         return 2
-    recipes = [load_recipe(r) for r in args.recipes]
-    for recipe in recipes:
-        apply_sets(recipe, args.sets)  # a bad recipe or --set fails before the model loads
-    if args.prompt_file:
-        text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
-    elif args.corpus:
-        text = load_text(args.corpus)
-    elif args.prompt is not None:
-        text = args.prompt
-    else:  # long enough that a recipe's compressed tiers hold most of the context
-        text = sample_prompt()
-    model, tokenizer = load_model(args.model)
-    tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
-    if args.prompt_tokens and len(tokens) < args.prompt_tokens:  # a shorter run than asked for reads as the asked one
-        print(f"veloxquant run: --prompt-tokens {args.prompt_tokens}: the prompt has only {len(tokens):,} tokens; "
-              "take a longer one (--corpus austen, or --prompt-file)", file=sys.stderr)
-        return 2
+    inputs = run_inputs(args)
+    if isinstance(inputs, int):
+        return inputs
+    recipes, model, tokenizer, tokens = inputs
     if args.warmup:  # the same generation untimed: kernel variants follow tier lengths reached while decoding
         quiet = argparse.Namespace(**{**vars(args), "json": True, "save_cache": None})
         for recipe in recipes:
@@ -113,6 +100,29 @@ def cmd_run(args) -> int:
     if len(reports) > 1 and not args.json:
         print(side_by_side(reports))
     return 0
+
+
+def run_inputs(args):
+    """The recipes (their --set values checked before the model loads), model, tokenizer and prompt tokens
+    of a run; or an exit status."""
+    recipes = [load_recipe(r) for r in args.recipes]
+    for recipe in recipes:
+        apply_sets(recipe, args.sets)  # a bad recipe or --set fails before the model loads
+    if args.prompt_file:
+        text = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+    elif args.corpus:
+        text = load_text(args.corpus)
+    elif args.prompt is not None:
+        text = args.prompt
+    else:  # long enough that a recipe's compressed tiers hold most of the context
+        text = sample_prompt()
+    model, tokenizer = load_model(args.model)
+    tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
+    if args.prompt_tokens and len(tokens) < args.prompt_tokens:  # a shorter run than asked for reads as the asked one
+        print(f"veloxquant run: --prompt-tokens {args.prompt_tokens}: the prompt has only {len(tokens):,} tokens; "
+              "take a longer one (--corpus austen, or --prompt-file)", file=sys.stderr)
+        return 2
+    return recipes, model, tokenizer, tokens
 
 
 def generate(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, object]:

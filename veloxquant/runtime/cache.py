@@ -14,7 +14,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import decoded_attention, deferred, fused, hook, kinds, per_head, trimming
+from . import batch, decoded_attention, deferred, fused, hook, kinds, per_head, trimming
 from ..kernels.partials import merge_partials
 from .copying import copy_sharing
 from .saliency import Saliency
@@ -28,7 +28,7 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
     return b if a is None else a if b is None else min(a, b)
 
 
-class TieredCache(_BaseCache):
+class TieredCache(batch.BatchProtocol, _BaseCache):
     lends = False  # later layers attend over this cache too (Gemma 4): runtime/shared_kv.py
 
     def __init__(self, plan: LayerPlan):
@@ -68,6 +68,8 @@ class TieredCache(_BaseCache):
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        if self.rows is not None:  # B sequences (runtime/batch.py)
+            return batch.update_and_fetch(self, keys, values)
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
             # KVCache's work, nothing else (runtime/plain.py); never scored. A window's decode
@@ -104,6 +106,8 @@ class TieredCache(_BaseCache):
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
+        if self.rows is not None:
+            return batch.attend(self, queries, scale, mask)
         self._awaiting_attend = False
         self._attend_epoch = hook.EPOCH[0]
         Lq = queries.shape[2]
@@ -149,7 +153,9 @@ class TieredCache(_BaseCache):
         return merge_partials(parts).astype(queries.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode)."""
+        """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode; a batch's: both)."""
+        if self.rows is not None:
+            return batch.make_mask(self, N, window_size)
         if self.per_head:
             return None if N == 1 else "causal"  # unused: attend() masks by per-head positions
         if N == 1 and self._unwindowed and window_size is None:
@@ -198,7 +204,7 @@ class TieredCache(_BaseCache):
         return sum(t.count for t in self.tiers if not t.drops)
 
     def empty(self) -> bool:
-        return self.offset == 0
+        return self.offset == 0 if self.rows is None else self.rows.end == 0
 
     @property
     def nbytes(self) -> int:

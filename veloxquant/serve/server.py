@@ -3,8 +3,9 @@
 mlx-lm's server builds each sequence's cache with mlx_lm.models.cache.make_prompt_cache(model), which defers
 to `model.make_cache()`: once the model is loaded, the provider below compiles the recipe for it and points
 that method at the recipe's caches. Everything else (HTTP, chat templates, streaming, LRUPromptCache prefix
-reuse) is mlx-lm's own. The server batches only when every cache has `merge`; recipe caches do not have it
-yet, so requests are served one at a time, and the log and the status endpoint say so.
+reuse, continuous batching) is mlx-lm's own. The server batches when the recipe's plan declares it can
+(compiler/batching.py: fp16 today); any other recipe is served one sequence at a time, and the log and the
+status endpoint give the reason.
 """
 import argparse
 import json
@@ -14,6 +15,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 
+from ..compiler.batching import refusal as batch_refusal
 from ..recipe import load_recipe
 from ..run import cache_report
 from ..runtime import hook, plan_for
@@ -70,12 +72,13 @@ class RecipeModelProvider(ModelProvider):
         hook.install(model)
         model.make_cache = lambda: prompt_caches(model, plan, tokenizer)
         caches = model.make_cache()
-        # mlx-lm's own load-time test (ModelProvider._load), now over the recipe's caches.
+        # mlx-lm's own load-time test (ModelProvider._load), now over the recipe's caches, and the plan's
+        # declared capability (compiler/batching.py): a refused recipe never reaches merge().
         unmergeable = [c for c in caches if not hasattr(c, "merge")]
-        self.is_batchable = not unmergeable
-        if unmergeable:
-            self.serial_reason = (f"{type(unmergeable[0]).__name__} has no merge() (batched recipe caches are "
-                                  "not built yet), so mlx-lm serves requests one at a time")
+        self.serial_reason = batch_refusal(plan) or (
+            f"{type(unmergeable[0]).__name__} has no merge(), so mlx-lm serves requests one at a time"
+            if unmergeable else None)
+        self.is_batchable = self.serial_reason is None
         self.context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         log.info("veloxquant: model %s, recipe '%s', fingerprint %s, %d layers", model_path, plan.recipe,
                  plan.fingerprint, len(plan.layers))

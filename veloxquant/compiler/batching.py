@@ -1,0 +1,94 @@
+"""Which plans batch, and how: the declared capability `explain` prints and the runtime's batch methods obey.
+
+A batch of B sequences is one cache per layer whose tiers hold B rows. Two layouts keep each
+sequence's meaning exactly:
+- "plain": a layer that is one 16-bit tier holding every token it is given (fp16, sliding windows
+  included: a window is a column distance, the same for every row). Rows are left-padded to a common
+  end, as mlx-lm's BatchKVCache (runtime/batch.py).
+- "chain": sink(n)? >> recent(n)? >> one tier holding the rest in codes, or drop (kivi, kivi_sink, gear,
+  turboquant, ...). Such tiers act at each sequence's own positions (a spill when *its* window
+  fills, code groups from *its* first spilled token), so each row starts at column 0 of every tier
+  and fills its own count; padding is never written (runtime/batch_chain.py).
+Everything else refuses, with the reason, and is served one sequence at a time: per-head eviction and
+scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds of their own (latent,
+merged, anchor, query-aware), positional or fitted codes and coded windows. A chain may end in
+drop (streaming_llm): the window's spill is let go, and it sees n+1 keys back as alone.
+"""
+from typing import Optional
+
+from .plan import CodecPlan, LayerPlan, Plan, TierPlan
+
+SIXTEEN_BIT_STORES = ("fp16", "identity")
+
+
+def _sixteen_bit(c: CodecPlan) -> bool:
+    return c.store.stage_name in SIXTEEN_BIT_STORES and not c.transforms and not c.residuals \
+        and getattr(c.store, "tier_kind", None) is None
+
+
+def _plain(tier: TierPlan) -> bool:
+    return not tier.drops and tier.route is None and all(_sixteen_bit(c) for c in (tier.keys, tier.values))
+
+
+def _codes_refusal(c: CodecPlan) -> Optional[str]:
+    """Why a codec cannot code a batch's rows as each would alone (None: it can: it codes each token, or
+    each group of a row's tokens, from those tokens only)."""
+    if getattr(c.store, "tier_kind", None) is not None:
+        return f"{c.store.stage_name} keeps its tokens in a tier kind of its own ({c.store.tier_kind})"
+    if any(getattr(t, "positional", False) for t in c.transforms):
+        return "its keys are coded before RoPE (a positional transform reads each row's first position)"
+    if getattr(c.store, "fitted_once", False):
+        return f"{c.store.stage_name} fits its levels on the first block it codes (per sequence)"
+    if getattr(c.store, "scored", False):
+        return f"{c.store.stage_name} routes tokens by the attention they received"
+    return None
+
+
+def _chain_refusal(layer: LayerPlan) -> Optional[str]:
+    tiers = list(layer.tiers)
+    routes = [t.route.stage_name if t.route is not None else None for t in tiers]
+    text = " >> ".join(t.name for t in tiers)
+    allowed = [["sink", "recent", None], ["recent", None], ["sink", None], [None], ["sink", "recent", "drop"],
+               ["recent", "drop"]]
+    if routes not in allowed:
+        return (f"its tiers ({text}) are not sink? >> recent? >> rest (coded windows, drops and tier "
+                "kinds of their own are not batched yet)")
+    rest = tiers[-1]
+    if rest.drops:  # streaming_llm: what the window spills is let go
+        tiers = tiers[:-1]
+    if any(not all(_sixteen_bit(c) for c in (t.keys, t.values)) for t in tiers[:-1]):
+        return f"its tiers ({text}) code tokens before the last tier (a coded window is not batched yet)"
+    for c in () if rest.drops else (rest.keys, rest.values):
+        why = _codes_refusal(c)
+        if why is not None:
+            return why
+    return None
+
+
+def layer_layout(layer: LayerPlan) -> Optional[str]:
+    """"plain", "chain" or None (this layer refuses: layer_refusal says why)."""
+    if layer.share is not None or layer.needs:
+        return None
+    if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
+        return "plain"
+    return "chain" if _chain_refusal(layer) is None else None
+
+
+def layer_refusal(layer: LayerPlan) -> Optional[str]:
+    """Why this layer's cache cannot hold a batch (None: it can)."""
+    if layer.share is not None:
+        return "its layers share codes across layers (a cross-layer group is not batched yet)"
+    if layer.needs:
+        return f"it scores tokens ({', '.join(sorted(layer.needs))}), per sequence and head, which is not batched yet"
+    if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
+        return None
+    return _chain_refusal(layer)
+
+
+def refusal(plan: Plan) -> Optional[str]:
+    """Why `plan`'s caches cannot be merged into a batch, naming the first such layer; None if they can."""
+    for layer in plan.layers:
+        why = layer_refusal(layer)
+        if why is not None:
+            return f"recipe '{plan.recipe}' does not batch: layer {layer.index}: {why}"
+    return None

@@ -1,0 +1,167 @@
+"""A tier's batch rows: what every tier kind does on merge / extend / filter / extract / left padding.
+
+In a batch, axis 0 of every held array is the sequence and a tier's start/count count columns of one
+axis the rows share (left-padded to a common end); padding columns are zeros the mask hides.
+runtime/batch.py routes mlx-lm's batch methods here; compiler/batching.py says which plans batch.
+"""
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import dynamic_roll
+
+
+class TierRows:
+    """Mixed into Tier: needs `buffers` ({side: {name: Buffer}}), `codecs`, `start`, `count`, `_views`."""
+
+    def held_arrays(self) -> Dict[Tuple[str, str], mx.array]:
+        return {(side, name): buf.view() for side, bufs in self.buffers.items()
+                for name, buf in bufs.items() if buf.data is not None}
+
+    def map_rows(self, fn) -> None:
+        """Every held array replaced by fn(array); the caller keeps start/count true."""
+        self._views = {}
+        for (side, name), arr in self.held_arrays().items():
+            self.buffers[side][name].set(fn(arr))
+
+    def set_rows(self, arrays: Dict[Tuple[str, str], mx.array], start: int, count: int) -> None:
+        self._views = {}
+        self.start, self.count = start, count
+        for side, bufs in self.buffers.items():
+            for name, buf in bufs.items():
+                buf.set(arrays.get((side, name)) if count else None)
+
+    def rows_padded_front(self, n: int, rows: int, like: Dict[Tuple[str, str], mx.array]):
+        """The held arrays with n zero columns before them ([rows, ...] zeros where nothing is held;
+        `like`: arrays of the same tier kind giving the other axes and dtype)."""
+        units = {(side, name): per for side, c in self.codecs.items() for name, per in c.units().items()}
+        out = {}
+        for key, ref in like.items():
+            arr = self.held_arrays().get(key)
+            cols = n // units[key]
+            if arr is None:
+                out[key] = mx.zeros((rows, ref.shape[1], cols, *ref.shape[3:]), ref.dtype)
+            elif cols:
+                out[key] = mx.pad(arr, [(0, 0), (0, 0), (cols, 0)] + [(0, 0)] * (arr.ndim - 3))
+            else:
+                out[key] = arr
+        return out
+
+    def keep_rows(self, rows: mx.array) -> None:
+        self.map_rows(lambda a: a[rows])
+
+    def roll_rows(self, shifts: mx.array) -> None:
+        """Each row's held columns rotated right by its shift (right padding becomes left padding)."""
+        self.map_rows(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
+
+    def row(self, i: int, first: int) -> Dict[Tuple[str, str], mx.array]:
+        """Row i's arrays from column `first` on, as a one-sequence tier holds them."""
+        return {k: mx.contiguous(a[i:i + 1, :, first - self.start:]) for k, a in self.held_arrays().items()}
+
+    # --- ragged rows (runtime/batch_chain.py): every row from column 0, each filling its own count ---
+    def _unit_items(self):
+        return [(side, name, per) for side, c in self.codecs.items() for name, per in c.units().items()]
+
+    def ragged_width(self) -> int:
+        """Columns (tokens) of the held arrays: the longest row's count."""
+        for side, name, per in self._unit_items():
+            data = self.buffers[side][name].data
+            return 0 if data is None else data.shape[2] * per
+        return 0
+
+    def rows_front(self, n: int, dtype) -> Tuple[mx.array, mx.array]:
+        """Every row's first n columns, decoded."""
+        return self._front("k", n, dtype), self._front("v", n, dtype)
+
+    def ragged_encode_append(self, keys: mx.array, values: mx.array, held: np.ndarray, take: np.ndarray,
+                             source: Optional[np.ndarray] = None) -> None:
+        """Row i gets block columns source_i .. source_i + take_i, coded, after its held_i tokens.
+        The block is coded whole, in groups from its column 0: callers give group-aligned columns."""
+        source = np.zeros_like(take) if source is None else source
+        width = int((held + take).max(initial=0))
+        enc = {"k": self.codecs["k"].encode(keys), "v": self.codecs["v"].encode(values)}
+        self._views = {}
+        for side, name, per in self._unit_items():
+            if (held % per).any() or (take % per).any() or (source % per).any():
+                raise AssertionError(f"a {per}-token unit split across rows' columns")
+            buf = self.buffers[side][name]
+            buf.set(_ragged_join(buf.data, enc[side][name], held // per, take // per, source // per, width // per))
+
+    def ragged_drop_front(self, held: np.ndarray, n: np.ndarray) -> None:
+        """Row i forgets its first n_i columns; the rest move to column 0."""
+        width = int((held - n).max(initial=0))
+        self._views = {}
+        for side, name, per in self._unit_items():
+            buf = self.buffers[side][name]
+            if not width:
+                buf.set(None)
+                continue
+            cols = mx.arange(width // per)[None] + mx.array(n // per)[:, None]
+            kept = mx.arange(width // per)[None] < mx.array((held - n) // per)[:, None]
+            moved = _take_cols(buf.data, mx.minimum(cols, buf.data.shape[2] - 1))
+            buf.set(mx.where(_widen(kept, moved.ndim), moved, mx.zeros((), moved.dtype)))
+
+    def ragged_stack(self, tiers) -> None:
+        """One row per one-sequence tier (each holding `count` tokens from its own start)."""
+        self._views = {}
+        width = max(t.count for t in tiers)
+        for side, name, per in self._unit_items():
+            arrays = [t.buffers[side][name].view() if t.count else None for t in tiers]
+            like = next((a for a in arrays if a is not None), None)
+            self.buffers[side][name].set(None if like is None else mx.concatenate(
+                [_pad_cols(a, like, width // per) for a in arrays], axis=0))
+
+    def ragged_concat(self, other, rows: int, more: int) -> None:
+        """`other`'s `more` rows after these `rows`."""
+        self._views = {}
+        width = max(self.ragged_width(), other.ragged_width())
+        for side, name, per in self._unit_items():
+            a, b = self.buffers[side][name].data, other.buffers[side][name].data
+            like = a if a is not None else b
+            if like is not None:
+                parts = [_pad_cols(a, like, width // per, rows), _pad_cols(b, like, width // per, more)]
+                self.buffers[side][name].set(mx.concatenate(parts, axis=0))
+
+    def ragged_keep(self, rows: mx.array, width: int) -> None:
+        """The given rows, cut to `width` columns (the longest kept row)."""
+        self._views = {}
+        for side, name, per in self._unit_items():
+            buf = self.buffers[side][name]
+            buf.set(buf.data[rows][:, :, : width // per] if buf.data is not None and width else None)
+
+    def ragged_row(self, i: int, n: int) -> Dict[Tuple[str, str], mx.array]:
+        """Row i's first n tokens, as a one-sequence tier holds them."""
+        return {(side, name): mx.contiguous(self.buffers[side][name].data[i:i + 1, :, : n // per])
+                for side, name, per in self._unit_items()}
+
+
+def _widen(cond: mx.array, ndim: int) -> mx.array:
+    """[B, W] -> [B, 1, W, 1, ...] against [B, H, W, ...] arrays."""
+    return cond.reshape(cond.shape[0], 1, cond.shape[1], *([1] * (ndim - 3)))
+
+
+def _take_cols(arr: mx.array, cols: mx.array) -> mx.array:
+    return mx.take_along_axis(arr, _widen(cols, arr.ndim), axis=2)
+
+
+def _pad_cols(arr, like: mx.array, width: int, rows: Optional[int] = None) -> mx.array:
+    """arr cut or zero-padded to `width` columns; None: zeros of like's other axes (`rows` rows)."""
+    if arr is None:
+        return mx.zeros((rows or 1, like.shape[1], width, *like.shape[3:]), like.dtype)
+    if arr.shape[2] >= width:
+        return arr[:, :, :width]
+    return mx.pad(arr, [(0, 0), (0, 0), (0, width - arr.shape[2])] + [(0, 0)] * (arr.ndim - 3))
+
+
+def _ragged_join(old, new: mx.array, held: np.ndarray, take: np.ndarray, source: np.ndarray,
+                 width: int) -> Optional[mx.array]:
+    """Per row: old's first held columns, then new's columns source .. source + take, then zeros."""
+    if not width:
+        return None
+    cols = mx.arange(width)[None]
+    h, t = mx.array(held)[:, None], mx.array(take)[:, None]
+    fresh = _take_cols(new, mx.clip(cols - h + mx.array(source)[:, None], 0, new.shape[2] - 1))
+    kept = _pad_cols(old, new, width, new.shape[0]) if old is not None else mx.zeros_like(fresh)
+    nd = fresh.ndim
+    out = mx.where(_widen(cols < h, nd), kept.astype(fresh.dtype), fresh)
+    return mx.where(_widen(cols < h + t, nd), out, mx.zeros((), fresh.dtype))
