@@ -113,7 +113,8 @@ def check(model, recipe, s):
         assert reachable_bytes(runs["chunks"]) == held["chunks"], (recipe, "told", "arrays outside nbytes")
     if evicts:
         # Told, the chunks hold no more than the block, which decided one token before its end.
-        assert held["chunks"] <= held["block"] + slack and held["block"] <= held["singles"], (recipe, held)
+        # (within the slack: a ragged layout's index arrays follow the widest head, which differs by feed)
+        assert held["chunks"] <= held["block"] + slack and held["block"] <= held["singles"] + slack, (recipe, held)
         return held
     lo, hi = min(held.values()), max(held.values())
     assert hi - lo <= slack, (recipe, held)

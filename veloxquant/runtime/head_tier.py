@@ -234,7 +234,7 @@ class HeadTier:
     @property
     def nbytes(self) -> int:
         held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
-        # the int32 bookkeeping that arrays() saves beside the tokens: per-head lengths, allocated budgets
+        # per-head lengths and allocated budgets (the int32 arrays saved) and the ragged index arrays
         books = (self.ragged.nbytes if self.ragged is not None else 0) + \
             (self.budget_array.nbytes if self.budget_array is not None else 0)
         return held + self.scorer.nbytes + books
