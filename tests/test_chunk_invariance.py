@@ -215,7 +215,7 @@ def test_representatives_cover_every_tier_kind(tiny):
     assert not missing, f"add a representative of each of these kinds to REPRESENTATIVES: {missing}"
 
 
-@pytest.mark.slow  # ~15 s a recipe on a 2-core CPU: the full 30 layers over every built-in is the `long` run below
+@pytest.mark.slow  # the full 30 layers over every built-in is the `long` run below
 @pytest.mark.parametrize("recipe", _known_gaps(REPRESENTATIVES))
 def test_same_tokens_same_cache_default_representatives(smollm2_top, recipe):
     check(smollm2_top, recipe, DEFAULT)
