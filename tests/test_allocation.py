@@ -121,7 +121,9 @@ def test_adakv_heads_hold_their_budgets_without_padding(model, tmp_path, once):
             continue
         bufs = [b for side in (*tier.buffers.values(), tier.meta) for b in side.values()]
         assert sum(b.flat.nbytes for b in bufs) == sum(tier.ragged.lens) * per_token  # no padded slot held
-        books = 4 * len(tier.ragged.lens) + 4 * len(tier.budgets)  # saved int32 lengths and budgets, counted
+        H, W, N = len(tier.ragged.lens), tier.ragged.width, sum(tier.ragged.lens)
+        # saved int32 lengths and budgets, and the pad/flatten index arrays (int32 pad_idx and sel, bool valid)
+        books = 4 * H + 4 * len(tier.budgets) + 4 * H * W + H * W + 4 * N
         assert cache.nbytes == sum(b.flat.nbytes + b.tail.nbytes for b in bufs) + books
         assert sum(a.nbytes for a in cache.state) <= cache.nbytes  # what is saved is counted
         if once == "false":

@@ -62,7 +62,8 @@ class AnchorSide:
         B, H, R, D = q.shape
         q = q.reshape(B, H, R // Lq, Lq, D)
         self.window = q if self.window is None else mx.concatenate([self.window, q], axis=3)
-        self.window = self.window[:, :, :, -keep:]
+        # a copy: a slice would keep the whole concatenation alive (bytes that nbytes does not count)
+        self.window = mx.contiguous(self.window[:, :, :, -keep:]) if self.window.shape[3] > keep else self.window
 
     def finish_prompt(self, mass: mx.array, impact: Callable[[mx.array], mx.array]) -> None:
         """mass [B, H, L]: attention each staged token got from real queries; impact(residual [B, H, L, D])

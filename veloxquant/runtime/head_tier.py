@@ -51,6 +51,7 @@ class HeadTier:
         self.uniform, self.first = True, 0
         self.ragged: Optional[Ragged] = None  # per-head lengths, once heads keep different counts
         self.budgets: Optional[List[int]] = None  # per kv head, once the coordinator allocated them
+        self.budget_array: Optional[mx.array] = None  # the same, int32: held as saved (alloc.budgets)
         # Budgets allocated at the end of the prompt (squeeze, adakv) are read from the attention
         # each token received, collected here until the coordinator has decided.
         self.collecting = allocates(plan.route)  # budgets still open: the prompt is held whole until decided
@@ -133,6 +134,7 @@ class HeadTier:
 
     def allocate(self, budgets: List[int]) -> None:
         self.budgets = [int(b) for b in budgets]
+        self.budget_array = mx.array(self.budgets, mx.int32)
         self.collecting = False
         self.meta.pop("seen", None)  # only held to make the decision
 
@@ -232,8 +234,9 @@ class HeadTier:
     @property
     def nbytes(self) -> int:
         held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
-        # the int32 bookkeeping that arrays() saves beside the tokens: per-head lengths, allocated budgets
-        books = 4 * (len(self.ragged.lens) if self.ragged is not None else 0) + 4 * len(self.budgets or ())
+        # per-head lengths and allocated budgets (the int32 arrays saved) and the ragged index arrays
+        books = (self.ragged.nbytes if self.ragged is not None else 0) + \
+            (self.budget_array.nbytes if self.budget_array is not None else 0)
         return held + self.scorer.nbytes + books
 
     # --- persistence ----------------------------------------------------
@@ -245,10 +248,10 @@ class HeadTier:
         out = {key: held(buf) for key, buf in named}
         out.update({f"scorer.{name}": arr for name, arr in self.scorer.state().items()})
         if self.ragged is not None:
-            out["ragged.lens"] = mx.array(self.ragged.lens, mx.int32)
+            out["ragged.lens"] = self.ragged.array
             out.update({f"tail.{key}": buf.tail.view() for key, buf in named if buf.tail.used})
         if self.budgets is not None:
-            out["alloc.budgets"] = mx.array(self.budgets, mx.int32)
+            out["alloc.budgets"] = self.budget_array
         return {k: v for k, v in out.items() if v is not None}
 
     def expected_names(self) -> List[str]:
@@ -262,7 +265,8 @@ class HeadTier:
         self.collecting = False  # a saved prompt is over: its budgets were allocated (or are fixed)
         self.meta.pop("seen", None)
         if "alloc.budgets" in arrays:
-            self.budgets = [int(b) for b in arrays["alloc.budgets"].tolist()]
+            self.budget_array = arrays["alloc.budgets"].astype(mx.int32)
+            self.budgets = [int(b) for b in self.budget_array.tolist()]
         if "ragged.lens" in arrays:
             return restore_ragged(self, arrays)
         for key in self.expected_names():

@@ -178,6 +178,11 @@ def finish_prompt(cache) -> None:
     coordinator = getattr(cache, "coordinator", None)
     if coordinator is not None:
         coordinator.allocate()
+    # Budgets just allocated (squeeze's every-step eviction): a tier over its own cuts back now, not
+    # at the next update (a caller scoring chunks may never send one).
+    if any(t.scorer is not None and not t.route.once and t.cut_due() for t in cache.tiers):
+        cache._unsettled = True
+        cache._settle()
     pending = [t for t in cache.tiers if t.scorer is not None and t.route.once and not t.decided]
     if not pending:
         return

@@ -75,32 +75,34 @@ def readable(widths: np.ndarray) -> bool:
 
 
 class LatentReader:
-    """Reads one side's codes for fixed widths (built once per fit; nothing per step but MLX ops)."""
+    """Reads one side's codes for fixed widths (built once per fit; nothing per step but MLX ops).
+    It holds the key to its index tables, not the tables: they are the process's (shared by every
+    layer and cache with these widths, alive as long as the memo keeps them), so no cache owns them."""
 
     def __init__(self, store, widths: np.ndarray):
         self.group, self.gauss = store.group, store.quant == "gauss"
         self.classes = [b for b, _ in store.classes(widths)]
         self.names = {k: [f"c{b}.{k}" for b in self.classes] for k in ("codes", "scales", "zeros")}
-        (self.first, self.next, self.shifts, self.masks, self.inverse, self.levels,
-         self.rows) = _tables(tuple(int(b) for b in widths), store.group, self.gauss)
+        self.key = (tuple(int(b) for b in widths), store.group, self.gauss)
         self.straddles = any(32 % b for b in self.classes)
 
     def __call__(self, enc: Dict[str, mx.array], stats: Dict[str, mx.array]) -> mx.array:
         """Latents [B, G, L, r] float32 from the arrays `store.encode` made, equal to `store.decode`'s."""
+        first, next_, shifts, masks, inverse, levels, rows = _tables(*self.key)
         words = _joined(enc, self.names["codes"])
         B, G, n_groups, _ = words.shape
-        r, group = self.shifts.shape
-        lo = mx.take(words, self.first, axis=-1).reshape(B, G, n_groups, r, group)
+        r, group = shifts.shape
+        lo = mx.take(words, first, axis=-1).reshape(B, G, n_groups, r, group)
         # Widths dividing 32 never straddle two words: the next word's bits would land above the mask.
-        hi = mx.take(words, self.next, axis=-1).reshape(B, G, n_groups, r, group) if self.straddles else lo
+        hi = mx.take(words, next_, axis=-1).reshape(B, G, n_groups, r, group) if self.straddles else lo
         if self.gauss:
             loc, std = (stats[k].astype(mx.float32)[None, :, None, :, None] for k in ("loc", "std"))
-            z = mx.take(self.levels, _level_index(lo, hi, self.shifts, self.masks, self.rows)) * std + loc
+            z = mx.take(levels, _level_index(lo, hi, shifts, masks, rows)) * std + loc
         else:
             scale, zero = _joined(enc, self.names["scales"]), _joined(enc, self.names["zeros"])
-            if self.inverse is not None:
-                scale, zero = mx.take(scale, self.inverse, axis=-1), mx.take(zero, self.inverse, axis=-1)
-            q = _codes(lo, hi, self.shifts, self.masks)
+            if inverse is not None:
+                scale, zero = mx.take(scale, inverse, axis=-1), mx.take(zero, inverse, axis=-1)
+            q = _codes(lo, hi, shifts, masks)
             z = q.astype(mx.float32) * scale.astype(mx.float32)[..., None] + zero.astype(mx.float32)[..., None]
         return z.swapaxes(-1, -2).reshape(B, G, n_groups * group, r)
 
