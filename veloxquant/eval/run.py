@@ -15,7 +15,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..compiler import ModelShape
-from . import cost, fidelity, passkey, ppl
+from . import cost, divergence, fidelity, passkey, ppl
 from .config import EvalConfig
 from .rows import Row
 from ..runtime import uninstall
@@ -49,7 +49,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     prompts = passkey.make_prompts(tokenizer, corpus, cfg.passkey_lengths, cfg.passkey_depths,
                                    cfg.passkey_trials, cfg.seed)
     fid_wins = wins[:cfg.fidelity_windows]
-    total = len(fid_wins) + len(rows) * (len(wins) + len(prompts))
+    total = len(fid_wins) + len(wins) + len(rows) * (len(wins) + len(prompts))
     bar = tqdm(total=total, desc="eval", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     out_rows = []
     try:
@@ -67,18 +67,26 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             except Exception as e:  # noqa: BLE001 -- recorded in the result
                 fid_error = _why(e)
                 uninstall(model)
+        # fp16's next-token distributions, once, outside every row's peak-memory
+        # measurement: each row's scoring pass is compared with them (KLD, top-1).
+        bar.set_description("eval fp16 reference distributions")
+        refs = []
+        for w in wins:
+            refs.append(divergence.reference(model, lambda: rows[0].make(model), w, cfg.prefix,
+                                             cfg.prefill_chunk, cfg.score_chunk))
+            bar.update(1)
         for row in rows:
             if only is not None and row.name not in only:
                 continue
             bar.set_description(f"eval {row.name}")
-            done, asked = [], []
+            done, asked, diverged = [], [], divergence.Tracker()
             error = failed.get(row.name)
             probe = None if error else row.make(model)  # only to describe the row (fingerprint); never fed
             with cost.PeakMemory() as peak:
                 try:
-                    for w in ([] if error else wins):
+                    for w, ref in ([] if error else zip(wins, refs)):
                         done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
-                                                   cfg.prefill_chunk, cfg.score_chunk))
+                                                   cfg.prefill_chunk, cfg.score_chunk, diverged.observer(ref)))
                         bar.update(1)
                     for p in ([] if error else prompts):
                         asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
@@ -86,7 +94,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
                         bar.update(1)
                 except Exception as e:  # noqa: BLE001 -- recorded in the result
                     error = _why(e)
-                    done, asked = [], []
+                    done, asked, diverged = [], [], divergence.Tracker()
                     uninstall(model)
             nll, n = sum(d["nll"] for d in done), sum(d["tokens"] for d in done)
             r = row.describe(probe)
@@ -94,6 +102,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             r["nll_per_token"] = nll / n if n else None
             r["scored_tokens"] = n
             r["window_ppl"] = [math.exp(d["nll"] / d["tokens"]) for d in done]
+            r["divergence"] = diverged.summary()  # vs fp16: kld_mean, kld_p99 (nats), top1_agreement
             r["passkey"] = passkey.summarize(asked) if asked else None
             r["fidelity"] = fidelity.summarize(fid[row.name]) if row.name in fid else None
             r["cost"] = _row_cost(shape, done, asked, None if error else peak)
