@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
+    from .board.cli import add_leaderboard_args
+    add_leaderboard_args(sub.add_parser("leaderboard", help="evaluate every built-in (defaults and byte-matched "
+                                        "settings) on one protocol; resumable JSON under results/"))
+
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -228,6 +232,11 @@ def cmd_calibrate(args) -> int:
     return run_calibrate(args)
 
 
+def cmd_leaderboard(args) -> int:
+    from .board.cli import cmd_leaderboard as run_leaderboard
+    return run_leaderboard(args)
+
+
 def main(argv=None) -> int:
     if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
         from .blas import maybe_reexec
@@ -238,6 +247,7 @@ def main(argv=None) -> int:
                 "tune": cmd_tune,
                 "eval": cmd_eval, "compare": cmd_compare}
     commands["calibrate"] = cmd_calibrate
+    commands["leaderboard"] = cmd_leaderboard
     try:
         if args.command == "serve":
             from .serve.cli import cmd_serve

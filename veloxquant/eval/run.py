@@ -34,12 +34,14 @@ def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Opti
 
 def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
              meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None,
-             on_row: Optional[Callable[[List[Dict]], None]] = None) -> Dict:
+             on_row: Optional[Callable[[List[Dict]], None]] = None, references: Optional[Dict] = None) -> Dict:
     """Measure every row; rows[0] must be the fp16 baseline.
 
     `only`: report just these rows (every row still takes part in the fidelity
     pass); how eval/distributed.py splits one evaluation into Ray tasks.
-    `on_row`: called with the rows measured so far after each row (partial results)."""
+    `on_row`: called with the rows measured so far after each row (partial results).
+    `references`: a dict kept between calls on the same model, windows and
+    config, so fp16's reference distributions are computed once (a leaderboard)."""
     t_start = time.perf_counter()
     shape = ModelShape.from_model(model)
     corpus = tokenizer.encode(text)
@@ -70,11 +72,13 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         # fp16's next-token distributions, once, outside every row's peak-memory
         # measurement: each row's scoring pass is compared with them (KLD, top-1).
         bar.set_description("eval fp16 reference distributions")
-        refs = []
-        for w in wins:
+        refs = (references or {}).get("fp16", [])
+        for w in wins[len(refs):]:
             refs.append(divergence.reference(model, lambda: rows[0].make(model), w, cfg.prefix,
                                              cfg.prefill_chunk, cfg.score_chunk))
             bar.update(1)
+        if references is not None:
+            references["fp16"] = refs
         for row in rows:
             if only is not None and row.name not in only:
                 continue
