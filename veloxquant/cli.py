@@ -81,9 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
-    from .board.cli import add_leaderboard_args
+    from .board.cli import add_leaderboard_args, add_recommend_args, add_report_args
+    add_recommend_args(sub.add_parser("recommend", help="the best measured recipe whose bytes fit your context "
+                                      "and memory (or ratio) on your model's shape"))
     add_leaderboard_args(sub.add_parser("leaderboard", help="evaluate every built-in (defaults and byte-matched "
                                         "settings) on one protocol; resumable JSON under results/"))
+    add_report_args(sub.add_parser("report", help="a self-contained HTML page (sortable table, Pareto plots) "
+                                   "and the recipe-choosing tables from leaderboard/eval JSON"))
 
     p = sub.add_parser("bench", help="benchmarks that print tables")
     p.add_argument("what", choices=["attention", "entropy", "kept-mass", "decode-ops"])
@@ -237,6 +241,16 @@ def cmd_leaderboard(args) -> int:
     return run_leaderboard(args)
 
 
+def cmd_recommend(args) -> int:
+    from .board.cli import cmd_recommend as run_recommend
+    return run_recommend(args)
+
+
+def cmd_report(args) -> int:
+    from .board.cli import cmd_report as run_report
+    return run_report(args)
+
+
 def main(argv=None) -> int:
     if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
         from .blas import maybe_reexec
@@ -248,6 +262,8 @@ def main(argv=None) -> int:
                 "eval": cmd_eval, "compare": cmd_compare}
     commands["calibrate"] = cmd_calibrate
     commands["leaderboard"] = cmd_leaderboard
+    commands["report"] = cmd_report
+    commands["recommend"] = cmd_recommend
     try:
         if args.command == "serve":
             from .serve.cli import cmd_serve

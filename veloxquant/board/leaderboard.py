@@ -54,6 +54,14 @@ def load_partial(path: Path) -> Optional[Dict]:
     return data
 
 
+def _needs_fit(model, spec: str, model_name: str) -> bool:
+    row = parse_row(spec)
+    if row.kind != "recipe":
+        return False
+    plan = compile_recipe(load_recipe(row.ref), ModelShape.from_model(model, model_name), row.sets)
+    return bool(calibrated_stages(plan)) and not artifact.find(key_for(plan, model))
+
+
 def _calibrate(model, tokenizer, row: Row, model_name: str) -> Optional[Dict]:
     """Fit the row's calibrated stages if their artifact is missing; what the fit took."""
     if row.kind != "recipe":
@@ -92,7 +100,9 @@ def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name
         raise VeloxError(f"{out}: holds {board.get('model')} / {board.get('protocol_name')}, not "
                          f"{model_name} / {protocol_name}; pass another --out")
     done = {r["spec"]: r for r in board.get("rows", [])}
-    todo = [w for w in wanted if w[0] not in done][:limit]
+    todo = [w for w in wanted if w[0] not in done]
+    # Rows that must fit calibration first go last: a run cut short measures the most rows.
+    todo = sorted(todo, key=lambda w: _needs_fit(model, w[0], model_name))[:limit]
     refs: Dict = {}
     fp16_row = parse_row("fp16")
     started = time.perf_counter()
