@@ -79,6 +79,7 @@ pre {{ text-align: left; font-size: 11px; max-width: 60em; white-space: pre-wrap
 <label>held ÷ fp16 from <input id="rmin" size="5"> to <input id="rmax" size="5"></label>
 <label>name <input id="text" size="14"></label> <span id="count"></span>
 </div>
+<pre id="errors"></pre>
 <table id="board"><thead><tr></tr></thead><tbody></tbody></table>
 <script type="application/json" id="data">{data}</script>
 <script>{script}</script>

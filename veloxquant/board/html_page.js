@@ -1,4 +1,6 @@
 // The report's behaviour: a sortable, filterable table and two Pareto plots (inline SVG).
+// A view can be linked: #sort=dppl&desc=1&family=eviction&model=M&rmin=0&rmax=0.3&text=kivi
+window.onerror = (msg) => { document.getElementById("errors").textContent += msg + "\n"; };
 const ROWS = JSON.parse(document.getElementById("data").textContent);
 const COLS = [
   ["model", "model", "s"], ["name", "recipe", "s"], ["family", "family", "s"], ["setting", "setting", "s"],
@@ -110,4 +112,7 @@ for (const [id, key] of [["family", "family"], ["model", "model"]]) {
   }
 }
 for (const id of ["family", "model", "rmin", "rmax", "text"]) document.getElementById(id).oninput = update;
+const view = new URLSearchParams(location.hash.slice(1));
+if (view.has("sort")) { sortKey = view.get("sort"); sortUp = view.get("desc") !== "1"; }
+for (const id of ["family", "model", "rmin", "rmax", "text"]) if (view.has(id)) document.getElementById(id).value = view.get(id);
 update();

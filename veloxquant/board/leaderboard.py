@@ -58,7 +58,10 @@ def _needs_fit(model, spec: str, model_name: str) -> bool:
     row = parse_row(spec)
     if row.kind != "recipe":
         return False
-    plan = compile_recipe(load_recipe(row.ref), ModelShape.from_model(model, model_name), row.sets)
+    try:
+        plan = compile_recipe(load_recipe(row.ref), ModelShape.from_model(model, model_name), row.sets)
+    except VeloxError:
+        return False  # the row itself reports the error
     return bool(calibrated_stages(plan)) and not artifact.find(key_for(plan, model))
 
 
