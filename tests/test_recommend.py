@@ -91,3 +91,12 @@ def test_recommend_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended: kivi[bits=4]" in out and "from the recipe's plan" in out
     assert main(["recommend", "--context", "1000", "--ratio", "0.001", "--board", str(path)]) == 1
+
+
+def test_list_states_held_bytes_at_a_context_in_80_columns(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "4096 tokens" in lines[0] and all(len(line) <= 80 for line in lines)
+    held = {line.split()[0]: line.split()[1] for line in lines[2:] if not line.startswith("¹")}
+    assert "nan" not in held.values() and held["xkv"] == "run¹" and held["fp16"] == "1.000"
+    assert held["streaming_llm"] == "0.250" and float(held["kivi"]) < 0.25  # 1024 of 4096 tokens; 2-bit codes

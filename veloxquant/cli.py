@@ -154,17 +154,27 @@ def _calibration_model(model_path):
     return load_model(model_path or default_model_path(), lazy=True)[0]
 
 
+LIST_CONTEXT = 4096  # the context `list` states held bytes at
+
+
 def cmd_list(args) -> int:
-    from .compiler import SMOLLM2_135M, compile_recipe
-    from .compiler.explain import long_run_bits
+    import shutil
+    from .board.predict import fp16_bytes, held_bytes
+    from .compiler import SMOLLM2_135M
     from .recipe import builtin_names, load_recipe
-    print(f"{'recipe':<16} {'bits/elem':>9}  summary")
+    width = max(80, min(shutil.get_terminal_size((80, 24)).columns, 160))
+    print(f"held: bytes held ÷ fp16 at {LIST_CONTEXT} tokens on SmolLM2-135M, from the plan")
+    print(f"{'recipe':<18} {'held':>5}  summary")
+    base, unknown = fp16_bytes(SMOLLM2_135M, LIST_CONTEXT), False
     for name in builtin_names():
         r = load_recipe(name)
-        layers = compile_recipe(r, SMOLLM2_135M).layers  # mean: layers may differ (schedules, xquant's roles)
-        bits = sum(map(long_run_bits, layers)) / len(layers)
-        shown = "bounded" if bits == 0 else f"{bits:.2f}"
-        print(f"{name:<16} {shown:>9}  {r.summary}")
+        held = held_bytes(name, (), SMOLLM2_135M, LIST_CONTEXT)
+        unknown |= held is None
+        shown = "run¹" if held is None else f"{held / base:.3f}"
+        summary = r.summary if len(r.summary) <= width - 26 else r.summary[:width - 27] + "…"
+        print(f"{name:<18} {shown:>5}  {summary}")
+    if unknown:
+        print("¹ set at run time (per-prompt basis, shared layers): see `veloxquant run`")
     return 0
 
 
