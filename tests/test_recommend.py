@@ -100,3 +100,12 @@ def test_list_states_held_bytes_at_a_context_in_80_columns(capsys):
     held = {line.split()[0]: line.split()[1] for line in lines[2:] if not line.startswith("¹")}
     assert "nan" not in held.values() and held["xkv"] == "run¹" and held["fp16"] == "1.000"
     assert held["streaming_llm"] == "0.250" and float(held["kivi"]) < 0.25  # 1024 of 4096 tokens; 2-bit codes
+
+
+def test_explain_names_route_fields_and_shows_only_non_defaults(capsys):
+    assert main(["explain", "tova"]) == 0
+    out = capsys.readouterr().out
+    assert "evict(budget=256, score=current)" in out and "kappa" not in out and "evict(256," not in out
+    assert main(["explain", "kivi_sink"]) == 0
+    out = capsys.readouterr().out
+    assert "sink(n=5)" in out and "recent(n=128)" in out
