@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # Imported on first use: the runtime pulls in mlx_lm (and its tokenizers), which
 # `veloxquant check` / `fmt` / `explain` do not need.
 _LAZY = {
+    "load_model": "veloxquant.models",
     "load_recipe": "veloxquant.recipe",
     "compile_recipe": "veloxquant.compiler",
     "make_prompt_cache": "veloxquant.runtime",

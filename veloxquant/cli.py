@@ -84,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve a recipe through mlx-lm's OpenAI-compatible server "
                                   "(mlx_lm.server); GET /v1/veloxquant/status reports it"))
 
+    from .board.cli import add_leaderboard_args, add_recommend_args, add_report_args
+    add_recommend_args(sub.add_parser("recommend", help="the best measured recipe whose bytes fit your context "
+                                      "and memory (or ratio) on your model's shape"))
+    add_leaderboard_args(sub.add_parser("leaderboard", help="evaluate every built-in (defaults and byte-matched "
+                                        "settings) on one protocol; resumable JSON under results/"))
+    add_report_args(sub.add_parser("report", help="a self-contained HTML page (sortable table, Pareto plots) "
+                                   "and the recipe-choosing tables from leaderboard/eval JSON"))
+
     p = sub.add_parser("warmup", help="compile a recipe's GPU kernels for a model and context before generating "
                        "(fills MLX's on-disk kernel cache; run it at the context you will generate at)")
     p.add_argument("--recipe", required=True)
@@ -164,17 +172,27 @@ def _calibration_model(model_path):
     return load_model(model_path or default_model_path(), lazy=True)[0]
 
 
+LIST_CONTEXT = 4096  # the context `list` states held bytes at
+
+
 def cmd_list(args) -> int:
-    from .compiler import SMOLLM2_135M, compile_recipe
-    from .compiler.explain import long_run_bits
+    import shutil
+    from .board.predict import fp16_bytes, held_bytes
+    from .compiler import SMOLLM2_135M
     from .recipe import builtin_names, load_recipe
-    print(f"{'recipe':<16} {'bits/elem':>9}  summary")
+    width = max(80, min(shutil.get_terminal_size((80, 24)).columns, 160))
+    print(f"held: bytes held ÷ fp16 at {LIST_CONTEXT} tokens on SmolLM2-135M, from the plan")
+    print(f"{'recipe':<18} {'held':>5}  summary")
+    base, unknown = fp16_bytes(SMOLLM2_135M, LIST_CONTEXT), False
     for name in builtin_names():
         r = load_recipe(name)
-        layers = compile_recipe(r, SMOLLM2_135M).layers  # mean: layers may differ (schedules, xquant's roles)
-        bits = sum(map(long_run_bits, layers)) / len(layers)
-        shown = "bounded" if bits == 0 else f"{bits:.2f}"
-        print(f"{name:<16} {shown:>9}  {r.summary}")
+        held = held_bytes(name, (), SMOLLM2_135M, LIST_CONTEXT)
+        unknown |= held is None
+        shown = "run¹" if held is None else f"{held / base:.3f}"
+        summary = r.summary if len(r.summary) <= width - 26 else r.summary[:width - 27] + "…"
+        print(f"{name:<18} {shown:>5}  {summary}")
+    if unknown:
+        print("¹ set at run time (per-prompt basis, shared layers): see `veloxquant run`")
     return 0
 
 
@@ -254,6 +272,21 @@ def cmd_calibrate(args) -> int:
     return run_calibrate(args)
 
 
+def cmd_leaderboard(args) -> int:
+    from .board.cli import cmd_leaderboard as run_leaderboard
+    return run_leaderboard(args)
+
+
+def cmd_recommend(args) -> int:
+    from .board.cli import cmd_recommend as run_recommend
+    return run_recommend(args)
+
+
+def cmd_report(args) -> int:
+    from .board.cli import cmd_report as run_report
+    return run_report(args)
+
+
 def main(argv=None) -> int:
     if argv is None:  # a real command line (not a call from Python): OpenBLAS where it helps
         from .blas import maybe_reexec
@@ -265,6 +298,9 @@ def main(argv=None) -> int:
                 "eval": cmd_eval, "compare": cmd_compare}
     commands["calibrate"] = cmd_calibrate
     commands["warmup"] = cmd_warmup
+    commands["leaderboard"] = cmd_leaderboard
+    commands["report"] = cmd_report
+    commands["recommend"] = cmd_recommend
     try:
         if args.command == "serve":
             from .serve.cli import cmd_serve

@@ -57,15 +57,21 @@ def _scheduled(plan: Plan) -> dict:
 
 
 def _route_text(route, values: dict) -> str:
-    """The route, with fields that take a scheduled parameter's value shown as $name."""
+    """The route's fields by name: its first (budget, n) always, the others only where they differ
+    from the stage's defaults (evict has two dozen); a field that takes a scheduled parameter's
+    value is shown as $name."""
     if route is None:
         return "rest"
-    fields = attrs.asdict(route, recurse=False)
+    declared = attrs.fields(type(route))
+    defaults = {f.name: f.default for f in declared}
+    first = declared[0].name if declared else None
+    fields = {k: v for k, v in attrs.asdict(route, recurse=False).items()
+              if not k.startswith("_") and (k == first or v != defaults.get(k, attrs.NOTHING))}
     for f, v in fields.items():
         for name, sv in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v == sv:
                 fields[f] = f"${name}"
-    shown = ", ".join(str(v) for v in fields.values())
+    shown = ", ".join(f"{k}={v}" for k, v in fields.items())
     return f"{route.stage_name}({shown})" if fields else route.stage_name
 
 

@@ -5,7 +5,7 @@ Caches settle (move overflow between tiers) lazily; generate evaluates
 We do the same, so an evaluation sees the cache a real generation would.
 """
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 
@@ -38,12 +38,15 @@ def chunk_nll(logits: mx.array, targets: mx.array) -> mx.array:
     return mx.sum(lse - picked)
 
 
-def score(model, tokens: mx.array, caches, start: int, chunk: int, extra: Optional[List] = None) -> mx.array:
+def score(model, tokens: mx.array, caches, start: int, chunk: int, extra: Optional[List] = None,
+          observe: Optional[Callable[[mx.array], List]] = None) -> mx.array:
     """NLL of tokens[start+1:] fed from position `start` in chunks of `chunk`.
 
     Position p's logits predict token p+1, so the tokens scored are those after
     `start`, and every prediction is made by a query that sees the prefix
     through the (compressed) cache. Returns a float32 scalar (evaluated).
+    `observe(logits)`, if given, sees each chunk's logits and returns arrays to
+    evaluate with it (eval/divergence.py compares them with fp16's).
     """
     total = mx.array(0.0)
     end = tokens.shape[1] - 1
@@ -51,5 +54,6 @@ def score(model, tokens: mx.array, caches, start: int, chunk: int, extra: Option
         e = min(s + chunk, end)
         logits = model(tokens[:, s:e], cache=caches)
         total = total + chunk_nll(logits, tokens[:, s + 1:e + 1])
-        settle(caches, total, *(extra or []))
+        seen = observe(logits) if observe is not None else []
+        settle(caches, total, *(extra or []), *seen)
     return total

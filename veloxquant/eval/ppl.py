@@ -27,12 +27,13 @@ def windows(tokens: List[int], count: int, length: int) -> List[List[int]]:
 
 
 def window_nll(model, make_caches, window: List[int], prefix: int, prefill_chunk: int,
-               score_chunk: int) -> Dict[str, float]:
-    """Scores one window under fresh caches; also what the cache held at the end."""
+               score_chunk: int, observe=None) -> Dict[str, float]:
+    """Scores one window under fresh caches; also what the cache held at the end.
+    `observe` sees each scoring chunk's logits (feed.score)."""
     caches = make_caches()
     x = mx.array(window)[None]
     prefill_s = prefill(model, x[:, :prefix], caches, prefill_chunk)
-    nll = score(model, x, caches, prefix, score_chunk)
+    nll = score(model, x, caches, prefix, score_chunk, observe=observe)
     return {"nll": float(nll), "tokens": x.shape[1] - 1 - prefix, "prefill_s": prefill_s,
             "prefill_tokens": prefix, "cache_bytes": held_bytes(caches), "context": caches[0].offset,
             "attention": _mode(caches[0])}

@@ -42,7 +42,13 @@ def _delta(r: Dict) -> str:
     return "–" if d is None else f"{d:+.2f}%"
 
 
-HEADER = ("| row | B/token | vs fp16 | PPL | ΔPPL | passkey | attn cosine mean (min @layer) "
+def _kld(r: Dict, key: str, fmt: str) -> str:
+    d = r.get("divergence") or {}
+    return _f(d.get(key), fmt)
+
+
+HEADER = ("| row | B/token | vs fp16 | PPL | ΔPPL | KLD mean | KLD p99 | top-1 | passkey "
+          "| attn cosine mean (min @layer) "
           "| peak MiB (+ over weights) | prefill tok/s | decode tok/s |")
 
 
@@ -54,7 +60,9 @@ def table(result: Dict) -> str:
         mib = "–" if peak is None else f"{peak / 2**20:.0f} (+{extra / 2**20:.0f})"
         lines.append(
             f"| {r['name']} | {_f(c['bytes_per_token'], ',.0f')} | {_f(c['ratio'], '.3f')} "
-            f"| {_f(r['ppl'], '.3f', 'fails¹' if r.get('error') else '–')} | {_delta(r)} | {_passkey(r)} "
+            f"| {_f(r['ppl'], '.3f', 'fails¹' if r.get('error') else '–')} | {_delta(r)} "
+            f"| {_kld(r, 'kld_mean', '.5f')} | {_kld(r, 'kld_p99', '.4f')} | {_kld(r, 'top1_agreement', '.3f')} "
+            f"| {_passkey(r)} "
             f"| {_fid(r)} "
             f"| {mib} | {_f(c['prefill_tok_s'], '.0f')} "
             f"| {_f(c['decode_tok_s'], '.1f')} |")
@@ -95,7 +103,7 @@ def protocol(result: Dict) -> str:
 def markdown(results: Sequence[Dict]) -> str:
     parts = ["# Evaluation results\n"]
     if len(results) == 1 and results[0].get("command"):
-        parts.append(f"Regenerate (on Linux CPUs with the README's OpenBLAS `LD_PRELOAD`):\n\n"
+        parts.append(f"Regenerate:\n\n"
                      f"```sh\n{results[0]['command']}\n```\n\nMetrics and protocol: `docs/eval.md`.\n")
     for res in results:
         if len(results) > 1:

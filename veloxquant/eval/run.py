@@ -15,7 +15,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..compiler import ModelShape
-from . import cost, fidelity, passkey, ppl
+from . import cost, divergence, fidelity, passkey, ppl
 from .config import EvalConfig
 from .rows import Row
 from ..runtime import uninstall
@@ -34,12 +34,14 @@ def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Opti
 
 def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
              meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None,
-             on_row: Optional[Callable[[List[Dict]], None]] = None) -> Dict:
+             on_row: Optional[Callable[[List[Dict]], None]] = None, references: Optional[Dict] = None) -> Dict:
     """Measure every row; rows[0] must be the fp16 baseline.
 
     `only`: report just these rows (every row still takes part in the fidelity
     pass); how eval/distributed.py splits one evaluation into Ray tasks.
-    `on_row`: called with the rows measured so far after each row (partial results)."""
+    `on_row`: called with the rows measured so far after each row (partial results).
+    `references`: a dict kept between calls on the same model, windows and
+    config, so fp16's reference distributions are computed once (a leaderboard)."""
     t_start = time.perf_counter()
     shape = ModelShape.from_model(model)
     corpus = tokenizer.encode(text)
@@ -49,7 +51,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     prompts = passkey.make_prompts(tokenizer, corpus, cfg.passkey_lengths, cfg.passkey_depths,
                                    cfg.passkey_trials, cfg.seed)
     fid_wins = wins[:cfg.fidelity_windows]
-    total = len(fid_wins) + len(rows) * (len(wins) + len(prompts))
+    total = len(fid_wins) + len(wins) + len(rows) * (len(wins) + len(prompts))
     bar = tqdm(total=total, desc="eval", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     out_rows = []
     try:
@@ -67,18 +69,28 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             except Exception as e:  # noqa: BLE001 -- recorded in the result
                 fid_error = _why(e)
                 uninstall(model)
+        # fp16's next-token distributions, once, outside every row's peak-memory
+        # measurement: each row's scoring pass is compared with them (KLD, top-1).
+        bar.set_description("eval fp16 reference distributions")
+        refs = (references or {}).get("fp16", [])
+        for w in wins[len(refs):]:
+            refs.append(divergence.reference(model, lambda: rows[0].make(model), w, cfg.prefix,
+                                             cfg.prefill_chunk, cfg.score_chunk))
+            bar.update(1)
+        if references is not None:
+            references["fp16"] = refs
         for row in rows:
             if only is not None and row.name not in only:
                 continue
             bar.set_description(f"eval {row.name}")
-            done, asked = [], []
+            done, asked, diverged = [], [], divergence.Tracker()
             error = failed.get(row.name)
             probe = None if error else row.make(model)  # only to describe the row (fingerprint); never fed
             with cost.PeakMemory() as peak:
                 try:
-                    for w in ([] if error else wins):
+                    for w, ref in ([] if error else zip(wins, refs)):
                         done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
-                                                   cfg.prefill_chunk, cfg.score_chunk))
+                                                   cfg.prefill_chunk, cfg.score_chunk, diverged.observer(ref)))
                         bar.update(1)
                     for p in ([] if error else prompts):
                         asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
@@ -86,7 +98,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
                         bar.update(1)
                 except Exception as e:  # noqa: BLE001 -- recorded in the result
                     error = _why(e)
-                    done, asked = [], []
+                    done, asked, diverged = [], [], divergence.Tracker()
                     uninstall(model)
             nll, n = sum(d["nll"] for d in done), sum(d["tokens"] for d in done)
             r = row.describe(probe)
@@ -94,6 +106,7 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             r["nll_per_token"] = nll / n if n else None
             r["scored_tokens"] = n
             r["window_ppl"] = [math.exp(d["nll"] / d["tokens"]) for d in done]
+            r["divergence"] = diverged.summary()  # vs fp16: kld_mean, kld_p99 (nats), top1_agreement
             r["passkey"] = passkey.summarize(asked) if asked else None
             r["fidelity"] = fidelity.summarize(fid[row.name]) if row.name in fid else None
             r["cost"] = _row_cost(shape, done, asked, None if error else peak)

@@ -1,0 +1,57 @@
+"""The leaderboard's protocols and rows: which settings of which recipes it measures.
+
+Every built-in at its defaults, plus byte-matched settings where defaults
+differ widely: eviction recipes at 1/4 and 1/8 of the protocol's context
+(their `budget`, or streaming_llm's window), and recipes with a `bits`
+parameter at 4 and 2 bits (about 4× and 6× smaller than fp16 once past their
+fp16 window) where the default is another width.
+"""
+from typing import Dict, List, Tuple
+
+from ..eval.config import EvalConfig
+from ..recipe import builtin_names, load_recipe
+
+# "cpu": a row in a minute or two on a share of 2 busy CPU cores with SmolLM2-135M (float32);
+# "standard": eval's defaults (4 windows of 1536 + 256, passkey at 1k and 2k), for a GPU.
+PROTOCOLS: Dict[str, EvalConfig] = {
+    "cpu": EvalConfig(windows=1, prefix=640, score_tokens=128, prefill_chunk=256, score_chunk=32,
+                      fidelity_windows=0, passkey_lengths=(512,), passkey_depths=(0.5,), passkey_trials=1),
+    "standard": EvalConfig(fidelity_windows=0),
+}
+
+FRACTIONS = (4, 8)  # eviction budgets: context / 4 and context / 8
+WIDTHS = (4, 2)
+
+
+def context(cfg: EvalConfig) -> int:
+    """Tokens a perplexity window's cache has seen when its bytes are read."""
+    return cfg.prefix + cfg.score_tokens
+
+
+def family(name: str) -> str:
+    params = load_recipe(name).params
+    if name == "fp16":
+        return "baseline"
+    return "eviction" if "budget" in params or name == "streaming_llm" else "compression"
+
+
+def settings(name: str, ctx: int) -> List[Tuple[str, str]]:
+    """(spec, setting label) rows for one built-in: defaults first, then byte-matched ones."""
+    params = load_recipe(name).params
+    rows = [(name, "defaults")]
+    if "budget" in params:
+        rows += [(f"{name}[budget={ctx // f}]", f"budget 1/{f}") for f in FRACTIONS]
+    elif name == "streaming_llm":
+        sinks = params["sinks"].default
+        rows += [(f"{name}[window={ctx // f - sinks}]", f"budget 1/{f}") for f in FRACTIONS]
+    if "bits" in params and params["bits"].type == "int":
+        rows += [(f"{name}[bits={b}]", f"{b}-bit") for b in WIDTHS if b != params["bits"].default]
+    return rows
+
+
+def rows(ctx: int, only: List[str] = ()) -> List[Tuple[str, str, str]]:
+    """(spec, family, setting) for every built-in but fp16, or for the names in `only`."""
+    names = [n for n in builtin_names() if n != "fp16" and (not only or n in only)]
+    every = [(spec, family(n), label) for n in names for spec, label in settings(n, ctx)]
+    # Defaults first: a run cut short still covers every recipe once.
+    return sorted(every, key=lambda r: r[2] != "defaults")
