@@ -14,12 +14,13 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import decoded_attention, deferred, fused, hook, kinds, per_head, trimming
+from . import decoded_attention, fused, hook, kinds, trimming
+from .eviction import deferred, per_head
 from ..kernels.partials import merge_partials
 from .copying import copy_sharing
-from .saliency import Saliency
-from .scoring import position_mask
-from .tier import Tier, decoded_run
+from .eviction.saliency import Saliency
+from .eviction.scoring import position_mask
+from .kinds.tier import Tier, decoded_run
 
 _start = attrgetter("start")
 
@@ -70,7 +71,7 @@ class TieredCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
-            # KVCache's work, nothing else (runtime/plain.py); never scored. A window's decode
+            # KVCache's work, nothing else (runtime/kinds/plain.py); never scored. A window's decode
             # step forgets the oldest token first, as _settle would: the query then sees all.
             if not self._unwindowed:
                 plain.expire(self.offset - self.plan.window + 1)
@@ -121,7 +122,7 @@ class TieredCache(_BaseCache):
         if self.saliency is not None:
             return self.saliency.attend(held, queries, scale, first_q, observe)
         # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
-        # (runtime/tier.py: Tier.answer); the cache only merges.
+        # (runtime/kinds/tier.py: Tier.answer); the cache only merges.
         # One query and no windows (every decode step of kivi & co): each held token is visible to it.
         seen = Lq == 1 and self._unwindowed
         needs = [False] * len(held) if seen else [self._needs_mask(t, first_q, Lq) for t in held]

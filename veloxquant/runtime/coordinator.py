@@ -1,5 +1,5 @@
 """The coordinator shared by one model's layer caches: cross-layer groups, and
-budgets allocated across layers and heads (runtime/allocation.py).
+budgets allocated across layers and heads (runtime/eviction/allocation.py).
 
 The compiler puts layers in groups (LayerPlan.share). Here each reuse layer's
 shared tier is linked to its anchor: an ordinary tier becomes a ReuseTier whose
@@ -19,10 +19,10 @@ import mlx.core as mx
 from ..compiler.groups import shared_tiers
 from ..compiler.plan import Plan
 from ..errors import VeloxError
-from . import model_pass
-from .allocation import allocates, decide
+from .eviction import model_pass
+from .eviction.allocation import allocates, decide
 from .copying import copy_owned, copy_sharing
-from .reuse_tier import ReuseTier
+from .kinds.reuse_tier import ReuseTier
 
 TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"
 

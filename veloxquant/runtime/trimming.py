@@ -7,7 +7,7 @@ is_trimmable() is False and trim changes nothing and returns 0. Which recipe
 trims when: docs/architecture.md, "Trimming and deep copies".
 """
 from ..compiler.groups import shared_tiers
-from . import deferred
+from .eviction import deferred
 
 
 def trimmable(cache) -> bool:

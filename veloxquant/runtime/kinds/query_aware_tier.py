@@ -13,8 +13,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
-from ..stages.rope_pairs import pairs, unpairs
+from ...compiler.plan import TierPlan
+from ...stages.rope_pairs import pairs, unpairs
 from .tier import Tier
 
 DECAY = 0.9  # weight of the energies so far at each attention call (~10 recent calls)

@@ -8,10 +8,10 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compiler.plan import CodecPlan
-from ..stages.latent_reader import LatentReader, readable
-from .buffer import Buffer
-from .codec import Codec
+from ...compiler.plan import CodecPlan
+from ...stages.latent_reader import LatentReader, readable
+from ..buffer import Buffer
+from ..codec import Codec
 
 BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
 STATS = ("loc", "std", "keep")  # with quant=gauss each latent's scale; calibrated, the axes kept

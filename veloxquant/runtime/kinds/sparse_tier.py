@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .head_tier import HeadTier
+from ..eviction.head_tier import HeadTier
 
 SUMMARIES = ("pages.kmax", "pages.kmin")
 

@@ -3,12 +3,12 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
-from ..kernels import dispatch
-from . import code_attention, fused
-from .buffer import Buffer
-from .codec import Codec
-from .copying import copy_sharing
+from ...compiler.plan import TierPlan
+from ...kernels import dispatch
+from .. import code_attention, fused
+from ..buffer import Buffer
+from ..codec import Codec
+from ..copying import copy_sharing
 from .plain import PlainRun
 
 # Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
@@ -41,7 +41,7 @@ class Tier:
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
-        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/saliency.py)
+        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
         self.plain = None
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}

@@ -16,9 +16,9 @@ short for this tier to be attended before it ended) every token weighs the same.
 """
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
+from ...compiler.plan import TierPlan
 from .anchor_side import AnchorSide
-from ..kernels.partials import Partial, partial_from_scores
+from ...kernels.partials import Partial, partial_from_scores
 from .latent_side import PlainSide
 from .latent_tier import LatentTier
 

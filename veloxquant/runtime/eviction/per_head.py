@@ -2,7 +2,7 @@
 
 When a layer has an eviction tier (HeadTier), keys are masked by their
 per-head positions, and the tier's scorer is fed from the very attention the
-model computes. Each tier's scorer (runtime/scorers/) declares what it needs
+model computes. Each tier's scorer (runtime/eviction/scorers/) declares what it needs
 ("weights", "queries", "new_keys"); this module gathers exactly that, and
 computes attention with an explicit softmax only when some scorer needs the
 weights. It never branches on which scorer it feeds.
@@ -95,7 +95,7 @@ def _block(queries: mx.array, keys: mx.array) -> int:
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
     """The layer's attention over everything held; feeds each listening scorer what it declared
-    (now, or, for slack routes, when a cut is due: runtime/deferred.py)."""
+    (now, or, for slack routes, when a cut is due: runtime/eviction/deferred.py)."""
     Lq, Hq = queries.shape[2], queries.shape[1]
     listeners = _listeners(held) if observe else []
     if deferred.defers(listeners, Lq):
@@ -160,7 +160,7 @@ def observe_block(cache, queries: mx.array, first_q: int) -> None:
 
 
 def score_held(cache) -> None:
-    """Score the decode queries runtime/deferred.py holds now, as one block (see its module doc)."""
+    """Score the decode queries runtime/eviction/deferred.py holds now, as one block (see its module doc)."""
     taken = deferred.take(cache)
     if taken is not None:
         observe_block(cache, *taken)

@@ -1,4 +1,4 @@
-"""Deferred scoring for every-step eviction with slack (`evict(slack=s)`, runtime/head_tier.py).
+"""Deferred scoring for every-step eviction with slack (`evict(slack=s)`, runtime/eviction/head_tier.py).
 
 A decode step of such a layer attends through fused SDPA, as if nothing were
 scored, and holds its query. The weights the held queries gave are computed in

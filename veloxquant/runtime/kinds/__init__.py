@@ -7,10 +7,10 @@ module plus one line in KINDS (or HEAD_KINDS, for a per-head route's
 """
 from typing import Optional
 
-from ..compiler.plan import LayerPlan, TierPlan
-from ..errors import VeloxError
+from ...compiler.plan import LayerPlan, TierPlan
+from ...errors import VeloxError
 from .anchor_tier import AnchorTier
-from .head_tier import HeadTier
+from ..eviction.head_tier import HeadTier
 from .latent_tier import LatentTier
 from .merged_tier import MergedTier
 from .plain import PlainRun
@@ -43,7 +43,7 @@ def build(plan: TierPlan, layer: LayerPlan, exact: bool):
 
 
 def plain_tier(cache) -> Optional[PlainRun]:
-    """The cache's one tier, wrapped for KVCache's work (runtime/plain.py), when the layer is plain
+    """The cache's one tier, wrapped for KVCache's work (runtime/kinds/plain.py), when the layer is plain
     16-bit storage and nothing else: unrouted, unscored, read by SDPA (the fp16 recipe). The cache
     then skips its routing (a sliding-window layer: at decode, where no query needs a mask)."""
     tiers = cache.tiers
