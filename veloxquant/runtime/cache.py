@@ -35,7 +35,7 @@ class TieredCache(_BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
         self.tiers = [kinds.build(t, plan, kinds.fed_in_chunks(plan, i)) for i, t in enumerate(plan.tiers)]
-        self.per_head = any(getattr(t, "per_head", False) for t in self.tiers)  # heads keep different tokens
+        self.per_head = any(t.per_head for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
@@ -55,15 +55,15 @@ class TieredCache(_BaseCache):
         self._awaiting_attend = False
         self.saliency = Saliency.attach(self)  # a salient tier routes tokens by the attention they received
         # Tiers that act when the prompt is over (latent tiers fit their basis then).
-        self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
+        self._prompt_tiers = [t for t in self.tiers if t.ends_prompt]
         # The fp16 recipe's layer (one unrouted 16-bit tier, nothing scored, windowed or settled):
         # decode does KVCache's work and skips the routing (host time per layer, docs/kernels.md).
-        self._plain = kinds.plain_tier(self)
+        self._plain = None if self.scored or self.saliency is not None else kinds.plain_tier(self.tiers)
 
     def __deepcopy__(self, memo):
         # Copies start settled, MiniCache partners too (a copy and an original read later continue
         # alike); frozen plan, dtype and layout verdicts are shared, tiers/arrays/coordinator copied.
-        self._settle() or [t.settle_group() for t in self.tiers if hasattr(t, "settle_group")]
+        self._settle() or [t.settle_group() for t in self.tiers]
         return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
                                                 "_tail_layouts"))
 

@@ -95,7 +95,7 @@ class Coordinator:
             cache.coordinator = self
             for t in shared_tiers(layer) if layer.share else ():  # slerp layers above `start` share nothing
                 link = Link(self, layer.share.anchor, layer.index, t)
-                if hasattr(cache.tiers[t], "join_group"):
+                if cache.tiers[t].joins_groups:
                     cache.tiers[t].join_group(link, layer.share.layers)  # it shares by itself (latent: the basis)
                 elif layer.role == "reuse":
                     cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
@@ -126,7 +126,7 @@ class Coordinator:
 
     def problems(self) -> List[str]:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
-        out = [p for c in self.caches for t in c.tiers if hasattr(t, "group_problem") for p in [t.group_problem()] if p]
+        out = [p for c in self.caches for t in c.tiers for p in [t.group_problem()] if p]
         for link in self.links:
             tier = self.cache(link.layer).tiers[link.tier]
             problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)

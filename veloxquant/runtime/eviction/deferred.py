@@ -40,7 +40,7 @@ def due(cache) -> bool:
     held = _held(cache)
     if not held:
         return False
-    tiers = [t for t in cache.tiers if getattr(t, "per_head", False)]
+    tiers = [t for t in cache.tiers if t.per_head]
     return len(held) >= max(t.route.slack for t in tiers) or any(t.cut_due() for t in tiers)
 
 

@@ -19,12 +19,13 @@ from ..copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
 from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
+from ..kinds.protocol import KindBase
 from ..kinds.tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
 
 
-class HeadTier:
+class HeadTier(KindBase):
     per_head = True
     fusable = False
     granularity = 1

@@ -85,7 +85,7 @@ class ModelPass:
 
 
 def needs_pass(tier) -> bool:
-    return NEED in getattr(tier, "needs", ()) and getattr(tier, "listening", False)
+    return NEED in tier.needs and tier.listening
 
 
 def attach(model, caches, tokenizer=None) -> None:

@@ -22,13 +22,16 @@ from ...compiler.plan import TierPlan
 from ...kernels.partials import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
+from .protocol import kind
 from .tier import expire_front, front_mask
 
 SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
 
+@kind("latent")
 class LatentTier(SidesHeld):
     """Behind the tier protocol (runtime/kinds/tier.py): place, drop, hold, answer a partial."""
+    ends_prompt = joins_groups = True  # fits its basis when the prompt ends; xKV groups share it
     can_rewind = False  # trimming: latents cannot give their fp16 values back (runtime/trimming.py)
 
     fusable = False

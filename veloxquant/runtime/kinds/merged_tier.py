@@ -26,6 +26,7 @@ from ...kernels.partials import Partial, partial_from_scores
 from ..buffer import Buffer
 from ..copying import copy_owned
 from .latent_side import PlainSide, SidesHeld
+from .protocol import kind
 from .tier import expire_front, front_mask
 
 OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
@@ -199,8 +200,10 @@ class MergedSide:
         return None
 
 
+@kind("merged")
 class MergedTier(SidesHeld):
     """Behind the tier protocol (runtime/kinds/tier.py), like the latent tier: place, hold, answer a partial."""
+    joins_groups = True  # a pair of layers holds one direction per token
     can_rewind = False  # a merged pair cannot give one layer's tokens back
     fusable = sixteen_bit = drops = False
     granularity = 1

@@ -10,6 +10,7 @@ from ..buffer import Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
 from .plain import PlainRun
+from .protocol import KindBase
 
 # Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
 # KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
@@ -22,7 +23,7 @@ def fusable(plan: TierPlan) -> bool:
     return plan.plain_affine
 
 
-class Tier:
+class Tier(KindBase):
     scorer = None  # only per-head tiers rank their tokens (head_tier.py)
 
     def __init__(self, plan: TierPlan, exact: bool = False):
