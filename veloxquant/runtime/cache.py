@@ -233,7 +233,8 @@ class TieredCache(_BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
-        per_head.settle_held(self)  # held decode queries are scored before a cut (evict(slack))
+        if self.per_head:  # only per-head layers hold decode queries: scored before a cut (evict(slack))
+            per_head.settle_held(self)
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue
