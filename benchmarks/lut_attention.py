@@ -20,7 +20,7 @@ from veloxquant.compiler.shape import ModelShape
 from veloxquant.kernels import lut
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime.code_attention import codes_partial_attention
-from veloxquant.runtime.tier import Tier
+from veloxquant.runtime.kinds.tier import Tier
 
 
 def build(Hq: int, Hkv: int, D: int, S: int, sets, copy: int):

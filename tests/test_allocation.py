@@ -5,9 +5,9 @@ import mlx.core as mx
 import pytest
 
 import veloxquant
-from veloxquant.runtime.allocation import adakv, squeeze
+from veloxquant.runtime.eviction.allocation import adakv, squeeze
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.ragged import PAD, Ragged, RaggedBuffer, choose, gather
+from veloxquant.runtime.eviction.ragged import PAD, Ragged, RaggedBuffer, choose, gather
 
 from conftest import pipeline_recipe, tiny_llama
 

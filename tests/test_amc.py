@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.runtime.amc_side import AmcSide
+from veloxquant.runtime.kinds.amc_side import AmcSide
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.amc import Amc

@@ -1,4 +1,4 @@
-"""AnchorKV: the anchor store (stages/anchor.py) and its tier kind (runtime/anchor_side.py, anchor_tier.py)."""
+"""AnchorKV: the anchor store (stages/anchor.py) and its tier kind (runtime/kinds/anchor_side.py, anchor_tier.py)."""
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import veloxquant
-from veloxquant.runtime.anchor_side import AnchorSide
+from veloxquant.runtime.kinds.anchor_side import AnchorSide
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.stages.anchor import Anchor
 from veloxquant.stages.store import Affine
@@ -105,7 +105,7 @@ def exact_partial(keys, values, q):
 def test_ranking_on_real_queries_beats_the_reverse_ranking():
     # The first-order estimate picks which keys get a residual; choosing by it must give a smaller output
     # error on the queries that ranked than choosing the tokens it ranks lowest.
-    from veloxquant.runtime.anchor_tier import AnchorTier
+    from veloxquant.runtime.kinds.anchor_tier import AnchorTier
     rng = np.random.default_rng(7)
     keys = mx.array((rng.standard_normal((B, H, 300, D)) * 0.3).astype(np.float16))
     values = tokens(300, seed=8)
@@ -145,8 +145,8 @@ def test_runs_saves_and_loads_on_a_model(tmp_path, make):
 
 
 def test_a_long_chunk_is_answered_in_query_blocks_with_the_same_result(monkeypatch):
-    from veloxquant.runtime import anchor_tier
-    from veloxquant.runtime.anchor_tier import AnchorTier
+    from veloxquant.runtime.kinds import anchor_tier
+    from veloxquant.runtime.kinds.anchor_tier import AnchorTier
     plan = SimpleNamespace(route=None, keys=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)),
                            values=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)))
     tier = AnchorTier(plan, H, D)

@@ -110,7 +110,7 @@ def test_spectral_scores_equal_decode_then_attend(llama_model, setup):
     recipe, _, _ = setup
     _calibrate(llama_model, recipe)
     tier = vq.make_prompt_cache(llama_model, recipe)[1].tiers[0]
-    from veloxquant.runtime.tier import Tier
+    from veloxquant.runtime.kinds.tier import Tier
     tier = Tier(tier.plan)
     k = mx.random.normal((1, 3, 50, 64), key=mx.random.key(0))
     tier.append(k, k * 0.5, 0)
@@ -154,7 +154,7 @@ def test_vecinfer_look_up_table_scores_equal_decode_then_attend(llama_model, set
                     "  values: rotation | lloydmax(bits=4)\n")
     _calibrate(llama_model, str(path))
     plan = plan_for(llama_model, str(path))
-    from veloxquant.runtime.tier import Tier
+    from veloxquant.runtime.kinds.tier import Tier
     tier = Tier(plan.layers[2].tiers[0])
     k = mx.random.normal((1, 3, 40, 64), key=mx.random.key(0))
     tier.append(k, k, 0)

@@ -15,7 +15,7 @@ import veloxquant
 from conftest import tiny_llama
 from veloxquant.artifacts import CalibrationError
 from veloxquant.recipe.load import builtin_names
-from veloxquant.runtime.allocation import allocates
+from veloxquant.runtime.eviction.allocation import allocates
 from veloxquant.runtime import shared_kv
 from veloxquant.runtime.make import plan_for
 

@@ -12,8 +12,8 @@ from veloxquant.runtime import code_attention
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.scoring import position_mask
-from veloxquant.runtime.tier import Tier
+from veloxquant.runtime.eviction.scoring import position_mask
+from veloxquant.runtime.kinds.tier import Tier
 from veloxquant.stages.rotation import Rotation, orthogonal_matrix
 from veloxquant.stages.sketch import QJL, RaBitQ
 from conftest import feed

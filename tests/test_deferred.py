@@ -1,4 +1,4 @@
-"""Deferred scoring (runtime/deferred.py): with `slack`, decode queries are held and scored in one
+"""Deferred scoring (runtime/eviction/deferred.py): with `slack`, decode queries are held and scored in one
 block before a cut. Pinned here: the same kept tokens, scores and logits as scoring every step,
 through a real model; held queries count in nbytes, are scored into saved files, and a trim forgets
 the newest; and a decode step between cuts computes no explicit softmax."""
@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import veloxquant
-from veloxquant.runtime import deferred, per_head, scoring
+from veloxquant.runtime.eviction import deferred, per_head, scoring
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import tiny_llama

@@ -11,7 +11,7 @@ import pytest
 import veloxquant
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime import per_head
+from veloxquant.runtime.eviction import per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import feed, tiny_llama
@@ -101,7 +101,7 @@ class Reference:
     ("current", 2, 5, 0), ("mass", 0, 128, 3), ("current", 2, 5, 4)])
 def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, recent, score_block, slack):
     # score_block 5: blocks of 12 queries take the prefill path (output and weights 5 queries at a time)
-    monkeypatch.setattr(veloxquant.runtime.per_head, "SCORE_BLOCK", score_block)
+    monkeypatch.setattr(veloxquant.runtime.eviction.per_head, "SCORE_BLOCK", score_block)
     cache = layer_cache(llama_model, tmp_path,
                         f"evict(budget=8, sinks=2, score={score}, recent={recent}, slack={slack}) | identity")
     ref = Reference(8, 2, score, recent, slack)
@@ -111,7 +111,7 @@ def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, r
         np.testing.assert_allclose(np.array(out), ref.step(q, k, v), atol=2e-5)
         tier = cache.tiers[0]
         if slack and step % 3:
-            continue  # decode queries wait unscored (runtime/deferred.py); every third step they are scored now
+            continue  # decode queries wait unscored (runtime/eviction/deferred.py); every third step they are scored now
         per_head.score_held(cache)
         for h in range(HKV):  # the scores themselves, not only the sets they select
             got = dict(zip(np.array(tier.positions)[0, h].tolist(), np.array(tier.scores)[0, h].tolist()))

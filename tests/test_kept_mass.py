@@ -3,7 +3,7 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant.bench.kept_mass import held_per_head, kept_mass
-from veloxquant.runtime.ragged import PAD
+from veloxquant.runtime.eviction.ragged import PAD
 
 
 def test_kept_mass_counts_only_held_positions_and_ignores_padding():

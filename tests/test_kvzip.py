@@ -1,5 +1,5 @@
 """KVzip (recipes/kvzip.yaml): scores from one "repeat the context" pass the cache side runs
-through the model (runtime/model_pass.py), checked against a NumPy model over plain mlx-lm
+through the model (runtime/eviction/model_pass.py), checked against a NumPy model over plain mlx-lm
 caches; the pass leaves every cache array as it was apart from the scores; probe=latest is
 TOVA bit for bit; generate, save/load, Gemma-3 sliding layers, blocked memory, clear errors."""
 import numpy as np
@@ -12,9 +12,9 @@ from mlx.utils import tree_flatten
 
 import veloxquant
 from veloxquant.errors import VeloxError
-from veloxquant.runtime import model_pass, per_head
+from veloxquant.runtime.eviction import model_pass, per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.scorers.reconstruct import FIRST, LATER, SUFFIX
+from veloxquant.runtime.eviction.scorers.reconstruct import FIRST, LATER, SUFFIX
 
 from conftest import CharTokenizer, feed, tiny_gemma3, tiny_llama
 

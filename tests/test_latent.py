@@ -10,7 +10,7 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime import latent_side, latent_tier
+from veloxquant.runtime.kinds import latent_side, latent_tier
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache

@@ -10,8 +10,8 @@ from veloxquant.compiler.shape import ModelShape
 from veloxquant.kernels import backend, lut
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime.code_attention import codes_partial_attention
-from veloxquant.runtime.scoring import position_mask
-from veloxquant.runtime.tier import Tier
+from veloxquant.runtime.eviction.scoring import position_mask
+from veloxquant.runtime.kinds.tier import Tier
 
 
 def coded_tier(recipe: str, hkv: int, D: int, L: int, sets=()):

@@ -1,11 +1,11 @@
-"""CaM: evicted values merged into survivors (runtime/merging.py), as an evict option."""
+"""CaM: evicted values merged into survivors (runtime/eviction/merging.py), as an evict option."""
 import numpy as np
 import mlx.core as mx
 import pytest
 
 import veloxquant
 from veloxquant.errors import RecipeError
-from veloxquant.runtime.merging import merged_values
+from veloxquant.runtime.eviction.merging import merged_values
 
 from conftest import pipeline_recipe, tiny_llama
 
@@ -43,7 +43,7 @@ def test_several_targets_share_the_merge_as_weighted_averages():
 
 
 def test_blocked_similarity_gives_the_same_merge(monkeypatch):
-    from veloxquant.runtime import merging
+    from veloxquant.runtime.eviction import merging
     rng = np.random.default_rng(2)
     keys, values = (mx.array(rng.standard_normal((1, 2, 50, 8)).astype(np.float32)) for _ in range(2))
     scores = mx.array(rng.random((1, 2, 50)).astype(np.float32))

@@ -4,7 +4,7 @@ import numpy as np
 import mlx.core as mx
 
 import veloxquant
-from veloxquant.runtime.scorers.nested import PRIOR, route, scales
+from veloxquant.runtime.eviction.scorers.nested import PRIOR, route, scales
 
 from conftest import pipeline_recipe, tiny_llama
 

@@ -11,7 +11,7 @@ from veloxquant.compiler import ModelShape
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.tier import Tier
+from veloxquant.runtime.kinds.tier import Tier
 from veloxquant.stages.ratebits import allocate_widths
 from conftest import feed
 from test_calibration import Tokens, _text

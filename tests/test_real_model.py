@@ -108,7 +108,7 @@ def test_builtin_runs_in_mlx_lm_generate_with_honest_bytes(smollm2, austen_ids, 
     assert len(steps) == 4
     report = cache_report(caches)
     assert report["attention"] == "by tiers (hook)"
-    from veloxquant.runtime.tier import UNBOUNDED_STEP
+    from veloxquant.runtime.kinds.tier import UNBOUNDED_STEP
     for c in caches:  # nbytes is the allocation: what state shows plus growth slack (< one step per array)
         shown = sum(a.nbytes for a in c.state)
         slack = sum(a.nbytes // a.shape[2] * UNBOUNDED_STEP for a in c.state if a.ndim >= 3)

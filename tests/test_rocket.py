@@ -92,7 +92,7 @@ def test_summaries_are_held_and_current(llama_model, tmp_path):
     for p in range(P):
         np.testing.assert_array_equal(kmax[:, :, p], keys[:, :, p * 8:(p + 1) * 8].max(axis=2))
         np.testing.assert_array_equal(kmin[:, :, p], keys[:, :, p * 8:(p + 1) * 8].min(axis=2))
-    from veloxquant.runtime.head_tier import HeadTier
+    from veloxquant.runtime.eviction.head_tier import HeadTier
     assert tier.nbytes == HeadTier.nbytes.fget(tier) + kmax.nbytes + kmin.nbytes  # summaries count in the bytes
     assert sum(a.shape == kmax.shape for a in cache.state) == 2  # and are in the state
 

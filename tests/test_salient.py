@@ -1,4 +1,4 @@
-"""salient + runtime/saliency: tokens routed by ZipCache's normalized attention from real queries."""
+"""salient + runtime/eviction/saliency: tokens routed by ZipCache's normalized attention from real queries."""
 import mlx.core as mx
 import numpy as np
 import pytest

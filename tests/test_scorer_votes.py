@@ -1,4 +1,4 @@
-"""SnapKV's window votes as a share of any `once` score's budget (runtime/scorers/votes.py):
+"""SnapKV's window votes as a share of any `once` score's budget (runtime/eviction/scorers/votes.py):
 the two pinned reductions bit for bit (votes=0 == observed_attention, votes=1 == snapkv), the
 union rule against a NumPy model, save/load, sliding-window layers and the clear error."""
 import numpy as np

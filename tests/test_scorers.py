@@ -1,4 +1,4 @@
-"""Eviction scorers behind one protocol (runtime/scorers/): each checked against
+"""Eviction scorers behind one protocol (runtime/eviction/scorers/): each checked against
 a NumPy model of its formula, the pinned reductions bit for bit, `once` mode,
 and every new recipe through generate-style feeding, save/load and bytes."""
 import numpy as np
@@ -241,7 +241,7 @@ def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
 def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
     """The protocol: a scorer declared in the stage layer (stages/scorers.py) and registered in the
     runtime is fed what its declaration says it needs, and ranks; an undeclared one is refused."""
-    from veloxquant.runtime.scorers import SCORERS, Scorer, scorer
+    from veloxquant.runtime.eviction.scorers import SCORERS, Scorer, scorer
     from veloxquant.stages.scorers import SPECS, ScorerSpec, declare
 
     with pytest.raises(ValueError, match="not declared in stages/scorers.py"):

@@ -12,7 +12,7 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime import checksums
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.reuse_tier import ReuseTier
+from veloxquant.runtime.kinds.reuse_tier import ReuseTier
 from veloxquant.stages.store import Affine
 from conftest import feed, tiny_gemma3
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.make import make_prompt_cache
-from ..runtime.scoring import attention_weights, position_mask
+from ..runtime.eviction.scoring import attention_weights, position_mask
 from ..data.corpus import load_text
 from ..models.default import gemma3_model_path, load_model
 from .registry import bench

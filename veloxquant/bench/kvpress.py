@@ -28,7 +28,8 @@ from ..eval.feed import score, settle
 from ..eval.ppl import window_nll, windows
 from ..eval.rows import recipe_caches
 from ..models import load_model
-from ..runtime import make_prompt_cache, model_pass
+from ..runtime import make_prompt_cache
+from ..runtime.eviction import model_pass
 from .registry import bench
 
 # kvpress's measured dPPL (%) at fractions 0.5 / 0.75 / 0.85, with our namesake row.

@@ -20,7 +20,7 @@ from ..compiler.groups import codec_bits
 from ..compiler.plan import LayerPlan, Plan
 from ..compiler.shape import ModelShape
 from ..recipe import load_recipe
-from ..runtime.tier import UNBOUNDED_STEP
+from ..runtime.kinds.tier import UNBOUNDED_STEP
 
 META_BYTES = 8  # a per-head tier's position (int32) and running score (float32) per token and head
 

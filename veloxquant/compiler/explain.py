@@ -173,7 +173,7 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
 
 
 def allocation_rule(route) -> str:
-    """How this tier's budgets are decided (runtime/allocation.py decides them)."""
+    """How this tier's budgets are decided (runtime/eviction/allocation.py decides them)."""
     parts = []
     if route.layers == "squeeze":
         parts.append(f"layer budgets moved by SqueezeAttention (strength {route.strength}): "

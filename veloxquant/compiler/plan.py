@@ -66,7 +66,7 @@ class TierPlan:
     @property
     def plain_affine(self) -> bool:
         """K and V are plain affine codes (xquant's are, in their anchor layer; reuse layers read
-        the anchor's): the fused decode kernels read this tier (runtime/tier.py, reuse_tier.py)."""
+        the anchor's): the fused decode kernels read this tier (runtime/kinds/tier.py, reuse_tier.py)."""
         return not self.drops and all(not c.transforms and not c.residuals and c.store.stage_name in
                                       ("affine", "xquant") for c in (self.keys, self.values))
 

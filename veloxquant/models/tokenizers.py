@@ -1,7 +1,7 @@
 """The tokenizer each loaded model came with, remembered for the code that runs the model itself.
 
 `load_model` records it; a model pass a cache runs (KVzip's repeat instruction,
-runtime/model_pass.py) tokenizes its prompt with it. Kept beside the loader so the
+runtime/eviction/model_pass.py) tokenizes its prompt with it. Kept beside the loader so the
 models layer needs nothing from the runtime that uses it.
 """
 import weakref

@@ -7,7 +7,7 @@ sequence's cache when it leaves. Here that is BatchKVCache's layout: every tier'
 rows on one column axis, rows left-padded to a common end (`Rows.left`, absolute columns), each
 row with its own position offset (`cache.offset`, an array: RoPE reads it). Padding columns are
 zeros that the mask hides; they are never counted as a sequence's tokens (`extract` leaves them).
-The tiers do the array work (runtime/tier.py, "batch rows"); this module only routes.
+The tiers do the array work (runtime/kinds/tier.py, "batch rows"); this module only routes.
 Which plans may batch is declared by compiler/batching.py; a refused plan raises here, never
 computes a batch that would change a sequence's output.
 """

@@ -12,7 +12,7 @@ of the widest spill; a row's columns past its own spill are written again when i
 and right-padded prompt tokens (mlx-lm's prompt batches) are never written at all: no padding is
 kept, coded or scored, and prepare/finalize only count. Each sequence so holds, codes and sees what
 it would alone (compiler/batching.py declares which chains these are). The array work is the
-tiers' (runtime/tier_rows.py, "ragged rows"); this module keeps the counts and routes.
+tiers' (runtime/kinds/tier_rows.py, "ragged rows"); this module keeps the counts and routes.
 """
 from typing import List, Optional
 

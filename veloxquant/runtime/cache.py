@@ -14,12 +14,13 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import batch, decoded_attention, deferred, fused, hook, kinds, per_head, trimming
+from . import batch, decoded_attention, fused, hook, kinds, trimming
+from .eviction import deferred, per_head
 from ..kernels.partials import merge_partials
 from .copying import copy_sharing
-from .saliency import Saliency
-from .scoring import position_mask
-from .tier import Tier, decoded_run
+from .eviction.saliency import Saliency
+from .eviction.scoring import position_mask
+from .kinds.tier import Tier, decoded_run
 
 _start = attrgetter("start")
 
@@ -34,7 +35,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
     def __init__(self, plan: LayerPlan):
         self.plan = plan
         self.tiers = [kinds.build(t, plan, kinds.fed_in_chunks(plan, i)) for i, t in enumerate(plan.tiers)]
-        self.per_head = any(getattr(t, "per_head", False) for t in self.tiers)  # heads keep different tokens
+        self.per_head = any(t.per_head for t in self.tiers)  # heads keep different tokens
         self.new_keys = None  # the newest block's keys (proxy scorers use them as queries)
         self.scale_seen = None
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
@@ -54,15 +55,15 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         self._awaiting_attend = False
         self.saliency = Saliency.attach(self)  # a salient tier routes tokens by the attention they received
         # Tiers that act when the prompt is over (latent tiers fit their basis then).
-        self._prompt_tiers = [t for t in self.tiers if hasattr(t, "finish_prompt")]
+        self._prompt_tiers = [t for t in self.tiers if t.ends_prompt]
         # The fp16 recipe's layer (one unrouted 16-bit tier, nothing scored, windowed or settled):
         # decode does KVCache's work and skips the routing (host time per layer, docs/kernels.md).
-        self._plain = kinds.plain_tier(self)
+        self._plain = None if self.scored or self.saliency is not None else kinds.plain_tier(self.tiers)
 
     def __deepcopy__(self, memo):
         # Copies start settled, MiniCache partners too (a copy and an original read later continue
         # alike); frozen plan, dtype and layout verdicts are shared, tiers/arrays/coordinator copied.
-        self._settle() or [t.settle_group() for t in self.tiers if hasattr(t, "settle_group")]
+        self._settle() or [t.settle_group() for t in self.tiers]
         return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
                                                 "_tail_layouts"))
 
@@ -72,7 +73,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
             return batch.update_and_fetch(self, keys, values)
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
-            # KVCache's work, nothing else (runtime/plain.py); never scored. A window's decode
+            # KVCache's work, nothing else (runtime/kinds/plain.py); never scored. A window's decode
             # step forgets the oldest token first, as _settle would: the query then sees all.
             if not self._unwindowed:
                 plain.expire(self.offset - self.plan.window + 1)
@@ -125,7 +126,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         if self.saliency is not None:
             return self.saliency.attend(held, queries, scale, first_q, observe)
         # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
-        # (runtime/tier.py: Tier.answer); the cache only merges.
+        # (runtime/kinds/tier.py: Tier.answer); the cache only merges.
         # One query and no windows (every decode step of kivi & co): each held token is visible to it.
         seen = Lq == 1 and self._unwindowed
         needs = [False] * len(held) if seen else [self._needs_mask(t, first_q, Lq) for t in held]
@@ -238,7 +239,8 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
-        per_head.settle_held(self)  # held decode queries are scored before a cut (evict(slack))
+        if self.per_head:  # only per-head layers hold decode queries: scored before a cut (evict(slack))
+            per_head.settle_held(self)
         for i, tier in enumerate(self.tiers):
             if tier.route is None or tier.drops:
                 continue

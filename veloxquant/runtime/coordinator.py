@@ -1,5 +1,5 @@
 """The coordinator shared by one model's layer caches: cross-layer groups, and
-budgets allocated across layers and heads (runtime/allocation.py).
+budgets allocated across layers and heads (runtime/eviction/allocation.py).
 
 The compiler puts layers in groups (LayerPlan.share). Here each reuse layer's
 shared tier is linked to its anchor: an ordinary tier becomes a ReuseTier whose
@@ -19,10 +19,10 @@ import mlx.core as mx
 from ..compiler.groups import shared_tiers
 from ..compiler.plan import Plan
 from ..errors import VeloxError
-from . import model_pass
-from .allocation import allocates, decide
+from .eviction import model_pass
+from .eviction.allocation import allocates, decide
 from .copying import copy_owned, copy_sharing
-from .reuse_tier import ReuseTier
+from .kinds.reuse_tier import ReuseTier
 
 TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"
 
@@ -95,7 +95,7 @@ class Coordinator:
             cache.coordinator = self
             for t in shared_tiers(layer) if layer.share else ():  # slerp layers above `start` share nothing
                 link = Link(self, layer.share.anchor, layer.index, t)
-                if hasattr(cache.tiers[t], "join_group"):
+                if cache.tiers[t].joins_groups:
                     cache.tiers[t].join_group(link, layer.share.layers)  # it shares by itself (latent: the basis)
                 elif layer.role == "reuse":
                     cache.tiers[t] = ReuseTier(layer.tiers[t], link, layer.head_dim)
@@ -126,7 +126,7 @@ class Coordinator:
 
     def problems(self) -> List[str]:
         """Reuse tiers whose positions their anchors do not hold (a saved file that does not add up)."""
-        out = [p for c in self.caches for t in c.tiers if hasattr(t, "group_problem") for p in [t.group_problem()] if p]
+        out = [p for c in self.caches for t in c.tiers for p in [t.group_problem()] if p]
         for link in self.links:
             tier = self.cache(link.layer).tiers[link.tier]
             problem = link.problem(tier.start, tier.end) if tier.count else link.problem(0, 0)

@@ -5,8 +5,8 @@ from typing import List
 import mlx.core as mx
 
 from ..kernels.partials import partial_attention
-from .scoring import additive
-from .tier import Tier, decoded_run
+from .eviction.scoring import additive
+from .kinds.tier import Tier, decoded_run
 
 
 def dense(cache, held: List[Tier], queries, scale, first_q: int, needs: List[bool]):

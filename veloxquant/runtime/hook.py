@@ -8,7 +8,8 @@ any other cache falls through to mlx-lm's original function.
 import sys
 from typing import Dict
 
-from . import model_pass, shared_kv
+from .eviction import model_pass
+from . import shared_kv
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
@@ -77,4 +78,4 @@ def uninstall(model=None) -> None:
         if name in _ORIGINALS and name in sys.modules:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
     EPOCH[0] += 1
-    model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/model_pass.py)
+    model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/eviction/model_pass.py)

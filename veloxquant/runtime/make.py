@@ -6,7 +6,8 @@ from ..compiler.binding import bind
 from ..compiler.layout import own_caches
 from ..errors import VeloxError
 from ..recipe import Recipe, load_recipe
-from . import cache_list, hook, model_pass
+from . import cache_list, hook
+from .eviction import model_pass
 from .cache import TieredCache
 from .coordinator import link_groups
 

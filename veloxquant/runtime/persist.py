@@ -13,7 +13,8 @@ import mlx.core as mx
 from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import cache_list, checksums, coded, hook, kept_state, per_head
+from . import cache_list, checksums, coded, hook, kept_state
+from .eviction import per_head
 from .cache_list import kept_caches, recipe_caches
 from .make import caches_for
 

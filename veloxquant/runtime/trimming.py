@@ -7,7 +7,7 @@ is_trimmable() is False and trim changes nothing and returns 0. Which recipe
 trims when: docs/architecture.md, "Trimming and deep copies".
 """
 from ..compiler.groups import shared_tiers
-from . import deferred
+from .eviction import deferred
 
 
 def trimmable(cache) -> bool:
@@ -20,7 +20,7 @@ def trimmable(cache) -> bool:
         return False
     # A tier that cannot hand its tokens back (latent tiers: the fp16 values are gone and
     # a cut group could not be re-held) says so; the layer is untrimmable once it holds any.
-    if any(not getattr(t, "can_rewind", True) for t in cache.held()):
+    if any(not t.can_rewind for t in cache.held()):
         return False
     shared = getattr(cache, "coordinator", None) and cache.plan.share
     return not (shared and any(cache.tiers[t].count for t in shared_tiers(cache.plan)))
@@ -47,7 +47,7 @@ def trim(cache, n: int) -> int:
     cache.offset -= n
     deferred.rewind(cache, n)  # decode queries held unscored (evict(slack)): the newest n are gone
     for tier in cache.tiers:  # SnapKV's pending query window: its newest queries are gone too
-        if getattr(tier, "scorer", None) is not None:
+        if tier.scorer is not None:
             tier.scorer.rewind(n)
     if refill is not None:
         cache._place(0, *refill)

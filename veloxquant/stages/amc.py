@@ -8,7 +8,7 @@ top `k_high` tokens in High and the next `k_mid` in Mid are frozen with the
 basis; later tokens are routed by them. A token in tier c keeps its first
 rank_c latent components (the rank mask), coded at bits_c: 16 = float16, else
 affine min/max codes with a float16 scale and zero per token and head group.
-No token is ever dropped. The runtime is runtime/amc_side.py (a side of the
+No token is ever dropped. The runtime is runtime/kinds/amc_side.py (a side of the
 latent tier, attending in latent space); this module is the arithmetic.
 """
 import math
@@ -42,8 +42,8 @@ class Amc:
     center: bool = False
 
     codes = False
-    tier_kind = "latent"  # a side of runtime/latent_tier.py ...
-    side = "amc"  # ... held by runtime/amc_side.py
+    tier_kind = "latent"  # a side of runtime/kinds/latent_tier.py ...
+    side = "amc"  # ... held by runtime/kinds/amc_side.py
     layers = 1  # never shared across layers
     group = 1  # tokens are routed and coded one at a time
     token_multiple = 1

@@ -17,7 +17,7 @@ a real token, held exactly.
 
 Residuals: `theta` is the byte budget for residuals -- the share of the
 non-anchor tokens that hold one (theta=1 costs what coding every residual
-costs). Which tokens get them is decided by the caller (runtime/anchor_tier.py)
+costs). Which tokens get them is decided by the caller (runtime/kinds/anchor_tier.py)
 from a first-order estimate of the output error on the prompt's real queries.
 A residual is coded by the `affine` store (per token, `bits` wide, a float16
 scale and zero per token): theta=1 is that codec on x - c·a everywhere.
@@ -47,7 +47,7 @@ class Anchor:
     iters: int = attrs.field(default=4, validator=in_range(0, 64))
 
     codes = False
-    tier_kind = "anchor"  # held by runtime/anchor_tier.py
+    tier_kind = "anchor"  # held by runtime/kinds/anchor_tier.py
     layers = 1  # never shared across layers
     group = 1
     token_multiple = 1

@@ -11,7 +11,7 @@ from .registry import choices, in_range, stage
 from .scorers import check_params, selectable
 
 # Budgets the per-model coordinator allocates once, at the end of the prompt, from the
-# attention each token received (runtime/allocation.py); the same four fields on evict and snap.
+# attention each token received (runtime/eviction/allocation.py); the same four fields on evict and snap.
 LAYER_RULES = ("fixed", "squeeze")
 HEAD_RULES = ("equal", "adakv", "score")
 
@@ -53,7 +53,7 @@ def _known_scorer(instance, attribute, value):
 class Evict(_PerHeadRoute):
     """Keeps `budget` tokens per head, the highest by `score`; every step, or once at the end of the prompt.
 
-    score (declared with its parameters in stages/scorers.py, run by runtime/scorers/): mass (H2O, accumulated
+    score (declared with its parameters in stages/scorers.py, run by runtime/eviction/scorers/): mass (H2O, accumulated
     attention), mean (mass / queries that saw the token: kvpress's
     ObservedAttention), current (TOVA), proxy (keys as queries), knorm,
     keydiff, qfilters, expected (ExpectedAttention), keyformer, morph
@@ -73,7 +73,7 @@ class Evict(_PerHeadRoute):
     so every head keeps the same tokens (kvpress's TOVA averages over heads).
     votes (once routes): share of each head's budget that goes first to the
     tokens SnapKV's vote picks (the last `vote_window` prompt queries,
-    max-pooled over `vote_pool`); the rest by `score` (runtime/scorers/votes.py).
+    max-pooled over `vote_pool`); the rest by `score` (runtime/eviction/scorers/votes.py).
     """
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])

@@ -1,7 +1,7 @@
 """`headbits`: affine codes with a code width per kv head (AdaKV-style bit allocation).
 
 Heads whose real attention is more spread out (higher entropy over the
-tokens waiting in the fp16 window, gathered by runtime/saliency.py from the
+tokens waiting in the fp16 window, gathered by runtime/eviction/saliency.py from the
 model's queries) get more bits: the widths lo/mid/hi are handed out greedily,
 highest entropy first, so the mean over heads meets `target` without
 exceeding it. The allocation is made once, on the first block the tier codes,

@@ -22,7 +22,7 @@ component's `group` tokens of b bits fill whole 32-bit words, for any b):
 quant=minmax -- affine codes, a float16 scale and zero per component and group;
 quant=gauss  -- Lloyd-Max levels of a unit gaussian on the latent standardised by its
                 prompt mean and deviation: no metadata per token, the budget is codes.
-runtime/latent_tier.py holds them and attends in latent space; this is the arithmetic.
+runtime/kinds/latent_tier.py holds them and attends in latent space; this is the arithmetic.
 """
 import math
 from functools import lru_cache
@@ -84,7 +84,7 @@ class Latent:
     _slot: str = ""  # set when bound: this stage's arrays in it, "layer.tier.side"
 
     codes = True  # integer codes an entropy stage may code (the c<b>.codes arrays)
-    tier_kind = "latent"  # held by runtime/latent_tier.py
+    tier_kind = "latent"  # held by runtime/kinds/latent_tier.py
 
     def __attrs_post_init__(self):
         if self.group % 32:

@@ -14,7 +14,7 @@ c's RoPE pair (normalised to mean 1). Assignment and codebook training use
 beta * |e|^2 + (1 - beta) * sum_c w_c e_c^2: beta = 1 is plain VQ. The
 weights come from the real queries the model attends with - the calibration
 text's (artifact `energy`), then the queries each tier has answered recently
-(runtime/query_aware_tier.py passes them in) - never from the keys themselves.
+(runtime/kinds/query_aware_tier.py passes them in) - never from the keys themselves.
 
 Windowed RoPE (scores_at): a key within `window` positions of the query gets
 exact RoPE, R(n); an older one is scored as if it were exactly `window` back,

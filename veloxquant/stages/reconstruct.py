@@ -4,7 +4,7 @@ Once, at the end of the prompt, the model itself is asked to repeat the
 context: a "Repeat the previous context exactly." instruction, then the
 context's own tokens teacher-forced as the answer, in chunks of `chunk`
 tokens. That pass runs after what every layer holds (the cache side drives
-it: runtime/model_pass.py) and its own K/V are discarded. A context token's
+it: runtime/eviction/model_pass.py) and its own K/V are discarded. A context token's
 score is the most attention any repeat query pays it (max over the queries
 and over the query heads of its kv head's GQA group); each kv head keeps its
 `budget` best, the first `sinks` positions always. Tokens after the decision
@@ -70,5 +70,5 @@ class Reconstruct(_PerHeadRoute):
             return "probe=latest: scored by the newest real query's weights every step (TOVA)"
         return (f"once, at the end of the prompt, the cache side runs the model on 'Repeat the previous context "
                 f"exactly.' + the context (chunks of {self.chunk} tokens) after what each layer holds "
-                "(runtime/model_pass.py); score = max attention a context token receives from those repeat "
+                "(runtime/eviction/model_pass.py); score = max attention a context token receives from those repeat "
                 "queries (over the queries and its GQA group); the pass's own K/V are discarded")

@@ -4,7 +4,7 @@ Each chunk of `chunk` tokens of one head sends its round(fraction x chunk)
 most salient tokens through the `hi` store and the rest through `lo`. The
 score is ZipCache's normalized attention: the attention a token received from
 the model's real queries while it waited in the fp16 window, divided by the
-number of queries that could see it (runtime/saliency.py gathers it; hence
+number of queries that could see it (runtime/eviction/saliency.py gathers it; hence
 the hook). Both branches live in one tier, in position order once decoded,
 so attention over them is exact like any tier's. The choice is held per chunk
 as a bit mask (uint32 words, counted). Branch arrays are stored one row per

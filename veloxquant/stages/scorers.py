@@ -1,6 +1,6 @@
 """What each eviction scorer is, as the stage layer sees it: what it needs gathered, and its parameters.
 
-The scorers themselves (runtime/scorers/, one module each) rank tokens; they
+The scorers themselves (runtime/eviction/scorers/, one module each) rank tokens; they
 register under a name declared here and take their `needs` and per-token state
 from this table, so `evict` validates `score=` and its parameters, and
 `explain` prices a scorer, without importing the runtime that runs them.
@@ -22,7 +22,7 @@ def _no_token_state(route) -> Dict[str, Tuple[int, ...]]:
 @attrs.frozen
 class ScorerSpec:
     name: str
-    needs: FrozenSet[str] = frozenset()  # what per_head gathers for it (runtime/scorers/__init__.py)
+    needs: FrozenSet[str] = frozenset()  # what per_head gathers for it (runtime/eviction/scorers/__init__.py)
     params: Tuple[str, ...] = ()
     # extra per-token arrays the scorer keeps: name -> trailing shape, from the route's parameters
     token_state: Callable[..., Dict[str, Tuple[int, ...]]] = _no_token_state
@@ -56,7 +56,7 @@ SPECS: Dict[str, ScorerSpec] = {s.name: s for s in (
 
 
 def declare(spec: ScorerSpec) -> ScorerSpec:
-    """A scorer declared outside this table (a plug-in, a test); runtime/scorers registers its class."""
+    """A scorer declared outside this table (a plug-in, a test); runtime/eviction/scorers registers its class."""
     if spec.name in SPECS:
         raise ValueError(f"scorer '{spec.name}' declared twice")
     SPECS[spec.name] = spec

@@ -7,7 +7,7 @@ codes (so a prefill and token-by-token decode freeze the same order) and held
 token is coded min/max like `affine`, after shrinking its range by the clip
 factor α from `clips` that gives the least error. With `weight=queries` the
 error is weighted per channel by the mean squared query of that channel (real
-queries, gathered by runtime/saliency.py): the expected error of q·k, i.e.
+queries, gathered by runtime/eviction/saliency.py): the expected error of q·k, i.e.
 the attention-score error, rather than key MSE. Decoding un-permutes.
 """
 from typing import Dict, Optional, Tuple

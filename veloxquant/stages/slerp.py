@@ -13,7 +13,7 @@ layer keeps its own float16 vector for that token, counted in its bytes.
 
 `start` is MiniCache's depth: layers before start x n_layers are never grouped
 and hold their tokens in float16 as they came (a lone slerp layer is a lossless
-passthrough). The runtime is runtime/merged_tier.py; this module is the arithmetic.
+passthrough). The runtime is runtime/kinds/merged_tier.py; this module is the arithmetic.
 """
 from typing import Tuple
 
@@ -36,7 +36,7 @@ class Slerp:
 
     codes = False
     token_multiple = 1
-    tier_kind = "merged"  # held by runtime/merged_tier.py
+    tier_kind = "merged"  # held by runtime/kinds/merged_tier.py
     expires_together = True  # sliding-window pairs (same window) drop the same oldest tokens in both layers
 
     def __attrs_post_init__(self):

@@ -2,7 +2,7 @@
 the model on tokens of their own choosing, after everything each layer holds,
 and leave the model and every layer cache as they were; only the scorers that
 listened keep what they learnt. KVzip's "repeat the context" probe is the first
-user (runtime/scorers/reconstruct.py); any scorer that declares the need
+user (runtime/eviction/scorers/reconstruct.py); any scorer that declares the need
 "model_pass" gets one.
 
 What it takes:
@@ -30,8 +30,8 @@ from typing import Callable, Dict, List, Optional
 import attrs
 import mlx.core as mx
 
-from ..errors import VeloxError
-from ..models.tokenizers import tokenizer_of
+from ...errors import VeloxError
+from ...models.tokenizers import tokenizer_of
 from . import per_head
 from .scoring import attend_blocked, block_size, position_mask
 
@@ -85,7 +85,7 @@ class ModelPass:
 
 
 def needs_pass(tier) -> bool:
-    return NEED in getattr(tier, "needs", ()) and getattr(tier, "listening", False)
+    return NEED in tier.needs and tier.listening
 
 
 def attach(model, caches, tokenizer=None) -> None:

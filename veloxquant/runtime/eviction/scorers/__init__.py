@@ -1,6 +1,6 @@
 """Eviction scorers: one small module per way of ranking the tokens a head keeps.
 
-A scorer declares what it needs, and `runtime/per_head.py` gathers exactly
+A scorer declares what it needs, and `runtime/eviction/per_head.py` gathers exactly
 that and hands it over in a `Seen`; the scorer folds it into per-head state
 (the tier's `score` array, extra per-token arrays it names in `token_state`,
 or its own small arrays) and ranks tokens when the tier evicts. per_head never

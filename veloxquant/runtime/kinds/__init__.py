@@ -1,26 +1,24 @@
-"""Which runtime class holds a tier: the tier kinds behind one protocol.
+"""Which runtime class holds a tier: the tier kinds behind one protocol (runtime/kinds/protocol.py).
 
 A store stage that needs its own kind of tier names it (`tier_kind = "latent"`);
-TieredCache asks `build` and never branches on kinds itself. A new kind is a
-module plus one line in KINDS (or HEAD_KINDS, for a per-head route's
-`tier_kind`: RocketKV's decode-time selection).
+TieredCache asks `build` and never branches on kinds itself. A kind registers itself
+(`@kind("latent")`, or `@head_kind(...)` for a per-head route's `tier_kind`: RocketKV's
+decode-time selection); every module of this package is imported here, so a new kind
+is one module.
 """
+import importlib
+import pkgutil
 from typing import Optional
 
-from ..compiler.plan import LayerPlan, TierPlan
-from ..errors import VeloxError
-from .anchor_tier import AnchorTier
-from .head_tier import HeadTier
-from .latent_tier import LatentTier
-from .merged_tier import MergedTier
+from ...compiler.plan import LayerPlan, TierPlan
+from ...errors import VeloxError
+from ..eviction.head_tier import HeadTier
 from .plain import PlainRun
-from .query_aware_tier import QueryAwareTier
-from .sparse_tier import SparseDecodeTier
+from .protocol import HEAD_KINDS, KINDS, KindBase, TierKind, head_kind, kind
 from .tier import EXACT_MIN_CHUNK, Tier, fusable
 
-# tier_kind -> class(plan, n_kv_heads, head_dim)
-KINDS = {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier, "query_aware": QueryAwareTier}
-HEAD_KINDS = {"sparse_decode": SparseDecodeTier}  # a per-head route's tier_kind -> class(plan, window)
+for _info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
+    importlib.import_module(_info.name)  # each kind module registers itself
 
 
 def kind_of(plan: TierPlan):
@@ -33,21 +31,21 @@ def kind_of(plan: TierPlan):
     return asked.pop() if asked else None
 
 
-def build(plan: TierPlan, layer: LayerPlan, exact: bool):
+def build(plan: TierPlan, layer: LayerPlan, exact: bool) -> TierKind:
     if getattr(plan.route, "per_head", False):
         return HEAD_KINDS.get(getattr(plan.route, "tier_kind", None), HeadTier)(plan, layer.window)
-    kind = kind_of(plan)
-    if kind is None:
+    name = kind_of(plan)
+    if name is None:
         return Tier(plan, exact)
-    return KINDS[kind](plan, layer.n_kv_heads, layer.head_dim)
+    return KINDS[name](plan, layer.n_kv_heads, layer.head_dim)
 
 
-def plain_tier(cache) -> Optional[PlainRun]:
-    """The cache's one tier, wrapped for KVCache's work (runtime/plain.py), when the layer is plain
-    16-bit storage and nothing else: unrouted, unscored, read by SDPA (the fp16 recipe). The cache
-    then skips its routing (a sliding-window layer: at decode, where no query needs a mask)."""
-    tiers = cache.tiers
-    if len(tiers) != 1 or cache.scored or cache.per_head or cache._prompt_tiers or cache.saliency is not None:
+def plain_tier(tiers) -> Optional[PlainRun]:
+    """A layer's one tier, wrapped for KVCache's work (runtime/kinds/plain.py), when it is plain
+    16-bit storage and nothing else: unrouted, read by SDPA (the fp16 recipe). The cache asks
+    only for a layer nothing scores, and then skips its routing (a sliding-window layer: at
+    decode, where no query needs a mask)."""
+    if len(tiers) != 1:
         return None
     tier = tiers[0]
     plain = type(tier) is Tier and tier.route is None and tier.sixteen_bit and not tier.codes_attend \

@@ -13,13 +13,15 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
-from ..stages.rope_pairs import pairs, unpairs
+from ...compiler.plan import TierPlan
+from ...stages.rope_pairs import pairs, unpairs
+from .protocol import kind
 from .tier import Tier
 
 DECAY = 0.9  # weight of the energies so far at each attention call (~10 recent calls)
 
 
+@kind("query_aware")
 class QueryAwareTier(Tier):
     # Trimming would rewind the tokens but not the queries' running energies (an average, not a
     # log): refused, so a trimmed cache never continues from state it did not have at that point.

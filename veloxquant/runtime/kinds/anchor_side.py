@@ -1,7 +1,7 @@
 """One side (K or V) of the anchor tier kind (AnchorKV): anchors, (index, coefficient) per token, residuals.
 
 Until the prompt ends the side stages float16 tokens (attended exactly; their
-bytes count). At the end the tier (runtime/anchor_tier.py) gives it each
+bytes count). At the end the tier (runtime/kinds/anchor_tier.py) gives it each
 token's attention mass and a first-order error estimate from the prompt's real
 queries; the side picks its anchors, projects every token on one, codes the
 residuals the estimate ranks highest (stages/anchor.py), and frees the copy.
@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 
-from .buffer import Buffer
+from ..buffer import Buffer
 
 RESIDUAL = ("rpos", "rcodes", "rscales", "rzeros")
 PER_TOKEN = ("idx", "coeff")

@@ -15,11 +15,13 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .head_tier import HeadTier
+from ..eviction.head_tier import HeadTier
+from .protocol import head_kind
 
 SUMMARIES = ("pages.kmax", "pages.kmin")
 
 
+@head_kind("sparse_decode")
 class SparseDecodeTier(HeadTier):
     def __init__(self, plan, window=None):
         super().__init__(plan, window)

@@ -16,17 +16,19 @@ short for this tier to be attended before it ended) every token weighs the same.
 """
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
+from ...compiler.plan import TierPlan
 from .anchor_side import AnchorSide
-from ..kernels.partials import Partial, partial_from_scores
+from ...kernels.partials import Partial, partial_from_scores
 from .latent_side import PlainSide
 from .latent_tier import LatentTier
+from .protocol import kind
 
 WINDOW = 32  # query positions (each with its GQA group) that rank the prompt's tokens
 BLOCK = 8  # query rows per block of attention when ranking
 QUERY_BLOCK = 256  # query positions per block of a prefill chunk
 
 
+@kind("anchor")
 class AnchorTier(LatentTier):
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads

@@ -43,7 +43,7 @@ def watches(route) -> bool:
 
 def decide(caches: List) -> Dict[str, list]:
     """Allocate every collecting tier's budgets; returns what was chosen (for `run --json`)."""
-    found = [(c, t) for c in caches for t in c.tiers if getattr(t, "collecting", False)]
+    found = [(c, t) for c in caches for t in c.tiers if t.collecting]
     if not found:
         return {}
     dists = [_distribution(t.signal(c.offset)) if watches(t.route) else None for c, t in found]  # [H, L]

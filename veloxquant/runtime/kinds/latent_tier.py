@@ -18,17 +18,20 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
-from ..kernels.partials import Partial, partial_from_scores
+from ...compiler.plan import TierPlan
+from ...kernels.partials import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
+from .protocol import kind
 from .tier import expire_front, front_mask
 
 SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
 
 
+@kind("latent")
 class LatentTier(SidesHeld):
-    """Behind the tier protocol (runtime/tier.py): place, drop, hold, answer a partial."""
+    """Behind the tier protocol (runtime/kinds/tier.py): place, drop, hold, answer a partial."""
+    ends_prompt = joins_groups = True  # fits its basis when the prompt ends; xKV groups share it
     can_rewind = False  # trimming: latents cannot give their fp16 values back (runtime/trimming.py)
 
     fusable = False
@@ -100,7 +103,7 @@ class LatentTier(SidesHeld):
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
 
     def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
-        """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        """The tier protocol's attention method (runtime/kinds/tier.py): always its own partial, never decoded."""
         if hidden:
             mask = front_mask(self.count, hidden)
         return lambda: self.partial(queries, scale, mask)

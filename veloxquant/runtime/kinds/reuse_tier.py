@@ -8,12 +8,12 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..compiler.groups import shares
-from ..compiler.plan import CodecPlan, TierPlan
-from ..kernels.bitpack import unpack
-from . import code_attention, fused
-from .buffer import Buffer
-from .copying import copy_sharing
+from ...compiler.groups import shares
+from ...compiler.plan import CodecPlan, TierPlan
+from ...kernels.bitpack import unpack
+from .. import code_attention, fused
+from ..buffer import Buffer
+from ..copying import copy_sharing
 from .tier import UNBOUNDED_STEP, Tier
 
 

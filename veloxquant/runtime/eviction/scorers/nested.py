@@ -10,7 +10,7 @@ best weighs most. Surprise gate: where the scales disagree (their per-token
 std, min-max normalised per head and mean-centred, above `tau`, sharpness
 `kappa`), the score moves to the strongest scale: a* = (1-g) blend + g max.
 a* lies in [0, 1] in every head, so heads compete for the layer's budget on it
-(heads=score: runtime/allocation.py). Decode tokens are appended, never rescored.
+(heads=score: runtime/eviction/allocation.py). Decode tokens are appended, never rescored.
 """
 import mlx.core as mx
 

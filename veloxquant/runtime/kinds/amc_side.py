@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .buffer import Buffer
+from ..buffer import Buffer
 from .latent_side import BASIS, LatentSide
 
 FITTED = BASIS + ("thresholds",)

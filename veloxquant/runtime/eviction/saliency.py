@@ -20,9 +20,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..errors import VeloxError
-from . import decoded_attention
-from .copying import copy_owned
+from ...errors import VeloxError
+from .. import decoded_attention
+from ..copying import copy_owned
 from .scoring import position_mask
 
 QUERY_BLOCK = 128

@@ -12,8 +12,8 @@ from typing import Tuple
 
 import mlx.core as mx
 
-from ..stages.store import SIXTEEN_BIT
-from .copying import copy_owned
+from ...stages.store import SIXTEEN_BIT
+from ..copying import copy_owned
 
 
 class PlainRun:

@@ -20,12 +20,13 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compiler.plan import TierPlan
-from ..errors import VeloxError
-from ..kernels.partials import Partial, partial_from_scores
-from .buffer import Buffer
-from .copying import copy_owned
+from ...compiler.plan import TierPlan
+from ...errors import VeloxError
+from ...kernels.partials import Partial, partial_from_scores
+from ..buffer import Buffer
+from ..copying import copy_owned
 from .latent_side import PlainSide, SidesHeld
+from .protocol import kind
 from .tier import expire_front, front_mask
 
 OWN = {None: ("x",), "anchor": ("dir", "mag", "x"), "reuse": ("mag", "flag", "ret")}  # arrays per role
@@ -199,8 +200,10 @@ class MergedSide:
         return None
 
 
+@kind("merged")
 class MergedTier(SidesHeld):
-    """Behind the tier protocol (runtime/tier.py), like the latent tier: place, hold, answer a partial."""
+    """Behind the tier protocol (runtime/kinds/tier.py), like the latent tier: place, hold, answer a partial."""
+    joins_groups = True  # a pair of layers holds one direction per token
     can_rewind = False  # a merged pair cannot give one layer's tokens back
     fusable = sixteen_bit = drops = False
     granularity = 1
@@ -241,7 +244,7 @@ class MergedTier(SidesHeld):
         return None
 
     def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
-        """The tier protocol's attention method (runtime/tier.py): always its own partial, never decoded."""
+        """The tier protocol's attention method (runtime/kinds/tier.py): always its own partial, never decoded."""
         if hidden:
             mask = front_mask(self.count, hidden)
         return lambda: self.partial(queries, scale, mask)

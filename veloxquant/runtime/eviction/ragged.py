@@ -15,8 +15,8 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .buffer import Buffer
-from .tier import UNBOUNDED_STEP
+from ..buffer import Buffer
+from ..kinds.tier import UNBOUNDED_STEP
 
 PAD = 1 << 30  # position of an unused slot: after every query, so masked out
 # Tokens: an eviction dropping at least this many (a prefill step's, the prompt's decision) evaluates
@@ -124,7 +124,7 @@ def gather(padded: mx.array, idx: mx.array) -> mx.array:
 
 
 def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None) -> None:
-    """Head h of an eviction tier (runtime/head_tier.py) keeps its own budget: the tier's
+    """Head h of an eviction tier (runtime/eviction/head_tier.py) keeps its own budget: the tier's
     arrays become ragged (flat, no padding held)."""
     pos = tier.positions
     valid = pos < PAD
@@ -148,7 +148,7 @@ def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None
 
 
 def restore_ragged(tier, arrays: Dict[str, mx.array]) -> Optional[str]:
-    """A saved ragged tier (runtime/head_tier.py: arrays()) back into `tier`; an error text, or None."""
+    """A saved ragged tier (runtime/eviction/head_tier.py: arrays()) back into `tier`; an error text, or None."""
     lens = arrays["ragged.lens"].tolist()
     if not lens or min(lens) < 1:
         return f"ragged.lens {lens} gives a kv head no tokens"

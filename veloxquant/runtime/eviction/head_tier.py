@@ -4,27 +4,28 @@ Every array's axis 2 counts tokens, so evicting is one gather per array.
 Heads hold equally many tokens but at different positions: `pos` [B, H, L]
 says which, and masks are built from it. Positions and scores are real
 memory and count in nbytes. Once the coordinator gives heads unequal budgets
-(Ada-KV), the first eviction makes the tier ragged (runtime/ragged.py): each
+(Ada-KV), the first eviction makes the tier ragged (runtime/eviction/ragged.py): each
 head's tokens held flat, no padding; the arrays below are then padded views.
 """
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
+from ...compiler.plan import TierPlan
 from . import scorers
-from .buffer import Buffer
-from .codec import Codec
-from .copying import copy_sharing
+from ..buffer import Buffer
+from ..codec import Codec
+from ..copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
 from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
-from .tier import UNBOUNDED_STEP
+from ..kinds.protocol import KindBase
+from ..kinds.tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
 
 
-class HeadTier:
+class HeadTier(KindBase):
     per_head = True
     fusable = False
     granularity = 1
@@ -122,7 +123,7 @@ class HeadTier:
     def set_scores(self, scores: mx.array) -> None:
         self.meta["score"].set(scores)
 
-    # --- budgets the coordinator allocates (runtime/allocation.py) -----------
+    # --- budgets the coordinator allocates (runtime/eviction/allocation.py) -----------
     def collect(self, received: mx.array) -> None:
         self.meta["seen"].set(self.meta["seen"].view() + received)
 
@@ -200,7 +201,7 @@ class HeadTier:
             self.keep(mx.zeros(self.positions.shape, mx.float32), offset, self.window)
 
     def cut_due(self) -> bool:
-        """Settling would drop tokens now (runtime/deferred.py scores held queries first)."""
+        """Settling would drop tokens now (runtime/eviction/deferred.py scores held queries first)."""
         return self._cut() is not None
 
     def _cut(self) -> Optional[str]:
@@ -225,7 +226,7 @@ class HeadTier:
         pass  # sliding-window expiry: heads differ, so old tokens are masked, not dropped
 
     def expire(self, oldest_visible: int) -> None:
-        pass  # the same: masked by per-head positions (runtime/per_head.py), never dropped
+        pass  # the same: masked by per-head positions (runtime/eviction/per_head.py), never dropped
 
     def spill(self, offset: int, dtype) -> None:
         """Settling evicts by score (every-step routes); nothing moves on to another tier."""

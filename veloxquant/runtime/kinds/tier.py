@@ -3,13 +3,14 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..compiler.plan import TierPlan
-from ..kernels import dispatch
-from . import code_attention, fused
-from .buffer import Buffer
-from .codec import Codec
-from .copying import copy_sharing
+from ...compiler.plan import TierPlan
+from ...kernels import dispatch
+from .. import code_attention, fused
+from ..buffer import Buffer
+from ..codec import Codec
+from ..copying import copy_sharing
 from .plain import PlainRun
+from .protocol import KindBase
 from .tier_rows import TierRows
 
 # Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
@@ -23,7 +24,7 @@ def fusable(plan: TierPlan) -> bool:
     return plan.plain_affine
 
 
-class Tier(TierRows):
+class Tier(TierRows, KindBase):
     scorer = None  # only per-head tiers rank their tokens (head_tier.py)
 
     def __init__(self, plan: TierPlan, exact: bool = False):
@@ -42,7 +43,7 @@ class Tier(TierRows):
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
-        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/saliency.py)
+        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
         self.plain = None
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}

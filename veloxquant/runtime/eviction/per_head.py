@@ -2,7 +2,7 @@
 
 When a layer has an eviction tier (HeadTier), keys are masked by their
 per-head positions, and the tier's scorer is fed from the very attention the
-model computes. Each tier's scorer (runtime/scorers/) declares what it needs
+model computes. Each tier's scorer (runtime/eviction/scorers/) declares what it needs
 ("weights", "queries", "new_keys"); this module gathers exactly that, and
 computes attention with an explicit softmax only when some scorer needs the
 weights. It never branches on which scorer it feeds.
@@ -23,7 +23,7 @@ SYNC_BYTES = SCORE_BYTES  # about every block at 8k keys; every other block at 2
 
 
 def _positions(tier, B: int, H: int) -> mx.array:
-    if getattr(tier, "per_head", False):
+    if tier.per_head:
         return tier.positions
     return mx.broadcast_to(mx.arange(tier.start, tier.end, dtype=mx.int32), (B, H, tier.count))
 
@@ -35,7 +35,7 @@ def _gather(cache, held: List, dtype, queries: Optional[mx.array] = None):
     RocketKV's stage 2) gives only the tokens those queries are to attend to."""
     parts = []
     for t in held:
-        picked = t.pick(queries, dtype) if queries is not None and hasattr(t, "pick") else None
+        picked = t.pick(queries, dtype) if queries is not None else None
         parts.append(picked or (*t.decoded(dtype), None))
     k, v = (_joined([p[i] for p in parts]) for i in (0, 1))
     B, H = k.shape[:2]
@@ -54,7 +54,7 @@ def _joined(arrays: List[mx.array]) -> mx.array:
 def _mask(cache, held, kpos, slices, first_q: int, Lq: int) -> Optional[mx.array]:
     """Per-kv-head mask, or None when every held key is visible to every query."""
     windows = [cache._window(t) for t in held]
-    if Lq == 1 and all(w is None for w in windows) and not any(getattr(t, "ragged", None) for t in held):
+    if Lq == 1 and all(w is None for w in windows) and not any(t.ragged for t in held):
         return None  # decode: everything held is older than the one query (no unused ragged slots)
     masks = [position_mask(kpos[:, :, where], first_q, Lq, window) for where, window in zip(slices, windows)]
     return mx.concatenate(masks, axis=-1)
@@ -65,9 +65,9 @@ def _causal(cache, held: List, end: int) -> bool:
     (nothing evicted yet, no window): SDPA's "causal" is exact, no mask array needed."""
     spans = []
     for t in held:
-        if cache._window(t) is not None or (getattr(t, "per_head", False) and not t.uniform):
+        if cache._window(t) is not None or (t.per_head and not t.uniform):
             return False
-        spans.append((t.first, t.first + t.count) if getattr(t, "per_head", False) else (t.start, t.end))
+        spans.append((t.first, t.first + t.count) if t.per_head else (t.start, t.end))
     # In the order _gather concatenates them: "causal" masks by index, not by position.
     contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     return contiguous and spans[-1][1] == end
@@ -95,7 +95,7 @@ def _block(queries: mx.array, keys: mx.array) -> int:
 
 def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, observe: bool) -> mx.array:
     """The layer's attention over everything held; feeds each listening scorer what it declared
-    (now, or, for slack routes, when a cut is due: runtime/deferred.py)."""
+    (now, or, for slack routes, when a cut is due: runtime/eviction/deferred.py)."""
     Lq, Hq = queries.shape[2], queries.shape[1]
     listeners = _listeners(held) if observe else []
     if deferred.defers(listeners, Lq):
@@ -160,7 +160,7 @@ def observe_block(cache, queries: mx.array, first_q: int) -> None:
 
 
 def score_held(cache) -> None:
-    """Score the decode queries runtime/deferred.py holds now, as one block (see its module doc)."""
+    """Score the decode queries runtime/eviction/deferred.py holds now, as one block (see its module doc)."""
     taken = deferred.take(cache)
     if taken is not None:
         observe_block(cache, *taken)

@@ -8,16 +8,17 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..compiler.plan import CodecPlan
-from ..stages.latent_reader import LatentReader, readable
-from .buffer import Buffer
-from .codec import Codec
+from ...compiler.plan import CodecPlan
+from ...stages.latent_reader import LatentReader, readable
+from ..buffer import Buffer
+from ..codec import Codec
+from .protocol import KindBase
 
 BASIS = ("basis", "mean", "widths")  # a fitted side's arrays that are not per token
 STATS = ("loc", "std", "keep")  # with quant=gauss each latent's scale; calibrated, the axes kept
 
 
-class SidesHeld:
+class SidesHeld(KindBase):
     """A tier whose arrays are held per side (`self.sides`: "k", "v" -> a side object with
     append, nbytes, arrays() and restore()): appending to both sides, its bytes, its arrays
     named "side.name", and restoring them from a saved file. Shared by the latent and merged tier kinds."""

@@ -1,4 +1,4 @@
-"""Deferred scoring for every-step eviction with slack (`evict(slack=s)`, runtime/head_tier.py).
+"""Deferred scoring for every-step eviction with slack (`evict(slack=s)`, runtime/eviction/head_tier.py).
 
 A decode step of such a layer attends through fused SDPA, as if nothing were
 scored, and holds its query. The weights the held queries gave are computed in
@@ -40,7 +40,7 @@ def due(cache) -> bool:
     held = _held(cache)
     if not held:
         return False
-    tiers = [t for t in cache.tiers if getattr(t, "per_head", False)]
+    tiers = [t for t in cache.tiers if t.per_head]
     return len(held) >= max(t.route.slack for t in tiers) or any(t.cut_due() for t in tiers)
 
 

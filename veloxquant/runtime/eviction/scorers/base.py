@@ -4,7 +4,7 @@ from typing import Callable, Dict, Optional, Tuple
 import attrs
 import mlx.core as mx
 
-from ...stages.scorers import SPECS
+from ....stages.scorers import SPECS
 
 SCORERS: Dict[str, type] = {}
 
