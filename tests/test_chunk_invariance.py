@@ -6,7 +6,7 @@ The random-init model runs a scaled feed over every built-in (448 tokens: (a) on
 decode step, (b) 3 x 128 + 8 x 8, (c) a 384 prefix then 64 single steps). SmolLM2 runs 1,152 tokens
 ((b) 4 x 256 + 4 x 32, (c) a 1,024 prefix then 128 single steps), which crosses every built-in's
 window (streaming_llm's 4 + 1,020), band, budget and 64-token group boundary: on its first 4 layers
-for one built-in per combination of tier kinds (slow), on all 30 for every built-in (`-m long`)."""
+for one built-in per combination of tier kinds, on all 30 for every built-in (both `-m long`)."""
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -215,7 +215,7 @@ def test_representatives_cover_every_tier_kind(tiny):
     assert not missing, f"add a representative of each of these kinds to REPRESENTATIVES: {missing}"
 
 
-@pytest.mark.slow  # the full 30 layers over every built-in is the `long` run below
+@pytest.mark.long  # 10-30 s each on a 2-core CPU (a token-by-token feed of 1,152 tokens): past CI's time
 @pytest.mark.parametrize("recipe", _known_gaps(REPRESENTATIVES))
 def test_same_tokens_same_cache_default_representatives(smollm2_top, recipe):
     check(smollm2_top, recipe, DEFAULT)
