@@ -26,8 +26,9 @@ TINY = {
     "parity": (["--tokens", "64", "--chunk", "32"], "| fp16 |"),
     "serve": (["--recipes", "fp16", "--context", "40", "--decode", "3", "--concurrency", "1", "--layers", "2",
                "--budget-mib", "1", "--dtype", "float32"], "| fp16 |"),
+    "sharded": (["fp16"], "| fp16 |"),
 }
-SLOW = {"entropy", "kvpress"}  # tens of seconds on the CPU, on the real model
+SLOW = {"entropy", "kvpress", "sharded"}  # tens of seconds on the CPU (real model; sharded: two mlx.launch ranks)
 
 
 def test_every_registered_bench_has_a_tiny_run_here():

@@ -124,7 +124,7 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         model = attrs.asdict(self.shape)
         del model["ropes"]  # unrope stages carry their layer's settings; other plans keep their fingerprints
-        for usual in ("slots", "readers"):  # the usual layout (compiler/layout.py) is not written: fingerprints kept
+        for usual in ("slots", "readers", "shard"):  # the usual layout (compiler/layout.py) is not written: fingerprints kept
             if not model[usual]:
                 del model[usual]
         return {"model": model, "layers": [l.to_dict() for l in self.layers]}
@@ -134,6 +134,8 @@ class Plan:
         """Hash of what the caches do (not of names, model labels or formatting)."""
         what = self.to_dict()
         del what["model"]["name"]  # the layers carry the shape that matters
+        if "shard" in what["model"]:  # every rank of a sharded model runs the same plan: the world size counts
+            what["model"]["shard"] = what["model"]["shard"][1:]
         blob = json.dumps(what, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -34,7 +34,8 @@ def _codec(stages) -> CodecPlan:
 def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
     m = d["model"]
     shape = ModelShape(m["name"], tuple(m["n_kv_heads"]), tuple(m["head_dim"]), tuple(m["windows"]),
-                       slots=tuple(m.get("slots", ())), readers=tuple(tuple(r) for r in m.get("readers", ())))
+                       slots=tuple(m.get("slots", ())), readers=tuple(tuple(r) for r in m.get("readers", ())),
+                       shard=tuple(m.get("shard", ())))
     layers = []
     for ld in d["layers"]:
         tiers = []

@@ -24,6 +24,10 @@ class ModelShape:
     # their fingerprints.
     slots: Tuple[str, ...] = ()
     readers: Tuple[Tuple[int, ...], ...] = ()
+    # (rank, world size) of a model sharded by tensor parallelism (mlx-lm's `model.shard()`): each layer's
+    # kv heads above are this rank's. Empty for a model that is not sharded, so its plans keep their
+    # fingerprints.
+    shard: Tuple[int, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -55,7 +59,8 @@ class ModelShape:
             heads.append(int(n_kv))
             dims.append(int(hd))
         shared = () if read.trivial else read.slots, () if read.trivial else read.readers
-        return cls(name, tuple(heads), tuple(dims), read.windows, tuple(_ropes(owners)), *shared)
+        return cls(name, tuple(heads), tuple(dims), read.windows, tuple(_ropes(owners)), *shared,
+                   shard=_shard(owners))
 
     @property
     def trivial_layout(self) -> bool:
@@ -86,6 +91,19 @@ class ModelShape:
 
 def _list(values) -> str:
     return ", ".join(map(str, values))
+
+
+def _shard(layers) -> Tuple[int, ...]:
+    """(rank, world size) when the attention's projections are mx.distributed sharded linears (mlx-lm's
+    `model.shard()`: the layer keeps n_kv_heads / N heads); () otherwise. `shard_inplace` keeps no group:
+    such a model's caches still hold the rank's heads, but carry no rank."""
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        for part in (attn.values() if hasattr(attn, "values") else ()):
+            group = getattr(part, "group", None)
+            if group is not None and hasattr(group, "size") and group.size() > 1:
+                return (int(group.rank()), int(group.size()))
+    return ()
 
 
 def _ropes(layers):

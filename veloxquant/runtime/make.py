@@ -6,7 +6,7 @@ from ..compiler.binding import bind
 from ..compiler.layout import own_caches
 from ..errors import VeloxError
 from ..recipe import Recipe, load_recipe
-from . import cache_list, hook
+from . import cache_list, hook, sharding
 from .eviction import model_pass
 from .cache import TieredCache
 from .coordinator import link_groups
@@ -19,10 +19,16 @@ def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_ho
 
 
 def caches_for(plan: Plan) -> List[TieredCache]:
+    shard = sharding.of(plan)
+    if shard:
+        sharding.group(shard)  # a sharded model's caches run in the launch they were made for
     caches = [TieredCache(layer) for layer in plan.layers]
     for c in caches:
         c.fingerprint = plan.fingerprint
         c.plan_root = plan
+        for tier in c.tiers:
+            if hasattr(tier, "shard"):  # tiers whose decisions look across a layer's heads
+                tier.shard = shard
     link_groups(plan, caches)  # cross-layer groups (xquant): one coordinator shared by the caches
     return caches
 

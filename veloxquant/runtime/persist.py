@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
-from . import cache_list, checksums, coded, hook, kept_state
+from . import cache_list, checksums, coded, hook, kept_state, sharding
 from .eviction import per_head
 from .cache_list import kept_caches, recipe_caches
 from .make import caches_for
@@ -45,6 +45,8 @@ def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]
         layers.append({"offset": cache.offset, "dtype": str(cache.dtype).split(".")[-1], "tiers": tiers})
     meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
             "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
+    if plan.shape.shard:  # a sharded model's rank holds its own kv heads: loaded on that rank of that world only
+        meta["rank"], meta["world"] = (str(v) for v in plan.shape.shard)
     if not plan.shape.trivial_layout:
         meta["kept"] = json.dumps(kept_state.save(kept_caches(everything), arrays))
     meta.update({f"user.{k}": str(v) for k, v in (metadata or {}).items()})
@@ -81,6 +83,11 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
         raise CacheFileError(
             f"{path}: made by recipe '{plan.recipe}' (fingerprint {plan.fingerprint}); the recipe asked for "
             f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead.")
+    shard = tuple(int(meta[k]) for k in ("rank", "world") if k in meta)
+    problem = sharding.mismatch(shard) or ("" if shard == plan.shape.shard else "rank/world metadata differ "
+                                           f"from the stored plan's {plan.shape.shard} (corrupt file)")
+    if problem:
+        raise CacheFileError(f"{path}: {problem}")
     _check_model(path, plan, model)
     caches = caches_for(plan)
     if len(layers) != len(caches):
@@ -119,19 +126,25 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
 def _check_model(path: str, plan, model) -> None:
     if model is not None:
         shape = ModelShape.from_model(model)
-        mine = (shape.n_kv_heads, shape.head_dim, shape.windows, shape.slots, shape.readers)
+        mine = (shape.n_kv_heads, shape.head_dim, shape.windows, shape.slots, shape.readers, shape.shard)
         if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows, plan.shape.slots,
-                    plan.shape.readers):
+                    plan.shape.readers, plan.shape.shard):
             raise CacheFileError(
                 f"{path}: made for a model with {len(plan.shape.head_dim)} layers, kv heads "
                 f"{_runs(plan.shape.n_kv_heads)}, head_dim {_runs(plan.shape.head_dim)}; the model given has "
                 f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}"
-                + ("" if mine[3:] == (plan.shape.slots, plan.shape.readers) else
-                   f"; cache layout: the file's {plan.shape.layout_text()}, the model's {shape.layout_text()}"))
+                + ("" if mine[3:5] == (plan.shape.slots, plan.shape.readers) else
+                   f"; cache layout: the file's {plan.shape.layout_text()}, the model's {shape.layout_text()}")
+                + ("" if shape.shard == plan.shape.shard else
+                   f"; sharding: the file's {_sharded(plan.shape.shard)}, the model's {_sharded(shape.shard)}"))
     elif any("attention" in layer.needs for layer in plan.layers) and not hook.any_installed():
         raise VeloxError(f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
                          "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
                          "and the hook is installed for it")
+
+
+def _sharded(shard) -> str:
+    return f"rank {shard[0]} of {shard[1]}" if shard else "not sharded"
 
 
 def _runs(values) -> str:

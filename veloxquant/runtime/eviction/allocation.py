@@ -22,11 +22,15 @@ heads=adakv (Ada-KV): a layer's H * B tokens go to the heads whose tokens
   layer's budget is the top of all heads' remaining p, pooled, so a head that
   concentrates gives budget to one that spreads. Heads with the same sorted p
   (tied) get B each: the uniform recipe.
+On a sharded model (runtime/sharding.py) a layer's breadth is the mean over all
+ranks' heads and head budgets are split over all heads, gathered, as unsharded.
 """
 from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
+
+from .. import sharding
 
 
 def allocates(route) -> bool:
@@ -51,7 +55,8 @@ def decide(caches: List) -> Dict[str, list]:
     squeezed = [i for i, (_, t) in enumerate(found) if t.route.layers == "squeeze" and t.route.strength > 0]
     layer = list(bases)
     if squeezed:
-        breadth = [float(mx.mean(mx.exp(_entropy(dists[i]))).item()) for i in squeezed]
+        shard = sharding.of(found[0][0].plan_root)
+        breadth = [float(sharding.mean_heads(shard, mx.exp(_entropy(dists[i])), 0).item()) for i in squeezed]
         strength = [found[i][1].route.strength for i in squeezed]
         moved = squeeze([bases[i] for i in squeezed], breadth, strength, [found[i][1].route.floor for i in squeezed])
         for i, b in zip(squeezed, moved):
@@ -60,8 +65,9 @@ def decide(caches: List) -> Dict[str, list]:
     for (c, t), p, b in zip(found, dists, layer):
         if t.route.heads == "score" and t.route.alpha < 1:  # NestedKV: heads compete on the scorer's own scores
             p = mx.mean(t.scorer.priority(t, c.offset, None), axis=0)
-        if t.route.heads in ("adakv", "score") and t.route.alpha < 1:
-            heads = adakv(p, b, t.route.alpha, t.route.floor)
+        if t.route.heads in ("adakv", "score") and t.route.alpha < 1:  # over all ranks' heads, this rank's share
+            shard = sharding.of(c.plan_root)
+            heads = sharding.my_heads(shard, adakv(sharding.gather_heads(shard, p), b, t.route.alpha, t.route.floor))
         else:
             heads = [b] * len(t.lengths())
         t.allocate(heads)

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ...compiler.plan import TierPlan
 from . import scorers
+from .. import sharding
 from ..buffer import Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
@@ -47,6 +48,7 @@ class HeadTier(KindBase):
         self.meta = {name: Buffer(step) for name in (*META, *self.scorer.token_state)}
         self.count = 0  # tokens per head
         self.decided = False  # `once` routes (SnapKV) decide a single time
+        self.shard = ()  # (rank, world size) of a sharded model (runtime/sharding.py), set by make.caches_for
         # Until the first eviction every head holds the same run [first, first + count):
         # attention can then use SDPA's "causal" instead of a per-head mask array.
         self.uniform, self.first = True, 0
@@ -167,7 +169,7 @@ class HeadTier(KindBase):
             return keep_ragged(self, priority, offset, budget)
         budget = min(budget or (self.head_budgets()[0] if self.budgets else self.budget), self.count)
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
-            priority = mx.broadcast_to(mx.mean(priority, axis=1, keepdims=True), priority.shape)
+            priority = mx.broadcast_to(sharding.mean_heads(self.shard, priority, 1), priority.shape)  # all ranks' heads
         recent = getattr(self.route, "recent", 0)
         protected = self.positions < self.route.sinks
         if recent:  # held positions are all < offset: with no recent window there is nothing to compare (decode ops)
