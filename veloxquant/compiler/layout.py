@@ -8,7 +8,8 @@ cache each later layer attends over (`previous_kvs`, Gemma 4's KV sharing). Anyt
 refused, naming the layer and what was found: a cache list that does not match the model's own
 runs with wrong attention and no error.
 
-Cache classes are matched by name and module, so reading a layout does not import mlx-lm.
+Cache classes are matched by name and module, so reading a layout does not import mlx-lm; mlx-vlm's
+classes of the same names (mlx_vlm.models.cache, used by its language models) are read the same way.
 """
 import threading
 from typing import List, Optional, Tuple
@@ -18,7 +19,7 @@ import attrs
 from ..errors import VeloxError
 
 ATTENTION = "attention"
-_MLX = "mlx_lm.models.cache"
+_MLX = ("mlx_lm.models.cache", "mlx_vlm.models.cache")
 KEPT = ("ArraysCache", "MambaCache")  # non-attention state: passed through as mlx-lm made it
 _reading = threading.local()  # ids of models whose make_cache() is being read (a replaced one may re-enter)
 
@@ -38,9 +39,9 @@ class Layout:
 def _mlx_class(cache) -> Optional[str]:
     """The mlx-lm cache class `cache` is exactly, or the kept class it derives from; None otherwise."""
     cls = type(cache)
-    if cls.__module__ == _MLX and cls.__name__ in ("KVCache", "RotatingKVCache", *KEPT):
+    if cls.__module__ in _MLX and cls.__name__ in ("KVCache", "RotatingKVCache", *KEPT):
         return cls.__name__
-    kept = [k.__name__ for k in cls.__mro__ if k.__module__ == _MLX and k.__name__ in KEPT]
+    kept = [k.__name__ for k in cls.__mro__ if k.__module__ in _MLX and k.__name__ in KEPT]
     return kept[0] if kept else None
 
 
@@ -99,7 +100,7 @@ def read(model, name: str = "model") -> Layout:
                              "first tokens); veloxquant reads sliding windows with keep=0 only")
         if kind is None:
             raise VeloxError(f"layer {i} of {name} uses {type(c).__module__}.{type(c).__name__}, a cache veloxquant "
-                             "cannot read (it reads mlx-lm's KVCache, RotatingKVCache(keep=0), and passes "
+                             "cannot read (it reads mlx-lm's and mlx-vlm's KVCache, RotatingKVCache(keep=0), and passes "
                              f"{' and '.join(KEPT)} of non-attention layers through)")
         if kind in KEPT:
             slots.append(kind)

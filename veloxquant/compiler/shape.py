@@ -52,6 +52,9 @@ class ModelShape:
             n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None) \
                 or getattr(args, "num_key_value_heads", None)
             hd = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None)
+            proj = getattr(getattr(attn, "k_proj", None), "weight", None)
+            if hd is None and n_kv and proj is not None and args is None:  # mlx-vlm's LLaVA: read off k_proj
+                hd = proj.shape[0] // int(n_kv)
             if hd is None and args is not None:
                 hd = args.hidden_size // args.num_attention_heads
             if not n_kv or not hd:

@@ -8,7 +8,7 @@ any other cache falls through to mlx-lm's original function.
 import sys
 from typing import Dict
 
-from .eviction import model_pass
+from .eviction import model_pass, protected
 from . import shared_kv
 
 _ORIGINALS: Dict[str, object] = {}
@@ -79,3 +79,4 @@ def uninstall(model=None) -> None:
             setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
     EPOCH[0] += 1
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/eviction/model_pass.py)
+    protected.uninstall(getattr(model, "language_model", model) if model is not None else None)  # image tokens

@@ -5,15 +5,17 @@ from ..compiler import ModelShape, Plan, compile_recipe
 from ..compiler.binding import bind
 from ..compiler.layout import own_caches
 from ..errors import VeloxError
+from ..models.vlm import image_token_ids, is_vlm, text_model
 from ..recipe import Recipe, load_recipe
 from . import cache_list, hook, sharding
-from .eviction import model_pass
+from .eviction import model_pass, protected
 from .cache import TieredCache
 from .coordinator import link_groups
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
     recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    model = text_model(model)  # an mlx-vlm model's caches are its language model's (models/vlm.py)
     plan = compile_recipe(recipe, ModelShape.from_model(model), sets, hook=use_hook)
     return bind(plan, model)  # calibrated stages: their artifact for this model, or a clear error
 
@@ -34,7 +36,7 @@ def caches_for(plan: Plan) -> List[TieredCache]:
 
 
 def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable[str] = (),
-                      use_hook: bool = True, tokenizer=None) -> list:
+                      use_hook: bool = True, tokenizer=None, images: str = "keep") -> list:
     """`model`'s cache list under `recipe` (a built-in name or a path): a TieredCache for each attention
     cache of the model's own make_cache(); a hybrid model's non-attention state caches are its own,
     untouched; Gemma 4's KV-shared layers attend over their owners' caches (compiler/layout.py).
@@ -44,9 +46,22 @@ def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable
     decoded K/V to mlx-lm's own attention. `tokenizer` tokenizes the prompt of a
     model pass the caches run (KVzip's repeat instruction); models loaded with
     veloxquant.models.load_model bring their own.
+
+    An mlx-vlm model (mlx_vlm.load) gets its language model's caches, for mlx-vlm's
+    generate(..., prompt_cache=caches); with `images="keep"` (the default) its eviction
+    tiers keep every image token of the prompt on top of their budget
+    (runtime/eviction/protected.py); `images="evict"` ranks them as any other token.
     """
+    if images not in ("keep", "evict"):
+        raise VeloxError(f"images={images!r}: must be 'keep' (image tokens are never evicted) or 'evict'")
     plan = plan_for(model, recipe, sets, use_hook)
-    caches = prompt_caches(model, plan, tokenizer)
+    vlm, lm = is_vlm(model), text_model(model)
+    if vlm and any(model_pass.NEED in layer.needs for layer in plan.layers):
+        raise VeloxError(f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run an "
+                         "mlx-vlm language model on token ids without the prompt's image embeddings: not supported")
+    caches = prompt_caches(lm, plan, tokenizer)
+    if vlm and images == "keep":
+        protected.attach(lm, caches, image_token_ids(model))
     if use_hook:
         hook.install(model)
     return caches

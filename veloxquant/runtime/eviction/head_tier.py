@@ -19,6 +19,7 @@ from ..codec import Codec
 from ..copying import copy_sharing
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
+from .protected import protect, room as protected_room
 from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
 from ..kinds.protocol import KindBase
 from ..kinds.tier import UNBOUNDED_STEP
@@ -28,6 +29,7 @@ META = ("pos", "score")  # arrays beside the codec's: positions and running scor
 
 class HeadTier(KindBase):
     per_head = True
+    protected = None  # image tokens it never drops (runtime/eviction/protected.py)
     fusable = False
     granularity = 1
 
@@ -154,8 +156,8 @@ class HeadTier(KindBase):
     def over(self, slack: int = 0) -> bool:
         """Some head holds more than its budget (plus `slack`)."""
         if self.budgets is None:
-            return self.count > self.budget + slack
-        return any(n > b + slack for n, b in zip(self.lengths(), self.head_budgets()))
+            return self.count > protected_room(self, self.budget) + slack
+        return any(n > protected_room(self, b) + slack for n, b in zip(self.lengths(), self.head_budgets()))
 
     @property
     def budget(self) -> int:
@@ -167,11 +169,12 @@ class HeadTier(KindBase):
         `offset` (positions seen) places the protected recent window."""
         if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
             return keep_ragged(self, priority, offset, budget)
-        budget = min(budget or (self.head_budgets()[0] if self.budgets else self.budget), self.count)
+        budget = min(budget or protected_room(self, self.head_budgets()[0] if self.budgets else self.budget, offset),
+                     self.count)
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
             priority = mx.broadcast_to(sharding.mean_heads(self.shard, priority, 1), priority.shape)  # all ranks' heads
         recent = getattr(self.route, "recent", 0)
-        protected = self.positions < self.route.sinks
+        protected = protect(self, self.positions < self.route.sinks, self.positions)
         if recent:  # held positions are all < offset: with no recent window there is nothing to compare (decode ops)
             protected = protected | (self.positions >= offset - recent)
         priority = mx.where(protected, mx.inf, priority)

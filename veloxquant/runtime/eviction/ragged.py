@@ -17,6 +17,7 @@ import numpy as np
 
 from ..buffer import Buffer
 from ..kinds.tier import UNBOUNDED_STEP
+from .protected import protect, room as protected_room
 
 PAD = 1 << 30  # position of an unused slot: after every query, so masked out
 # Tokens: an eviction dropping at least this many (a prefill step's, the prompt's decision) evaluates
@@ -129,12 +130,13 @@ def keep_ragged(tier, priority: mx.array, offset: int, cap: Optional[int] = None
     pos = tier.positions
     valid = pos < PAD
     recent = getattr(tier.route, "recent", 0)
-    protected = valid & ((pos < tier.route.sinks) | (pos >= offset - recent))
+    protected = valid & protect(tier, (pos < tier.route.sinks) | (pos >= offset - recent), pos)
     priority = mx.where(protected, mx.inf, priority)
     if tier.window:  # expired tokens rank below every visible one (unused slots lower still)
         priority = mx.where(pos < offset - tier.window + 1, -1e30, priority)
     priority = mx.where(valid, priority, -mx.inf)
-    budgets = [min(b, n, cap or b) for b, n in zip(tier.head_budgets(), tier.lengths())]
+    rooms = [protected_room(tier, b, offset) for b in tier.head_budgets()]  # image tokens on top of the budget
+    budgets = [min(r, n, cap or r) for r, n in zip(rooms, tier.lengths())]
     dropped = sum(tier.lengths()) - sum(budgets)
     layout, idx = choose(priority, budgets)
     step = UNBOUNDED_STEP if tier.route.once else None
