@@ -9,9 +9,10 @@ are held, float16 with bits=16, else affine codes per channel and group of
 `group` tokens (KIVI's key layout, on the kept channels only). Attention uses
 the kept channels of the query: q·k over them alone.
 
-It is a latent store whose basis is a selection: one one-hot column per kept
-channel (runtime/kinds/latent_tier.py attends in latent space; its ThinK side,
-runtime/kinds/think_side.py, keeps the query window). The selection is frozen at
+It is a latent store whose basis is a selection, held as the kept channels'
+indices (runtime/kinds/latent_tier.py attends in latent space; its ThinK side,
+runtime/kinds/think_side.py, keeps the query window and reads the indices as
+one-hot columns). The selection is frozen at
 the end of the prompt; later tokens keep the same channels. Without queries
 (the tier saw none) the keys' magnitude alone ranks. ratio=0 keeps every
 channel: float16 latents are the keys themselves.
@@ -74,23 +75,20 @@ class Think:
         return 1
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Bits per key element of the pruned layout (the selection, 2·head_dim bytes per kept channel
-        and head per layer, aside)."""
+        """Bits per key element of the pruned layout (the selection's indices aside)."""
         kept = head_dim - pruned(head_dim, self.ratio)
         return kept * (self.bits if self.bits == FLOAT else self.bits + 32 / self.group) / head_dim
 
     def fit(self, x: mx.array, query_energy: Optional[mx.array] = None) -> Dict[str, mx.array]:
         """Staged keys x [B, H, L, D], the window's mean q² per head and channel [H, D] (or None) ->
-        {"basis" [H, D, r] one-hot float16, "mean" [H, D] zeros, "widths" [r] uint8}."""
+        {"basis" [H, r] the kept channels (uint8/uint16, ascending), "mean" [H, D] zeros, "widths" [r] uint8}."""
         B, H, L, D = x.shape
         energy = np.array(mx.mean(mx.square(x.astype(mx.float32)), axis=(0, 2)), dtype=np.float64)
         if query_energy is not None:
             energy = energy * np.array(query_energy, dtype=np.float64)
         r = D - pruned(D, self.ratio)
         keep = np.sort(np.argsort(-energy, axis=1, kind="stable")[:, :r], axis=1)  # [H, r], channel order
-        basis = np.zeros((H, D, r), np.float16)
-        basis[np.arange(H)[:, None], keep, np.arange(r)[None, :]] = 1
-        return {"basis": mx.array(basis), "mean": mx.zeros((H, D), mx.float16),
+        return {"basis": mx.array(keep.astype(np.uint8 if D <= 256 else np.uint16)), "mean": mx.zeros((H, D), mx.float16),
                 "widths": mx.array(np.full(r, self.bits, np.uint8))}
 
     # --- the kept channels <-> codes (the latent store's) --------------------------------

@@ -4,7 +4,8 @@ A latent side (runtime/kinds/latent_side.py) whose basis is the `think` store's
 channel selection (stages/think.py). Until the fit it keeps the squares of the
 newest `window` queries of each GQA group ([B, H, group, ≤window, D] float32,
 counted in its bytes); the fit reads their mean per head and channel, and they
-are freed with the staged float16 keys.
+are freed with the staged float16 keys. Its "basis" is the kept channels'
+indices [H, r], read as one-hot columns at each use.
 """
 from typing import Dict
 
@@ -31,6 +32,11 @@ class ThinkSide(LatentSide):
             new = mx.concatenate([old[:, :, :, -(w - new.shape[3]):], new], axis=3)
         self.query_window = mx.contiguous(new)
         mx.async_eval(self.query_window)  # not the whole block of queries it was cut from
+
+    def _basis(self) -> mx.array:
+        """[H, D, r]: the kept channels' indices [H, r] as one-hot columns (what the latent side projects on)."""
+        idx = self.fitted["basis"].astype(mx.int32)
+        return (mx.arange(self.head_dim, dtype=mx.int32)[None, :, None] == idx[:, None, :]).astype(mx.float16)
 
     def _moment(self):
         window, self.query_window = self.query_window, None
