@@ -56,7 +56,8 @@ class Evict(_PerHeadRoute):
     score (declared with its parameters in stages/scorers.py, run by runtime/eviction/scorers/): mass (H2O, accumulated
     attention), mean (mass / queries that saw the token: kvpress's
     ObservedAttention), current (TOVA), proxy (keys as queries), knorm,
-    keydiff, qfilters, expected (ExpectedAttention), keyformer, morph
+    keydiff, lagkv (LagKV: lag-relative, chunk = its lag), qfilters,
+    expected (ExpectedAttention), keyformer, morph
     (MorphKV), chunk (ChunkKV), curd (CurDKV).
     once=true: rank once, when the prompt ends, then append (kvpress's
     protocol); false: keep the budget every step (the papers' decode loop).

@@ -48,6 +48,7 @@ SPECS: Dict[str, ScorerSpec] = {s.name: s for s in (
     ScorerSpec("proxy", frozenset({"new_keys"})),
     ScorerSpec("knorm"),
     ScorerSpec("keydiff"),
+    ScorerSpec("lagkv", params=("chunk",)),
     ScorerSpec("nested", params=("window", "beta", "tau", "kappa")),
     ScorerSpec("newest"),
     ScorerSpec("window", _QUERIES, ("window", "pool"), selectable=False),

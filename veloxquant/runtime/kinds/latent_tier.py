@@ -23,9 +23,10 @@ from ...kernels.partials import Partial, partial_from_scores
 from .amc_side import AmcSide
 from .latent_side import BASIS, LatentSide, PlainSide, SidesHeld
 from .protocol import kind
+from .think_side import ThinkSide
 from .tier import expire_front, front_mask
 
-SIDES = {"latent": LatentSide, "amc": AmcSide}  # a latent store's `side` -> the class holding it
+SIDES = {"latent": LatentSide, "amc": AmcSide, "think": ThinkSide}  # a latent store's `side` -> the class holding it
 
 
 @kind("latent")
@@ -99,7 +100,7 @@ class LatentTier(SidesHeld):
         # The query heads of a kv head become rows of one matmul, as in partial_attention.
         q = (queries.astype(mx.float32) * scale).reshape(B, self.n_kv_heads, (Hq // self.n_kv_heads) * Lq, D)
         if hasattr(self.sides["k"], "observe"):
-            self.sides["k"].observe(q)  # before the fit: the queries weigh the key allocation (queries=true)
+            self.sides["k"].observe(q, Lq)  # before the fit: the queries weigh the key allocation (queries=true)
         return partial_from_scores(self.sides["k"].scores(q), mask, Lq, self.sides["v"].combine)
 
     def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
