@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from veloxquant.bench.attention import timeit
-from veloxquant.kernels import cuda, tc_launch
+from veloxquant.kernels import cuda, tc, tc_launch
 from veloxquant.stages.store import Affine
 from veloxquant.kernels.source import strip
 
