@@ -20,9 +20,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from veloxquant.bench.e2e import random_llama
 from veloxquant.eval.feed import prefill
 from veloxquant.runtime import make_prompt_cache, uninstall
-from veloxquant.bench.e2e import random_llama
 
 
 def decode(model, cache, n: int, profile=None):

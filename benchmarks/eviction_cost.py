@@ -32,8 +32,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant.data import load_text
-from veloxquant.models import load_model
 from veloxquant.eval.rows import recipe_caches
+from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",

@@ -14,12 +14,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from veloxquant.compiler import CodecPlan, ModelShape
+from veloxquant.data import load_text
+from veloxquant.models import load_model
 from veloxquant.runtime.codec import Codec
 from veloxquant.stages.nuq import Nuq
 from veloxquant.stages.store import Affine
 from veloxquant.stages.unrope import Unrope
-from veloxquant.data import load_text
-from veloxquant.models import load_model
 
 QUANTIZERS = {
     "affine per channel, group 32 tokens (KIVI keys)": lambda b: Affine(bits=b, group=32, axis="channel"),

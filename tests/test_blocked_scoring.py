@@ -4,8 +4,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant.runtime.eviction.scoring import (additive, attend_blocked, attention_weights, block_size,
-    position_mask, received)
+from veloxquant.runtime.eviction.scoring import (
+    additive,
+    attend_blocked,
+    attention_weights,
+    block_size,
+    position_mask,
+    received,
+)
 
 B, HQ, HKV, D = 1, 6, 2, 16
 

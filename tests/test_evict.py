@@ -4,8 +4,8 @@ Each cache is driven block by block and compared with a slow NumPy model of
 the published method written independently here (per head sets of kept
 positions, scores from explicit softmax).
 """
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant
@@ -14,7 +14,7 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.eviction import per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
-from conftest import feed, tiny_llama
+from conftest import feed
 
 B, HQ, HKV, D = 1, 6, 2, 16
 SCALE = D ** -0.5

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 
 from veloxquant.kernels import backend, choice, fused_affine_partial
-from veloxquant.kernels.reference import affine_partial_attention as reference
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.kernels.reference import affine_partial_attention as reference
 from veloxquant.stages.store import Affine
 
 TOL = 1e-3

@@ -2,19 +2,19 @@
 through the model (runtime/eviction/model_pass.py), checked against a NumPy model over plain mlx-lm
 caches; the pass leaves every cache array as it was apart from the scores; probe=latest is
 TOVA bit for bit; generate, save/load, Gemma-3 sliding layers, blocked memory, clear errors."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
-from mlx.utils import tree_flatten
 
 import veloxquant
 from veloxquant.errors import VeloxError
 from veloxquant.runtime.eviction import model_pass, per_head
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.eviction.scorers.reconstruct import FIRST, LATER, SUFFIX
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import CharTokenizer, feed, tiny_gemma3, tiny_llama
 

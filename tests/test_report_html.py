@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from test_recommend import BOARD
-from veloxquant.board import html
 from veloxquant.cli import main
+
+from test_recommend import BOARD
 
 
 def _board(tmp_path):

@@ -5,6 +5,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import veloxquant as vq
 from veloxquant.runtime import hook
+
 from conftest import feed, tiny_gemma3, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 300), key=mx.random.key(7))

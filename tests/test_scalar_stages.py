@@ -1,18 +1,18 @@
 """nuq store, sparse and lowrank residuals: round trips, honest bytes, pinned reductions."""
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, CodecPlan, compile_recipe
 from veloxquant.errors import RecipeError
-from veloxquant.recipe import load_recipe
 from veloxquant.runtime.codec import Codec
 from veloxquant.stages.lowrank import LowRank
 from veloxquant.stages.nuq import Nuq
 from veloxquant.stages.sparse import Sparse
 from veloxquant.stages.store import Affine
-from conftest import feed, pipeline_recipe as _recipe
+
+from conftest import feed
+from conftest import pipeline_recipe as _recipe
 
 
 def _laplace(shape, seed=0):

@@ -3,8 +3,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import VeloxError
 from .bench import registry as bench_registry
+from .errors import VeloxError
 
 
 def _add_recipe_opts(p, model=True):
@@ -177,6 +177,7 @@ LIST_CONTEXT = 4096  # the context `list` states held bytes at
 
 def cmd_list(args) -> int:
     import shutil
+
     from .board.predict import fp16_bytes, held_bytes
     from .compiler import SMOLLM2_135M
     from .recipe import builtin_names, load_recipe
@@ -225,6 +226,7 @@ def cmd_diff(args) -> int:
 
 def cmd_schema(args) -> int:
     import json
+
     from .compiler.schema import completions, recipe_schema
     schema = recipe_schema()
     if args.stage:

@@ -19,10 +19,10 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.make import make_prompt_cache
-from ..runtime.eviction.scoring import attention_weights, position_mask
 from ..data.corpus import load_text
 from ..models.default import gemma3_model_path, load_model
+from ..runtime.eviction.scoring import attention_weights, position_mask
+from ..runtime.make import make_prompt_cache
 from .registry import bench
 
 ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),

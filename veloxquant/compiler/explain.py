@@ -1,6 +1,5 @@
 """`veloxquant explain`: the per-layer plan, its storage cost and implementations."""
 import math
-
 from typing import List
 
 import attrs

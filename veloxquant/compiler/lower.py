@@ -13,8 +13,8 @@ from .bind import bind_positions
 from .groups import assign_groups
 from .instantiate import instantiate
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
-from .shape import ModelShape
 from .selectors import select_layers
+from .shape import ModelShape
 
 KERNEL_SPILL = 32  # tokens a window hands at once to a kernel-read tier: its buffers stay exact (docs/kernels.md)
 

@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import kernels_dir
+from . import variants
 from .cuda import sections as affine
 from .geometry import SM_COUNT
 from .source import split_sections, strip
-from . import variants
 from .table import Kernel, register
 
 SOURCE = "cuda/lut_attention.cu"

@@ -8,9 +8,9 @@ import attrs
 from ..errors import Location, RecipeError, brief, nearest, quoted
 from ..paths import recipes_dir
 from .ast import Pipeline
+from .limits import MAX_EXTENDS, MAX_PIPELINE_CHARS
 from .params import Param, coerce, declare
 from .parse import parse_pipeline
-from .limits import MAX_EXTENDS, MAX_PIPELINE_CHARS
 from .source import Source, read_text
 
 SCHEMA_VERSION = 1

@@ -6,8 +6,8 @@ import lark
 
 from ..errors import Location, RecipeError
 from ..paths import grammar_file
-from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 from .ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
+from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 
 # Maps a (line, column) inside the pipeline text to a place in the recipe file.
 Locate = Callable[[int, int], Location]

@@ -7,9 +7,9 @@ from ..compiler.layout import own_caches
 from ..errors import VeloxError
 from ..recipe import Recipe, load_recipe
 from . import cache_list, hook
-from .eviction import model_pass
 from .cache import TieredCache
 from .coordinator import link_groups
+from .eviction import model_pass
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:

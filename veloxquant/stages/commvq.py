@@ -30,8 +30,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from . import rope_pairs as rp
 from ..kernels.bitpack import pack, unpack
+from . import rope_pairs as rp
 from .registry import in_range, stage
 from .unrope import _freeze
 

@@ -33,11 +33,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifacts import CalibrationError, slot_arrays
-from .bit_alloc import allocate, parse_choices
 from ..kernels.bitpack import pack, unpack
+from .bit_alloc import allocate, parse_choices
 from .codebook import lloyd_max
 from .principal import centred, principal_axes
-from .registry import choices as one_of, in_range, stage
+from .registry import choices as one_of
+from .registry import in_range, stage
 from .spectral import _tables
 
 FLOAT = 16  # width that stores a latent as float16

@@ -72,7 +72,7 @@ class Split:
         for side in ("hi", "lo"):
             inner = getattr(self, side)
             if not hasattr(inner, "stage_name"):
-                return f"split needs two stores, e.g. split(hi=affine(bits=4), lo=affine(bits=2))"
+                return "split needs two stores, e.g. split(hi=affine(bits=4), lo=affine(bits=2))"
             if getattr(inner, "fitted_once", False):
                 return f"'{inner.stage_name}' fits arrays per tier and cannot be a branch of split"
         h = self.n_hi(head_dim)

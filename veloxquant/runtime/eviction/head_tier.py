@@ -12,15 +12,15 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ...compiler.plan import TierPlan
-from . import scorers
 from ..buffer import Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
+from ..kinds.protocol import KindBase
+from ..kinds.tier import UNBOUNDED_STEP
+from . import scorers
 from .allocation import allocates, watches
 from .merging import merged_for, store_values
 from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
-from ..kinds.protocol import KindBase
-from ..kinds.tier import UNBOUNDED_STEP
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
 
