@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
     shape = ModelShape.from_model(model)
     if any(isinstance(r, str) for r in shape.ropes):
-        raise SystemExit(f"unrope cannot invert this model's RoPE: {next(r for r in shape.ropes if isinstance(r, str))}")
+        why = next(r for r in shape.ropes if isinstance(r, str))
+        raise SystemExit(f"unrope cannot invert this model's RoPE: {why}")
     keys = layer_keys(model, tokens)
     print(f"model {args.model}: {len(keys)} of {len(shape.ropes)} layers (full attention), {tokens.shape[1]} tokens; "
           "relative key error ||K-K̂||²/||K||²")

@@ -36,7 +36,8 @@ def setup(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_text(0))
     recipe = tmp_path / "spec.yaml"
-    recipe.write_text(f"veloxquant: 1\nname: spec\npipeline: |\n  keys: spectral(bits=3, corpus=\"{corpus}\", tokens=256)\n"
+    recipe.write_text(f"veloxquant: 1\nname: spec\npipeline: |\n"
+                      f"  keys: spectral(bits=3, corpus=\"{corpus}\", tokens=256)\n"
                       f"  values: spectral(bits=2, corpus=\"{corpus}\", tokens=256)\n")
     return str(recipe), corpus, tmp_path
 

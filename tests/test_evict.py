@@ -111,7 +111,7 @@ def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, r
         np.testing.assert_allclose(np.array(out), ref.step(q, k, v), atol=2e-5)
         tier = cache.tiers[0]
         if slack and step % 3:
-            continue  # decode queries wait unscored (runtime/eviction/deferred.py); every third step they are scored now
+            continue  # decode queries wait unscored (runtime/eviction/deferred.py); every third step is scored now
         per_head.score_held(cache)
         for h in range(HKV):  # the scores themselves, not only the sets they select
             got = dict(zip(np.array(tier.positions)[0, h].tolist(), np.array(tier.scores)[0, h].tolist()))

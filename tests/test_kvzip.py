@@ -52,8 +52,9 @@ def test_the_pass_changes_nothing_but_the_scores(llama_model):
     assert [c.offset for c in caches] == offsets and all(c.size() == 40 for c in caches)
     assert all(np.array_equal(w, np.array(x)) for w, (_, x) in zip(weights, tree_flatten(llama_model.parameters())))
     assert caches[0].coordinator.model_pass.fed == []  # the recorded prompt ids are dropped
+    fed = 3 * len(SUFFIX) + 40 + len(FIRST) + 2 * (len(LATER) + 8)
     assert caches[0].coordinator.model_pass.ran == {"scorer": "reconstruct", "context_tokens": 40, "chunks": 3,
-                                                    "tokens_fed": 3 * len(SUFFIX) + 40 + len(FIRST) + 2 * (len(LATER) + 8)}
+                                                    "tokens_fed": fed}
 
 
 def test_repeat_prompt_follows_the_paper(llama_model):

@@ -103,7 +103,8 @@ def test_gear_rank_zero_without_sparse_is_its_base_quantizer(tmp_path, llama_mod
 @pytest.mark.parametrize("name", ["kvquant", "gear"])
 def test_bytes_are_the_arrays_held_levels_and_lists_included(name, llama_model):
     tokens = mx.random.randint(0, 500, (1, 200), key=mx.random.key(6))
-    caches = vq.make_prompt_cache(llama_model, name, ["key_bits=3", "outlier_fraction=0.01"] if name == "kvquant" else [])
+    sets = ["key_bits=3", "outlier_fraction=0.01"] if name == "kvquant" else []
+    caches = vq.make_prompt_cache(llama_model, name, sets)
     feed(llama_model, tokens, caches, 64)
     c = caches[0]
     c._settle()

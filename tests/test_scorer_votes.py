@@ -29,7 +29,8 @@ def same(a, b):
 
 
 def test_votes_zero_is_observed_attention_bit_for_bit(llama_model):
-    same(run(llama_model, "observed_snap", ["budget=12", "votes=0"]), run(llama_model, "observed_attention", ["budget=12"]))
+    same(run(llama_model, "observed_snap", ["budget=12", "votes=0"]),
+         run(llama_model, "observed_attention", ["budget=12"]))
 
 
 def test_votes_one_is_snapkv_bit_for_bit(llama_model):

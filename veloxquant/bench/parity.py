@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     uninstall(model)
     diff = float(mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max())
     dtype = str(next(iter(p.dtype for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters()))))
-    print("| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention | s (mlx-lm / ours) |")
+    print("| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention "
+          "| s (mlx-lm / ours) |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.recipe} | {dtype} | {tokens.shape[1]} | {args.chunk} | {diff:.3g} | "
           f"{'hook' if caches[0].attended else 'decoded'} | {t1 - t0:.1f} / {t2 - t1:.1f} |")

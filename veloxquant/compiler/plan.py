@@ -139,7 +139,8 @@ class Plan:
 
 
 def _stage_text(stage) -> str:
-    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}  # bound by the compiler
+    # _-prefixed fields are bound by the compiler
+    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}
     if not values:
         return stage.stage_name
     shown = (f"{k}={_stage_text(v) if hasattr(v, 'stage_name') else _fmt(v)}" for k, v in values.items())

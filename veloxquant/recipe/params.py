@@ -143,7 +143,8 @@ def declare(name: str, spec: Any, where: Location) -> Param:
                               "give one number per layer, e.g. [256, 128, ...], or a schedule such as "
                               "linear(from=256, to=64)")
         if isinstance(default, list) or (isinstance(default, str) and _schedule_from_text(default, where)):
-            declared = "int" if all(isinstance(v, int) for v in (default if isinstance(default, list) else [])) else "float"
+            listed = default if isinstance(default, list) else []
+            declared = "int" if all(isinstance(v, int) for v in listed) else "float"
             if isinstance(default, str):
                 sched = _schedule_from_text(default, where)
                 declared = "int" if float(sched.start).is_integer() and float(sched.stop).is_integer() else "float"

@@ -46,7 +46,8 @@ class _ToAst(lark.Transformer):
         try:
             value = float(text) if any(c in text for c in ".eE") else int(text)
         except ValueError as e:  # an int of more digits than Python converts
-            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})", self._pos(tok)) from None
+            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})",
+                              self._pos(tok)) from None
         return Num(value, self._pos(tok))
 
     def string(self, items):

@@ -75,5 +75,6 @@ class Unrope:
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
-            raise VeloxError("unrope has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)")
+            raise VeloxError("unrope has no RoPE settings: make the caches with "
+                             "veloxquant.make_prompt_cache(model, ...)")
         return self._rope
