@@ -20,9 +20,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from veloxquant.bench.e2e import random_llama
 from veloxquant.eval.feed import prefill
 from veloxquant.runtime import make_prompt_cache, uninstall
-from veloxquant.bench.e2e import random_llama
 
 
 def decode(model, cache, n: int, profile=None):
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
           f"{args.steps} decode steps, sync every step; device {mx.default_device()}")
     print("| cache | ms/token | host build ms | host encode ms | device wait ms | tok/s |")
     print("|---|---|---|---|---|---|")
-    rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""), ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
+    rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""),
+            ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
             ("kivi", lambda: make_prompt_cache(model, "kivi"), ""),
             ("kivi kernels off", lambda: make_prompt_cache(model, "kivi"), "off")]
     for label, make, kernels in rows:

@@ -32,8 +32,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant.data import load_text
-from veloxquant.models import load_model
 from veloxquant.eval.rows import recipe_caches
+from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
@@ -79,13 +79,15 @@ def _ratios(rows: List[Dict]) -> Dict[str, Dict]:
 
 
 def _median_row(rows: List[Dict]) -> Dict:
-    return {k: (statistics.median(r[k] for r in rows) if isinstance(v, (int, float)) else v) for k, v in rows[0].items()}
+    return {k: (statistics.median(r[k] for r in rows) if isinstance(v, (int, float)) else v)
+            for k, v in rows[0].items()}
 
 
 def table(rows: List[Dict], before: List[Dict] = ()) -> str:
     mib = 2 ** 20
     then = _ratios(list(before))
-    head = "| row | peak MiB | over weights MiB | peak ÷ fp16 | over ÷ fp16 | decode tok/s | decode ÷ fp16 | cache MiB |"
+    head = ("| row | peak MiB | over weights MiB | peak ÷ fp16 | over ÷ fp16 | decode tok/s | decode ÷ fp16 "
+            "| cache MiB |")
     extra = " before: peak ÷ fp16 | before: decode ÷ fp16 |" if before else ""
     lines = [head + extra, "|" + "---|" * (head.count("|") - 1 + extra.count("|"))]
     ratios = _ratios(rows)

@@ -14,9 +14,9 @@ import time
 
 import mlx.core as mx
 
+from veloxquant.kernels import cuda
 from veloxquant.kernels.dispatch import backend
 from veloxquant.stages.store import Affine
-from veloxquant.kernels import cuda
 
 
 def timed(fn, n: int = 300) -> tuple:

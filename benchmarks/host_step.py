@@ -24,9 +24,9 @@ from collections import Counter
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from veloxquant.bench.e2e import random_model
 from veloxquant.eval.feed import prefill
 from veloxquant.eval.rows import recipe_caches, split_specs
-from veloxquant.bench.e2e import random_model
 
 
 def step_ops(model, cache, y: mx.array) -> Counter:

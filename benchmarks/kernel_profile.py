@@ -22,9 +22,9 @@ import time
 import mlx.core as mx
 
 from veloxquant.bench.attention import timeit
-from veloxquant.kernels import cuda, tc_launch
-from veloxquant.stages.store import Affine
+from veloxquant.kernels import cuda, tc, tc_launch
 from veloxquant.kernels.source import strip
+from veloxquant.stages.store import Affine
 
 Hq, Hkv, D, G = 32, 8, 128, 32
 

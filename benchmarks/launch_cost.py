@@ -12,8 +12,8 @@ import statistics
 
 import mlx.core as mx
 
-from veloxquant.bench.attention import timeit
 from benchmarks.kernel_profile import host_us
+from veloxquant.bench.attention import timeit
 
 
 def empty_kernel(name: str, n_in: int, n_out: int, strides: bool, n_template: int, header_bytes: int):

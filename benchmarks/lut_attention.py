@@ -30,8 +30,9 @@ def build(Hq: int, Hkv: int, D: int, S: int, sets, copy: int):
     q = mx.random.normal((1, Hq, 1, D), key=key).astype(mx.float16)
     for start in range(0, S, 8192):  # encode in blocks: the encode's float32 temporaries stay small
         n = min(8192, S - start)
-        tier.append(mx.random.normal((1, Hkv, n, D), key=mx.random.key(3 * (S + D + copy) + start + 1)).astype(mx.float16),
-                    mx.random.normal((1, Hkv, n, D), key=mx.random.key(3 * (S + D + copy) + start + 2)).astype(mx.float16), start)
+        seed = 3 * (S + D + copy) + start
+        tier.append(mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 1)).astype(mx.float16),
+                    mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 2)).astype(mx.float16), start)
         mx.eval([a for side in ("k", "v") for a in tier.encoded(side).values()])
     ke, ve, kc, vc = tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"]
     k16, v16 = tier.decoded(mx.float16)

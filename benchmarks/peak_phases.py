@@ -52,7 +52,7 @@ def phases(model, prompt: mx.array, spec: str):
     phase(lambda: decode(y, 16))
     held = sum(c.nbytes for c in caches) / MiB
     uninstall(model)
-    del caches
+    caches = None  # frees them before the next run (not `del`: prefill and decode above close over the name)
     mx.clear_cache()
     return cols, held
 

@@ -13,12 +13,12 @@ import math
 import time
 
 from veloxquant.compiler import ModelShape
+from veloxquant.data.corpus import load_text
 from veloxquant.eval.config import EvalConfig
 from veloxquant.eval.cost import fp16_bytes
 from veloxquant.eval.ppl import window_nll, windows
-from veloxquant.runtime.make import make_prompt_cache
-from veloxquant.data.corpus import load_text
 from veloxquant.models.default import load_model
+from veloxquant.runtime.make import make_prompt_cache
 
 
 def main(argv=None) -> int:

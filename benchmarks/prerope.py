@@ -14,12 +14,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from veloxquant.compiler import CodecPlan, ModelShape
+from veloxquant.data import load_text
+from veloxquant.models import load_model
 from veloxquant.runtime.codec import Codec
 from veloxquant.stages.nuq import Nuq
 from veloxquant.stages.store import Affine
 from veloxquant.stages.unrope import Unrope
-from veloxquant.data import load_text
-from veloxquant.models import load_model
 
 QUANTIZERS = {
     "affine per channel, group 32 tokens (KIVI keys)": lambda b: Affine(bits=b, group=32, axis="channel"),
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
     shape = ModelShape.from_model(model)
     if any(isinstance(r, str) for r in shape.ropes):
-        raise SystemExit(f"unrope cannot invert this model's RoPE: {next(r for r in shape.ropes if isinstance(r, str))}")
+        why = next(r for r in shape.ropes if isinstance(r, str))
+        raise SystemExit(f"unrope cannot invert this model's RoPE: {why}")
     keys = layer_keys(model, tokens)
     print(f"model {args.model}: {len(keys)} of {len(shape.ropes)} layers (full attention), {tokens.shape[1]} tokens; "
           "relative key error ||K-K̂||²/||K||²")

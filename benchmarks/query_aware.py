@@ -16,6 +16,7 @@ import sys
 import attrs
 import mlx.core as mx
 
+from benchmarks.rabitq_estimators import capture_qkv
 from veloxquant import artifacts as artifact
 from veloxquant.calibration.collect import collect
 from veloxquant.compiler import ModelShape
@@ -24,7 +25,6 @@ from veloxquant.models import load_model
 from veloxquant.models.default import default_model_path
 from veloxquant.stages.qavq import QueryAwareVQ
 from veloxquant.stages.unrope import rotate
-from benchmarks.rabitq_estimators import capture_qkv
 
 
 def main(argv=None) -> int:

@@ -12,9 +12,9 @@ import argparse
 
 import mlx.core as mx
 
-from veloxquant.stages.store import Affine
 from veloxquant.data import load_text
 from veloxquant.models import load_model
+from veloxquant.stages.store import Affine
 
 
 def layer_kv(model, tokens):

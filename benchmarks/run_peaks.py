@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from veloxquant.runtime import make_prompt_cache, uninstall
 from veloxquant.bench.e2e import random_llama
+from veloxquant.runtime import make_prompt_cache, uninstall
 
 GiB = 2 ** 30
 

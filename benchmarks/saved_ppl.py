@@ -20,12 +20,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from veloxquant.data.corpus import load_text
 from veloxquant.eval.feed import prefill, score
 from veloxquant.eval.ppl import windows
+from veloxquant.models.default import load_model
 from veloxquant.runtime.make import make_prompt_cache
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.data.corpus import load_text
-from veloxquant.models.default import load_model
 
 
 def saved_then_scored(model, recipe, sets, window, prompt: int, tmp: Path):

@@ -15,9 +15,9 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from veloxquant.runtime.make import make_prompt_cache
 from veloxquant.data.corpus import load_text
 from veloxquant.models.default import load_model
+from veloxquant.runtime.make import make_prompt_cache
 
 
 def energy_at(x: np.ndarray, ranks: List[int], center: bool, heads: int = 1) -> np.ndarray:

@@ -29,7 +29,8 @@ from typing import Dict, List
 from veloxquant.eval import report
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+BLOCK = re.compile(r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)",
+                   re.S)
 
 
 def _cell(x) -> str:
@@ -89,8 +90,8 @@ def kvpress(spec: str, root: Path = ROOT) -> str:
     fractions = data["fractions"]
     rows = [(f"kvpress {k}", v) for k, v in data["kvpress_reference"].items()]
     rows += [(f"ours {k}", v) for k, v in data["delta_ppl_percent"].items()]
-    best = [("**best kvpress**", [min(v[i] for v in data["kvpress_reference"].values()) for i in range(len(fractions))]),
-            ("**best ours**", [min(v[i] for v in data["delta_ppl_percent"].values()) for i in range(len(fractions))])]
+    best = [(label, [min(v[i] for v in data[key].values()) for i in range(len(fractions))])
+            for label, key in (("**best kvpress**", "kvpress_reference"), ("**best ours**", "delta_ppl_percent"))]
     lines = [f"`{path}` (baseline PPL {data['baseline_ppl']:.3f}, {data['windows']} windows; {data['machine']}); "
              "ΔPPL at the fraction of the prefix removed:", "",
              "| row | " + " | ".join(str(f) for f in fractions) + " |", "|---|" + "---|" * len(fractions)]

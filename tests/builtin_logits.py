@@ -26,8 +26,9 @@ def builtin_names() -> list[str]:
 
 
 def recipe_logits(model, prompt_ids, name) -> dict:
-    import veloxquant as vq
     from mlx_lm.generate import generate_step
+
+    import veloxquant as vq
     from veloxquant.artifacts import CalibrationError
     try:
         caches = vq.make_prompt_cache(model, name)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import veloxquant as vq  # noqa: E402
 from veloxquant.errors import CacheFileError  # noqa: E402
 from veloxquant.runtime import checksums  # noqa: E402
+
 from conftest import feed, tiny_llama  # noqa: E402
 
 SOURCES = {"fp16": [], "kivi": ["window=32"], "cachegen": ["window=32"], "xquant": ["window=32"],
@@ -217,7 +218,7 @@ def main():
     failures = []
     tally = run(args.count, args.seed, log=failures)
     kinds = sorted({k for k, _ in tally})
-    print(f"| mutation | refused | loaded exactly | failed |\n| --- | --- | --- | --- |")
+    print("| mutation | refused | loaded exactly | failed |\n| --- | --- | --- | --- |")
     for k in kinds:
         print(f"| {k} | {tally[(k, 'refused')]} | {tally[(k, 'loaded exactly')]} | {tally[(k, 'FAIL')]} |")
     total = sum(tally.values())

@@ -2,6 +2,10 @@
 # system OpenBLAS is installed and MLX would use its bundled reference BLAS (~30x slower
 # float32 matmuls), pytest starts again once with OpenBLAS preloaded (veloxquant/blas.py;
 # VELOXQUANT_NO_OPENBLAS=1 keeps the bundled BLAS, whose float32 error the tolerances cover).
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gemma3_text, llama
+
 from veloxquant import blas as _blas
 
 
@@ -14,10 +18,6 @@ def pytest_configure(config):
     _blas.maybe_reexec(["test"])
     if capture is not None:
         capture.resume_global_capture()
-
-import mlx.core as mx
-import pytest
-from mlx_lm.models import gemma3_text, llama
 
 
 class CharTokenizer:

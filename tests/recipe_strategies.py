@@ -100,7 +100,8 @@ def pipeline_text(draw):
 
 param_spec = st.one_of(
     st.sampled_from(NUMBERS[:12]).map(yaml.safe_load), st.sampled_from(SCHEDULES), st.sampled_from(WORDS),
-    st.sampled_from([{"default": 1.5, "type": "float"}, {"default": 10 ** 400, "type": "float"}, {"default": 10 ** 400}]),
+    st.sampled_from([{"default": 1.5, "type": "float"}, {"default": 10 ** 400, "type": "float"},
+                     {"default": 10 ** 400}]),
     st.lists(st.sampled_from([1, 2, 128, 1.5, 10 ** 20, float("nan"), "x"]), min_size=0, max_size=31),
     st.fixed_dictionaries({}, optional={"default": odd_scalar | st.sampled_from(SCHEDULES), "type": st.sampled_from(
         ["int", "float", "bool", "str", "list", 3]) | odd_value, "doc": st.text(max_size=10), "extra": st.just(1)}),
@@ -128,7 +129,8 @@ def recipe_doc(draw):
     if draw(st.integers(0, 8)):
         doc["pipeline"] = field(pipeline_text())
     if draw(st.integers(0, 2)) == 0:
-        doc["layers"] = field(st.dictionaries(st.sampled_from(SELECTORS) | st.integers(-40, 40), layer_body, max_size=3))
+        selectors = st.sampled_from(SELECTORS) | st.integers(-40, 40)
+        doc["layers"] = field(st.dictionaries(selectors, layer_body, max_size=3))
     if draw(st.integers(0, 6)) == 0:
         doc[draw(st.sampled_from(["summary", "paper", "unknown", "Pipeline"]))] = draw(odd_value)
     return doc
@@ -197,9 +199,13 @@ def recipe_bytes(draw):
             if not data:
                 break
             j = draw(st.integers(0, len(data) - 1))
-            data = data[:j] if draw(st.booleans()) else data[:j] + bytes([data[j] ^ (1 << draw(st.integers(0, 7)))]) + data[j + 1:]
+            if draw(st.booleans()):
+                data = data[:j]
+            else:
+                data = data[:j] + bytes([data[j] ^ (1 << draw(st.integers(0, 7)))]) + data[j + 1:]
     if draw(st.integers(0, 60)) == 0:  # near and past the file limit
-        data += b"#" + b"x" * (MAX_FILE_BYTES - len(data) + draw(st.sampled_from([-100, 10, 3 * MAX_FILE_BYTES]))) + b"\n"
+        pad = MAX_FILE_BYTES - len(data) + draw(st.sampled_from([-100, 10, 3 * MAX_FILE_BYTES]))
+        data += b"#" + b"x" * pad + b"\n"
     return data
 
 

@@ -1,13 +1,13 @@
 """Budgets across layers and heads (SqueezeAttention, Ada-KV), decided once by the
 coordinator, and the ragged per-head storage that holds unequal heads without padding."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant
 from veloxquant.runtime.eviction.allocation import adakv, squeeze
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.eviction.ragged import PAD, Ragged, RaggedBuffer, choose, gather
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import pipeline_recipe, tiny_llama
 

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.runtime.kinds.amc_side import AmcSide
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.runtime.kinds.amc_side import AmcSide
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.amc import Amc
+
 from conftest import feed, tiny_gemma3, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(5))

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import veloxquant
-from veloxquant.runtime.kinds.anchor_side import AnchorSide
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.runtime.kinds.anchor_side import AnchorSide
 from veloxquant.stages.anchor import Anchor
 from veloxquant.stages.store import Affine
 

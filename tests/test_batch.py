@@ -9,16 +9,17 @@ import types
 
 import mlx.core as mx
 import pytest
-from conftest import tiny_gemma3, tiny_llama
 from mlx_lm import batch_generate
 from mlx_lm.generate import BatchGenerator, generate_step
 
 import veloxquant
-from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.artifacts import CalibrationError
+from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.batching import layer_layout, refusal
 from veloxquant.errors import VeloxError
 from veloxquant.recipe import builtin_names, load_recipe
+
+from conftest import tiny_gemma3, tiny_llama
 
 LENGTHS = [5, 17, 9, 30, 3, 12]
 MAX_TOKENS = [10, 4, 12, 7, 9, 5]  # sequences leave the batch at different steps

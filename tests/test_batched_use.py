@@ -13,6 +13,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import LRUPromptCache
 
 import veloxquant as vq
+
 from conftest import feed
 from recipe_sets import RECIPES, SMALL
 

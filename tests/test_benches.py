@@ -44,6 +44,7 @@ def test_prefill_peak_prints_its_table(capsys):
 
 def test_layers_synced_keeps_the_logits_and_restores_attend():
     import mlx.core as mx
+
     from veloxquant.bench.e2e import random_llama
     from veloxquant.runtime import make_prompt_cache, uninstall
     from veloxquant.runtime.cache import TieredCache

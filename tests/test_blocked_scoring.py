@@ -4,8 +4,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant.runtime.eviction.scoring import (additive, attend_blocked, attention_weights, block_size,
-    position_mask, received)
+from veloxquant.runtime.eviction.scoring import (
+    additive,
+    attend_blocked,
+    attention_weights,
+    block_size,
+    position_mask,
+    received,
+)
 
 B, HQ, HKV, D = 1, 6, 2, 16
 
@@ -27,7 +33,8 @@ def test_blocked_equals_materialised(Lq, L, block, rows, window):
     w = attention_weights(q, k, 0.25, position_mask(kpos, first_q, Lq, window))
     want_out = (w @ v[:, :, None]).reshape(B, HQ, Lq, D)
     want_total, want_rows = received(w, rows)
-    out, total, tail = attend_blocked(q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, window), block, rows)
+    out, total, tail = attend_blocked(q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, window),
+                                      block, rows)
     np.testing.assert_allclose(np.array(out), np.array(want_out), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(total), np.array(want_total), rtol=1e-5, atol=1e-6)
     assert tail.shape == want_rows.shape

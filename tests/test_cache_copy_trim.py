@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 import veloxquant as vq
+
 from conftest import feed
 from recipe_sets import EXACT, RECIPES, SMALL
 

@@ -6,6 +6,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.errors import CacheFileError
+
 import cache_fuzz
 from conftest import tiny_gemma3
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 import veloxquant as vq
+
 from conftest import feed
 from recipe_sets import RECIPES, SMALL
 

@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.artifacts import CalibrationError
+from veloxquant.artifacts import CalibrationError, directory
+from veloxquant.calibration.explain import calibration_lines
 from veloxquant.calibration.fit import calibrate
 from veloxquant.compiler import binding
-from veloxquant.artifacts import directory
-from veloxquant.calibration.explain import calibration_lines
 from veloxquant.errors import CacheFileError
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
 from veloxquant.runtime.make import plan_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.spectral import Spectral, water_fill
+
 from conftest import feed
 
 
@@ -36,7 +36,8 @@ def setup(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_text(0))
     recipe = tmp_path / "spec.yaml"
-    recipe.write_text(f"veloxquant: 1\nname: spec\npipeline: |\n  keys: spectral(bits=3, corpus=\"{corpus}\", tokens=256)\n"
+    recipe.write_text(f"veloxquant: 1\nname: spec\npipeline: |\n"
+                      f"  keys: spectral(bits=3, corpus=\"{corpus}\", tokens=256)\n"
                       f"  values: spectral(bits=2, corpus=\"{corpus}\", tokens=256)\n")
     return str(recipe), corpus, tmp_path
 

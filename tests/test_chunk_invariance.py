@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import veloxquant
-from conftest import tiny_llama
 from veloxquant.artifacts import CalibrationError
 from veloxquant.recipe.load import builtin_names
-from veloxquant.runtime.eviction.allocation import allocates
 from veloxquant.runtime import shared_kv
+from veloxquant.runtime.eviction.allocation import allocates
 from veloxquant.runtime.make import plan_for
+
+from conftest import tiny_llama
 
 TINY = dict(total=448, prefix=384, first=128, later=8)
 DEFAULT = dict(total=1152, prefix=1024, first=256, later=32)
@@ -149,6 +150,7 @@ def test_two_turn_chat_snapkv_decides_again():
     decides again over what it held plus the new turn, so after turn 2 it holds at most its budget
     plus the tokens decoded since the decision."""
     import mlx_lm
+
     from veloxquant.data.corpus import austen_text
     from veloxquant.models import load_model
     model, tok = load_model()

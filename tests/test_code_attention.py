@@ -7,15 +7,16 @@ import pytest
 import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, compile_recipe
 from veloxquant.errors import RecipeError
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime import code_attention
-from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.eviction.scoring import position_mask
 from veloxquant.runtime.kinds.tier import Tier
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.rotation import Rotation, orthogonal_matrix
 from veloxquant.stages.sketch import QJL, RaBitQ
+
 from conftest import feed
 
 CODED = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "turboquant_rvq"]

@@ -10,6 +10,7 @@ from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime.codec import Codec
 from veloxquant.stages.codebook import LloydMax, lloyd_max
+
 from conftest import feed
 
 

@@ -10,7 +10,8 @@ from veloxquant.run import cache_report
 
 pytestmark = pytest.mark.slow
 
-RECIPES = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "polarquant", "spectralquant", "nsnquant", "ratequant", "ratekivi"]
+RECIPES = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "polarquant", "spectralquant", "nsnquant", "ratequant",
+           "ratekivi"]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

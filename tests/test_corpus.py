@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import rdata
 
-from veloxquant.data import corpus
-from veloxquant.data import AUSTEN_BOOKS, CorpusError, austen_text, book_key, load_text
+from veloxquant.data import AUSTEN_BOOKS, CorpusError, austen_text, book_key, corpus, load_text
 
 LINES = ["PRIDE AND PREJUDICE", "", "Chapter 1", "", "It is a truth universally",
          "acknowledged, that a single man", "", "", "Mr. Bennet replied."]

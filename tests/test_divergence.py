@@ -3,11 +3,11 @@ import math
 
 import mlx.core as mx
 import pytest
-
-from test_eval import CharTokenizer, SENTENCES, random_windows
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from veloxquant.eval import EvalConfig, evaluate, expand, parse_row
-from veloxquant.eval import divergence, ppl, report
+
+from veloxquant.eval import EvalConfig, divergence, evaluate, expand, parse_row, ppl, report
+
+from test_eval import SENTENCES, CharTokenizer, random_windows
 
 
 def test_compare_is_kl_and_argmax():

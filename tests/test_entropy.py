@@ -13,11 +13,12 @@ from veloxquant.compiler.lower import KERNEL_SPILL
 from veloxquant.compiler.rebuild import plan_from_json
 from veloxquant.errors import CacheFileError, RecipeError
 from veloxquant.recipe import load_recipe
-from veloxquant.runtime.make import caches_for
 from veloxquant.runtime import checksums
+from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.entropy import Delta, Rans
 from veloxquant.stages.store import Affine
+
 from conftest import feed
 
 SHAPE = ModelShape.uniform("tiny", 2, 3, 64)

@@ -8,11 +8,11 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from conftest import tiny_llama
 from veloxquant.cli import _parser, main
 from veloxquant.errors import VeloxError
-from veloxquant.eval import EvalConfig, evaluate, expand, parse_row
-from veloxquant.eval import fidelity, passkey, ppl, report
+from veloxquant.eval import EvalConfig, evaluate, expand, fidelity, parse_row, passkey, ppl, report
+
+from conftest import tiny_llama
 
 SENTENCES = " ".join(f"Sentence number {i} is about the {w} garden." for i, w in
                      enumerate(["green", "old", "quiet", "large", "wet", "bright"] * 40))

@@ -4,8 +4,8 @@ Each cache is driven block by block and compared with a slow NumPy model of
 the published method written independently here (per head sets of kept
 positions, scores from explicit softmax).
 """
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant
@@ -14,7 +14,7 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.eviction import per_head
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
-from conftest import feed, tiny_llama
+from conftest import feed
 
 B, HQ, HKV, D = 1, 6, 2, 16
 SCALE = D ** -0.5
@@ -111,7 +111,7 @@ def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, r
         np.testing.assert_allclose(np.array(out), ref.step(q, k, v), atol=2e-5)
         tier = cache.tiers[0]
         if slack and step % 3:
-            continue  # decode queries wait unscored (runtime/eviction/deferred.py); every third step they are scored now
+            continue  # decode queries wait unscored (runtime/eviction/deferred.py); every third step is scored now
         per_head.score_held(cache)
         for h in range(HKV):  # the scores themselves, not only the sets they select
             got = dict(zip(np.array(tier.positions)[0, h].tolist(), np.array(tier.scores)[0, h].tolist()))

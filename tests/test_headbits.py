@@ -10,6 +10,7 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.cache import TieredCache
 from veloxquant.stages.headbits import HeadBits, allocate
 from veloxquant.stages.store import Affine
+
 from conftest import feed
 
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from veloxquant.kernels import cuda, dequant, lut, nvcc_check, source, tc, variants
+from veloxquant.kernels import cuda, nvcc_check, source, tc, variants
 
 KS, VS = (2, 32, "channel"), (2, 32, "token")
 

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 
 from veloxquant.kernels import backend, choice, fused_affine_partial
-from veloxquant.kernels.reference import affine_partial_attention as reference
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.kernels.reference import affine_partial_attention as reference
 from veloxquant.stages.store import Affine
 
 TOL = 1e-3
@@ -57,7 +57,8 @@ CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec)
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[6]['bits']}{c[6]['axis'][0]}-{c[7]['bits']}{c[7]['axis'][0]}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{c[6]['bits']}{c[6]['axis'][0]}-{c[7]['bits']}{c[7]['axis'][0]}")
 def test_reference_matches_attention_on_decoded_tensors(case):
     B, Hq, Hkv, Lq, D, L, ks, vs = case
     q, ke, ve = make(*case)
@@ -318,7 +319,8 @@ DEQUANT_CASES = [  # (spec, D, L, output dtype, view): view = a token slice of a
 ]
 
 
-@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: f"{c[0]['bits']}{c[0]['axis'][0]}{c[0]['group']}-D{c[1]}-L{c[2]}-{c[3]}")
+@pytest.mark.parametrize("case", DEQUANT_CASES,
+                         ids=lambda c: f"{c[0]['bits']}{c[0]['axis'][0]}{c[0]['group']}-D{c[1]}-L{c[2]}-{c[3]}")
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_cuda_dequant_matches_affine_decode(case):

@@ -2,19 +2,19 @@
 through the model (runtime/eviction/model_pass.py), checked against a NumPy model over plain mlx-lm
 caches; the pass leaves every cache array as it was apart from the scores; probe=latest is
 TOVA bit for bit; generate, save/load, Gemma-3 sliding layers, blocked memory, clear errors."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
-from mlx.utils import tree_flatten
 
 import veloxquant
 from veloxquant.errors import VeloxError
 from veloxquant.runtime.eviction import model_pass, per_head
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.eviction.scorers.reconstruct import FIRST, LATER, SUFFIX
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import CharTokenizer, feed, tiny_gemma3, tiny_llama
 
@@ -52,8 +52,9 @@ def test_the_pass_changes_nothing_but_the_scores(llama_model):
     assert [c.offset for c in caches] == offsets and all(c.size() == 40 for c in caches)
     assert all(np.array_equal(w, np.array(x)) for w, (_, x) in zip(weights, tree_flatten(llama_model.parameters())))
     assert caches[0].coordinator.model_pass.fed == []  # the recorded prompt ids are dropped
+    fed = 3 * len(SUFFIX) + 40 + len(FIRST) + 2 * (len(LATER) + 8)
     assert caches[0].coordinator.model_pass.ran == {"scorer": "reconstruct", "context_tokens": 40, "chunks": 3,
-                                                    "tokens_fed": 3 * len(SUFFIX) + 40 + len(FIRST) + 2 * (len(LATER) + 8)}
+                                                    "tokens_fed": fed}
 
 
 def test_repeat_prompt_follows_the_paper(llama_model):

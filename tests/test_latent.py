@@ -9,13 +9,14 @@ import pytest
 import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.errors import RecipeError
+from veloxquant.kernels.partials import partial_attention
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime.kinds import latent_side, latent_tier
-from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.bit_alloc import allocate
 from veloxquant.stages.latent import Latent, lloyd_distortions
+
 from conftest import feed, tiny_gemma3, tiny_llama
 
 SHAPE = ModelShape.uniform("one", 1, 3, 64)

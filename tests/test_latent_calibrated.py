@@ -7,9 +7,9 @@ import pytest
 import veloxquant as vq
 from veloxquant.artifacts import CalibrationError
 from veloxquant.calibration.fit import calibrate
-from veloxquant.compiler import binding
-from veloxquant.compiler import ModelShape
+from veloxquant.compiler import ModelShape, binding
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
+
 from conftest import feed
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(3))

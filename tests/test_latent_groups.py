@@ -4,9 +4,10 @@ import mlx.core as mx
 import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
-from veloxquant.recipe import load_recipe
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.recipe import load_recipe
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
+
 from conftest import feed, tiny_gemma3, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(5))

@@ -4,6 +4,7 @@ import numpy as np
 
 import veloxquant as vq
 from veloxquant.stages.latent import Latent
+
 from conftest import feed, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(5))

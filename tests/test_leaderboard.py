@@ -4,10 +4,11 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from test_eval import CharTokenizer, SENTENCES
 from veloxquant.board import leaderboard, protocol
-from veloxquant.eval import EvalConfig
 from veloxquant.errors import VeloxError
+from veloxquant.eval import EvalConfig
+
+from test_eval import SENTENCES, CharTokenizer
 
 TINY = EvalConfig(windows=1, prefix=96, score_tokens=32, prefill_chunk=32, score_chunk=8, fidelity_windows=0,
                   passkey_lengths=(400,), passkey_depths=(0.5,), passkey_trials=1, passkey_max_tokens=3)

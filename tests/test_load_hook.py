@@ -10,6 +10,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.errors import CacheFileError, VeloxError
+
 from conftest import feed, tiny_gemma3
 
 TOKENS = mx.random.randint(0, 500, (1, 140), key=mx.random.key(5))

@@ -1,6 +1,6 @@
 """CaM: evicted values merged into survivors (runtime/eviction/merging.py), as an evict option."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant

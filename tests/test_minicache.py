@@ -5,12 +5,13 @@ import pytest
 import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
-from veloxquant.recipe import load_recipe
 from veloxquant.kernels.partials import partial_attention
+from veloxquant.recipe import load_recipe
 from veloxquant.runtime.cache import TieredCache
 from veloxquant.runtime.kinds.merged_tier import MergedSide
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.slerp import Slerp
+
 from conftest import feed, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 200), key=mx.random.key(5))

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 import veloxquant as vq
 from veloxquant.errors import VeloxError
 from veloxquant.runtime.kinds.tier import UNBOUNDED_STEP
+
 from recipe_sets import RECIPES
 
 pytestmark = pytest.mark.slow

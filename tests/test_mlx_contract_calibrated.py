@@ -3,10 +3,11 @@ built-ins: run where their SmolLM2 artifact is in the cache directory (`veloxqua
 NAME` first), skipped with the command that makes it otherwise."""
 import pytest
 
-import test_mlx_contract as contract
-from test_mlx_contract import prompt, smollm2  # noqa: F401 (fixtures)
 from veloxquant.artifacts import CalibrationError
 from veloxquant.runtime.make import plan_for
+
+import test_mlx_contract as contract
+from test_mlx_contract import prompt, smollm2  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 CALIBRATED = ("commvq", "a2ats", "ratekivi")

@@ -1,7 +1,7 @@
 """NestedKV's key anomaly scores (three scales, head-adaptive blend, surprise gate) and its
 head-wise budget competition held in ragged per-head tiers."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 
 import veloxquant
 from veloxquant.runtime.eviction.scorers.nested import PRIOR, route, scales

@@ -7,9 +7,10 @@ import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, compile_recipe
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.kinds.tier import Tier
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.nsn import NSN
+
 from conftest import feed, pipeline_recipe, tiny_gemma3
 
 

@@ -7,6 +7,7 @@ import veloxquant as vq
 from veloxquant.errors import CacheFileError
 from veloxquant.runtime import checksums
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
+
 from conftest import feed
 
 TOKENS = mx.random.randint(0, 500, (1, 160), key=mx.random.key(3))

@@ -12,6 +12,7 @@ from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages import rope_pairs as rp
 from veloxquant.stages.productvq import kmeans
 from veloxquant.stages.unrope import rotate
+
 from conftest import feed, tiny_gemma3
 
 

@@ -5,14 +5,15 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
-from veloxquant.calibration.fit import calibrate
 from veloxquant.calibration.explain import calibration_lines
+from veloxquant.calibration.fit import calibrate
 from veloxquant.compiler import ModelShape
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.runtime.code_attention import codes_partial_attention
-from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.runtime.kinds.tier import Tier
+from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.ratebits import allocate_widths
+
 from conftest import feed
 from test_calibration import Tokens, _text
 
@@ -128,7 +129,7 @@ def test_a_site_that_holds_more_tokens_pays_more_for_its_bits():
 
 
 def test_affine_ratebits_at_a_width_is_affine_bit_for_bit_and_holds_its_group():
-    from veloxquant.stages.ratebits import RateBits, _WIDTHS
+    from veloxquant.stages.ratebits import _WIDTHS, RateBits
     from veloxquant.stages.store import Affine
     st = RateBits(codec="affine", group=32, axis="channel", lo=2, hi=5, artifact="t", slot="0.1.k")
     _WIDTHS[("t", "0.1.k")] = 3

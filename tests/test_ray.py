@@ -17,15 +17,16 @@ if sys.version_info >= (3, 14):  # pyproject: ray is installed only below 3.14 (
 import ray  # noqa: E402
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
-from conftest import tiny_llama  # noqa: E402
-from test_eval import SENTENCES, CharTokenizer  # noqa: E402
 from veloxquant.eval.config import EvalConfig  # noqa: E402
 from veloxquant.eval.distributed import evaluate_distributed  # noqa: E402
 from veloxquant.eval.rows import expand  # noqa: E402
 from veloxquant.eval.run import evaluate  # noqa: E402
-from veloxquant.tune.measure import Slice, measure_task  # noqa: E402
 from veloxquant.pool import run_all  # noqa: E402
+from veloxquant.tune.measure import Slice, measure_task  # noqa: E402
 from veloxquant.tune.search import builtin_text  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+from test_eval import SENTENCES, CharTokenizer  # noqa: E402
 
 
 class TinyModel:

@@ -130,7 +130,8 @@ def test_set_error_through_cli(capsys):
 
 def test_run_checks_every_recipe_before_loading_the_model(capsys, monkeypatch):
     import veloxquant.models as models
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded before the recipes were checked"))
+    monkeypatch.setattr(models, "load_model",
+                        lambda *a, **k: pytest.fail("model loaded before the recipes were checked"))
     assert cli.main(["run", "fp16", "no_such_recipe"]) == 2
     assert "no_such_recipe" in capsys.readouterr().err
     assert cli.main(["run", "fp16", "kivi", "--save-cache", "c.safetensors"]) == 2

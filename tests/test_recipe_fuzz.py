@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from recipe_strategies import pipeline_text, recipe_bytes, recipe_doc, render, set_value
 
 from veloxquant import cli
 from veloxquant.recipe.limits import MAX_FILE_BYTES
+
+from recipe_strategies import pipeline_text, recipe_bytes, recipe_doc, render, set_value
 
 LONG = int(os.environ.get("VELOXQUANT_FUZZ_EXAMPLES", "0"))
 TRACE = os.environ.get("VELOXQUANT_FUZZ_MEMORY") == "1"

@@ -3,13 +3,14 @@ within them, sizes that are lazily safe -- a cache holds what it was fed, never
 the window or budget the recipe names (docs/recipe-language.md, "Limits")."""
 import mlx.core as mx
 import pytest
-from conftest import feed
 
 import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, compile_recipe
 from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.recipe.limits import MAX_YAML_NODES
+
+from conftest import feed
 
 TOKENS = mx.random.randint(0, 500, (1, 96), key=mx.random.key(3))
 

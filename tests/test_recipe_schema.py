@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from veloxquant import cli
+from veloxquant.compiler.schema import completions, recipe_schema
 from veloxquant.recipe import builtin_names
 from veloxquant.recipe.fmt import format_file
 from veloxquant.recipe.load import load_recipe
-from veloxquant.compiler.schema import completions, recipe_schema
 from veloxquant.stages import REGISTRY
 from veloxquant.stages.registry import in_range, stage
 

@@ -2,7 +2,8 @@
 import mlx.core as mx
 import pytest
 
-from veloxquant.board import predict, recommend as rec
+from veloxquant.board import predict
+from veloxquant.board import recommend as rec
 from veloxquant.cli import main
 from veloxquant.compiler import SMOLLM2_135M, ModelShape
 from veloxquant.errors import VeloxError

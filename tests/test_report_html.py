@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from test_recommend import BOARD
-from veloxquant.board import html
 from veloxquant.cli import main
+
+from test_recommend import BOARD
 
 
 def _board(tmp_path):
@@ -58,7 +58,8 @@ def test_page_in_headless_chromium(tmp_path):
     assert main(["report", str(_board(tmp_path)), "-o", str(out)]) == 0
     url = out.as_uri()
     loaded = _chromium("--dump-dom", url)
-    assert "CONSOLE" not in loaded.stderr and "<tbody><tr>" in loaded.stdout and 'id="errors"></pre>' in loaded.stdout  # no script error
+    # no script error
+    assert "CONSOLE" not in loaded.stderr and "<tbody><tr>" in loaded.stdout and 'id="errors"></pre>' in loaded.stdout
     names = lambda dom: re.findall(r"<tr><td>[^<]*</td><td>([^<]*)</td>", dom)  # noqa: E731
     assert names(loaded.stdout) == ["streaming_llm[window=252]", "h2o[budget=1024]", "kivi", "kivi[bits=4]", "fp16"]
     assert len(re.findall(r"<circle", loaded.stdout)) == 2 * 5 and "<title>kivi (SmolLM2" in loaded.stdout

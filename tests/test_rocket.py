@@ -3,8 +3,8 @@
 Stage 2 is checked against a NumPy model of Hybrid Sparse Attention written
 here (page max/min bounds on the query's top channels, then partial dot
 products), and reduces to SnapKV with tokens=0 or with every survivor picked."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant

@@ -5,6 +5,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import veloxquant as vq
 from veloxquant.runtime import hook
+
 from conftest import feed, tiny_gemma3, tiny_llama
 
 TOKENS = mx.random.randint(0, 500, (1, 300), key=mx.random.key(7))
@@ -174,8 +175,9 @@ def test_nbytes_is_the_memory_really_held():
     import subprocess
     import sys
     here = os.path.dirname(__file__)
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", _MEMORY_CHECK], capture_output=True, text=True,
-                         cwd=here, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))})
+                         cwd=here, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr
     held, freed, n = map(int, out.stdout.split())
     # Allowance: up to 2 KiB a buffer of MLX bookkeeping freed alongside (small

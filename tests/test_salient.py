@@ -10,7 +10,9 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.cache import TieredCache
 from veloxquant.stages.salient import Salient
 from veloxquant.stages.store import Affine, Fp16
-from conftest import feed, pipeline_recipe as _recipe
+
+from conftest import feed
+from conftest import pipeline_recipe as _recipe
 
 
 def test_salient_codes_the_top_scored_tokens_of_each_chunk_with_hi():

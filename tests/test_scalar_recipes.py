@@ -8,7 +8,9 @@ import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
 from veloxquant.recipe import load_recipe
-from conftest import feed, tiny_gemma3, tiny_llama, pipeline_recipe as _recipe
+
+from conftest import feed, tiny_gemma3, tiny_llama
+from conftest import pipeline_recipe as _recipe
 
 FAMILY = ["skvq", "kitty", "zipcache", "adakv_bits", "kvquant", "gear", "age_tiered", "composite"]
 

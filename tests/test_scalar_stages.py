@@ -1,18 +1,18 @@
 """nuq store, sparse and lowrank residuals: round trips, honest bytes, pinned reductions."""
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import veloxquant as vq
 from veloxquant.compiler import SMOLLM2_135M, CodecPlan, compile_recipe
 from veloxquant.errors import RecipeError
-from veloxquant.recipe import load_recipe
 from veloxquant.runtime.codec import Codec
 from veloxquant.stages.lowrank import LowRank
 from veloxquant.stages.nuq import Nuq
 from veloxquant.stages.sparse import Sparse
 from veloxquant.stages.store import Affine
-from conftest import feed, pipeline_recipe as _recipe
+
+from conftest import feed
+from conftest import pipeline_recipe as _recipe
 
 
 def _laplace(shape, seed=0):
@@ -103,7 +103,8 @@ def test_gear_rank_zero_without_sparse_is_its_base_quantizer(tmp_path, llama_mod
 @pytest.mark.parametrize("name", ["kvquant", "gear"])
 def test_bytes_are_the_arrays_held_levels_and_lists_included(name, llama_model):
     tokens = mx.random.randint(0, 500, (1, 200), key=mx.random.key(6))
-    caches = vq.make_prompt_cache(llama_model, name, ["key_bits=3", "outlier_fraction=0.01"] if name == "kvquant" else [])
+    sets = ["key_bits=3", "outlier_fraction=0.01"] if name == "kvquant" else []
+    caches = vq.make_prompt_cache(llama_model, name, sets)
     feed(llama_model, tokens, caches, 64)
     c = caches[0]
     c._settle()

@@ -1,8 +1,8 @@
 """SnapKV's window votes as a share of any `once` score's budget (runtime/eviction/scorers/votes.py):
 the two pinned reductions bit for bit (votes=0 == observed_attention, votes=1 == snapkv), the
 union rule against a NumPy model, save/load, sliding-window layers and the clear error."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant
@@ -10,7 +10,7 @@ from veloxquant.errors import RecipeError
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 
 from conftest import feed, tiny_gemma3
-from test_evict import HKV, SCALE, blocks, layer_cache
+from test_evict import HKV, blocks, layer_cache
 from test_scorers import causal_weights, drive, held
 
 TOKENS = mx.array(np.random.default_rng(21).integers(0, 500, (1, 48)))
@@ -29,7 +29,8 @@ def same(a, b):
 
 
 def test_votes_zero_is_observed_attention_bit_for_bit(llama_model):
-    same(run(llama_model, "observed_snap", ["budget=12", "votes=0"]), run(llama_model, "observed_attention", ["budget=12"]))
+    same(run(llama_model, "observed_snap", ["budget=12", "votes=0"]),
+         run(llama_model, "observed_attention", ["budget=12"]))
 
 
 def test_votes_one_is_snapkv_bit_for_bit(llama_model):

@@ -1,8 +1,8 @@
 """Eviction scorers behind one protocol (runtime/eviction/scorers/): each checked against
 a NumPy model of its formula, the pinned reductions bit for bit, `once` mode,
 and every new recipe through generate-style feeding, save/load and bytes."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant

@@ -1,6 +1,6 @@
 """The pinned reductions and knorm's path independence on SmolLM2 (slow): same kept sets, same logits."""
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import veloxquant

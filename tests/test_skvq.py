@@ -9,6 +9,7 @@ from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.stages.skvq import Skvq
 from veloxquant.stages.store import Affine
+
 from conftest import feed
 
 

@@ -9,7 +9,9 @@ from veloxquant.errors import RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.stages.split import Split
 from veloxquant.stages.store import Affine, Fp16
-from conftest import feed, pipeline_recipe as _recipe
+
+from conftest import feed
+from conftest import pipeline_recipe as _recipe
 
 
 def _x(seed=0):

@@ -10,7 +10,8 @@ import pytest
 
 from veloxquant.kernels import backend, tc, tc_launch
 
-SPECS = [((b, g, "channel"), (b, gv, "token")) for b in (2, 4, 8) for g, gv in ((32, 32), (16, 16), (64, 32), (128, 64))]
+SPECS = [((b, g, "channel"), (b, gv, "token"))
+         for b in (2, 4, 8) for g, gv in ((32, 32), (16, 16), (64, 32), (128, 64))]
 
 
 def _stages_walked(L: int, ns: int) -> list:
@@ -72,7 +73,8 @@ def test_nvcc_renders_the_tc_kernel_as_mlx_would():
 def test_pipelined_kernels_compile_for_sm90_without_spills(unit, shape, Lq, bits, qtype):
     from veloxquant.kernels import nvcc_check
     Hq, Hkv, D = (int(x) for x in shape.split("/"))
-    report = nvcc_check.compile_unit(nvcc_check.tc_unit(1, Hq, Lq, D, Hkv, 32768, (bits, 32, "channel"), (bits, 32, "token"), qtype))
+    unit = nvcc_check.tc_unit(1, Hq, Lq, D, Hkv, 32768, (bits, 32, "channel"), (bits, 32, "token"), qtype)
+    report = nvcc_check.compile_unit(unit)
     assert " 0 bytes spill stores" in report
     if unit == "tc":  # the plan's shared-memory budget counts what ptxas allocates statically
         static = int(re.search(r"(\d+) bytes smem", report).group(1))

@@ -7,8 +7,8 @@ import pytest
 
 from veloxquant.bench.e2e import random_llama
 from veloxquant.kernels import cuda, dispatch, reference
-from veloxquant.runtime import make_prompt_cache, uninstall
 from veloxquant.kernels.partials import merge_partials, partial_attention
+from veloxquant.runtime import make_prompt_cache, uninstall
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,7 @@ def test_decode_step_graph_stays_small(model, recipe, most):
     Counted on the CUDA path's graph (kernel and fused SDPA = stand-ins of their launch count).
     In float32 the 16-bit stores add a cast per array (4 of fp16's ops)."""
     from mlx_lm.models.cache import make_prompt_cache as mlx_cache
+
     from veloxquant.bench.decode_ops import stand_in_for_cuda, step
     with stand_in_for_cuda():
         base, _ = step(model, mlx_cache(model), 200, 1)
@@ -209,8 +210,10 @@ def test_sliding_layers_leave_expired_tokens_out_by_count(fused_on_cpu, monkeypa
     """Gemma-3's sliding layers: expiry drops whole key groups, so up to a group of expired tokens
     stays at the coded tier's front. A decode step hands the kernel their count (`hidden`) instead
     of taking the decoded, masked path, and answers what that path answers."""
+    from veloxquant.runtime import cache as cache_module
+    from veloxquant.runtime import fused
+
     from conftest import tiny_gemma3
-    from veloxquant.runtime import cache as cache_module, fused
     counts = []
     real = fused.kernel_answer
 

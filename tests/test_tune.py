@@ -5,10 +5,9 @@ import pytest
 
 from tests.conftest import tiny_llama
 from tests.test_eval import CharTokenizer
-from veloxquant import cli
+from veloxquant import cli, pool
 from veloxquant.compiler import ModelShape
 from veloxquant.recipe import load_recipe
-from veloxquant import pool
 from veloxquant.tune.space import Candidate, estimate_ratio, grid, mixes
 
 ARGS = ["--prefix", "96", "--score-tokens", "16", "--heldout-windows", "1", "--no-progress"]

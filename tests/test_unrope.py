@@ -7,9 +7,10 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.rebuild import plan_from_dict
 from veloxquant.errors import RecipeError
-from veloxquant.recipe import load_recipe
 from veloxquant.stages.unrope import Unrope, rope_spec, rotate
-from conftest import feed, tiny_gemma3, tiny_llama, pipeline_recipe as _recipe
+
+from conftest import feed, tiny_gemma3, tiny_llama
+from conftest import pipeline_recipe as _recipe
 
 
 def _check_inverts_every_layer(model, start=37, atol=1e-4):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
-from PIL import Image  # noqa: E402  (mlx-vlm depends on Pillow)
 from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.utils import get_model_and_args, update_module_configs  # noqa: E402
+from PIL import Image  # noqa: E402  (mlx-vlm depends on Pillow)
 from transformers import CLIPImageProcessorPil, Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil  # noqa: E402
 
 import veloxquant as vq  # noqa: E402
@@ -82,7 +82,8 @@ def generate(model, ids, pixels, extra, cache, n=6):
     lm = model.language_model
     if hasattr(lm, "_position_ids"):  # mlx-vlm's generate resets Qwen's multimodal RoPE state per prompt too
         lm._position_ids = lm._rope_deltas = None
-    steps = generate_step(mx.array([ids]), model, pixels.astype(mx.float16), mx.ones((1, len(ids)), mx.int32), prompt_cache=cache,
+    steps = generate_step(mx.array([ids]), model, pixels.astype(mx.float16), mx.ones((1, len(ids)), mx.int32),
+                          prompt_cache=cache,
                           max_tokens=n, temperature=0.0, prefill_step_size=64, **extra)
     out = [s for s, _ in zip(steps, range(n))]
     return [t for t, _ in out], mx.stack([lp for _, lp in out])

@@ -6,10 +6,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import tiny_llama
 from veloxquant.kernels import dispatch, variants
 from veloxquant.runtime import make_prompt_cache, uninstall
 from veloxquant.runtime.warmup import warmup
+
+from conftest import tiny_llama
 
 
 @pytest.fixture

@@ -7,13 +7,14 @@ import veloxquant as vq
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.explain import render
 from veloxquant.compiler.rebuild import plan_from_json
-from veloxquant.errors import CacheFileError, RecipeError, VeloxError
+from veloxquant.errors import CacheFileError, RecipeError
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime import checksums
+from veloxquant.runtime.kinds.reuse_tier import ReuseTier
 from veloxquant.runtime.make import caches_for
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
-from veloxquant.runtime.kinds.reuse_tier import ReuseTier
 from veloxquant.stages.store import Affine
+
 from conftest import feed, tiny_gemma3
 
 TOKENS = mx.random.randint(0, 500, (1, 300), key=mx.random.key(7))

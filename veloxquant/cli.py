@@ -1,10 +1,13 @@
 """The `veloxquant` command line."""
 import argparse
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from .errors import VeloxError
 from .bench import registry as bench_registry
+from .errors import VeloxError
 
 
 def _add_recipe_opts(p, model=True):
@@ -27,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                      "hold most of it)")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
     src.add_argument("--corpus", help="prompt from a corpus: 'austen', 'austen:emma' or a text file")
-    p.add_argument("--prompt-tokens", type=int, help="cut the prompt to its first N tokens (implies --raw-prompt); a shorter prompt is an error")
+    p.add_argument("--prompt-tokens", type=int,
+                   help="cut the prompt to its first N tokens (implies --raw-prompt); a shorter prompt is an error")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--no-hook", action="store_true", help="leave mlx-lm's attention alone (decoded K/V mode)")
@@ -176,7 +180,6 @@ LIST_CONTEXT = 4096  # the context `list` states held bytes at
 
 
 def cmd_list(args) -> int:
-    import shutil
     from .board.predict import fp16_bytes, held_bytes
     from .compiler import SMOLLM2_135M
     from .recipe import builtin_names, load_recipe
@@ -224,7 +227,6 @@ def cmd_diff(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    import json
     from .compiler.schema import completions, recipe_schema
     schema = recipe_schema()
     if args.stage:
@@ -321,7 +323,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. `veloxquant explain kivi | head`
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 

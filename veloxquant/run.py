@@ -7,16 +7,16 @@ from typing import Dict, List
 import mlx.core as mx
 from mlx_lm import stream_generate
 
-from .recipe import load_recipe
-from .runtime import make_prompt_cache, uninstall
-from .runtime.cache_list import kept_caches, recipe_caches
-from .runtime.persist import save_prompt_cache
 from .artifacts import by_content
 from .compiler import apply_sets
 from .compiler.binding import calibrated_stages
 from .data import load_text
 from .data.sample import sample_prompt
 from .models import load_model
+from .recipe import load_recipe
+from .runtime import make_prompt_cache, uninstall
+from .runtime.cache_list import kept_caches, recipe_caches
+from .runtime.persist import save_prompt_cache
 
 
 def fp16_bytes(caches) -> int:

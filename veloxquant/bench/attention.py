@@ -25,13 +25,14 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-from .registry import bench
 
 from veloxquant.kernels import cuda, reference, tc, tc_launch
 from veloxquant.kernels.dispatch import backend
 from veloxquant.kernels.reference import spec_fields
 from veloxquant.kernels.tc_launch import held_bytes
 from veloxquant.stages.store import Affine
+
+from .registry import bench
 
 HBM_GBPS = 4800.0  # H200 HBM3e peak, for the % column
 

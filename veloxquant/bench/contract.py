@@ -25,10 +25,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import VeloxError
 from ..compiler import ModelShape, compile_recipe
 from ..compiler.explain import render
 from ..data.corpus import load_text
+from ..errors import VeloxError
 from ..models.default import load_model
 from ..recipe import builtin_names, load_recipe
 from ..runtime.make import make_prompt_cache

@@ -21,12 +21,12 @@ import attrs
 import mlx.core as mx
 
 from ..compiler.plan import Plan
+from ..data.corpus import load_text
 from ..errors import VeloxError
+from ..models.default import load_model
 from ..runtime import make_prompt_cache
 from ..runtime.make import caches_for
 from ..runtime.persist import load_prompt_cache, save_prompt_cache
-from ..data.corpus import load_text
-from ..models.default import load_model
 from .registry import bench
 
 

@@ -19,17 +19,18 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.make import make_prompt_cache
-from ..runtime.eviction.scoring import attention_weights, position_mask
 from ..data.corpus import load_text
 from ..models.default import gemma3_model_path, load_model
+from ..runtime.eviction.scoring import attention_weights, position_mask
+from ..runtime.make import make_prompt_cache
 from .registry import bench
 
 ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
         ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
         ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", []),
         ("observed_attention (once)", "observed_attention", []), ("h2o once", "h2o", ["once=true"]),
-        ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []), ("expected_attention (once)", "expected_attention", []),
+        ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []),
+        ("expected_attention (once)", "expected_attention", []),
         ("qfilters", "qfilters", []), ("keyformer", "keyformer", []), ("morphkv", "morphkv", []),
         ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", []), ("kvzip (once)", "kvzip", []),
         ("observed_snap (once)", "observed_snap", []), ("squeezeattention", "squeezeattention", []),

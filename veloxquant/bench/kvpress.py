@@ -42,7 +42,8 @@ KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94))
            "KeyDiff": ("keydiff", (3.28, 7.05, 12.28)),
            "Knorm": ("knorm[once=true]", (8.76, 12.49, 15.29))}
 KVPRESS_FRACTIONS = (0.5, 0.75, 0.85)
-EXTRA = ["tova[once=true]", "observed_attention[recent=64]", "observed_attention[pool=5]", "h2o[once=true]", "curdkv[once=true]",
+EXTRA = ["tova[once=true]", "observed_attention[recent=64]", "observed_attention[pool=5]", "h2o[once=true]",
+         "curdkv[once=true]",
          "qfilters[once=true]", "chunkkv[once=true]", "morphkv[once=true]",
          "kvzip[heads=score,alpha=0]"]
 # StreamingLLM at the end of the prompt: sinks plus the newest tokens, then append.

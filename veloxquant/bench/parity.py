@@ -11,9 +11,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..runtime import make_prompt_cache, uninstall
 from ..data import load_text
 from ..models import load_model
+from ..runtime import make_prompt_cache, uninstall
 from .registry import bench
 
 
@@ -48,8 +48,9 @@ def main(argv=None) -> int:
     uninstall(model)
     diff = float(mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max())
     dtype = str(next(iter(p.dtype for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters()))))
-    print(f"| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention | s (mlx-lm / ours) |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention "
+          "| s (mlx-lm / ours) |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {args.recipe} | {dtype} | {tokens.shape[1]} | {args.chunk} | {diff:.3g} | "
           f"{'hook' if caches[0].attended else 'decoded'} | {t1 - t0:.1f} / {t2 - t1:.1f} |")
     return 0

@@ -11,7 +11,8 @@ def add_leaderboard_args(p) -> None:
     p.add_argument("--corpus", default="austen", help="'austen', 'austen:emma' or a text file (default: austen)")
     p.add_argument("--protocol", default="cpu", choices=PROTOCOL_NAMES,
                    help="cpu: 1 window of 640+128 tokens, one 512-token passkey prompt (a minute or two a row on "
-                   "a share of 2 CPU cores with SmolLM2); standard: eval's defaults (4 windows of 1536+256, passkey 1k/2k)")
+                   "a share of 2 CPU cores with SmolLM2); standard: eval's defaults (4 windows of 1536+256, "
+                   "passkey 1k/2k)")
     p.add_argument("--out", metavar="JSON", help="the leaderboard file, resumed if it exists "
                    "(default: results/leaderboard-MODEL-PROTOCOL.json)")
     p.add_argument("--only", metavar="NAMES", help="comma-separated built-ins to measure (default: all)")

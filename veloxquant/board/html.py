@@ -70,7 +70,8 @@ pre {{ text-align: left; font-size: 11px; max-width: 60em; white-space: pre-wrap
 </style></head><body>
 <h1>veloxquant report</h1>
 <p>{sources}</p>
-<div class="plots"><svg id="plot-ppl" width="520" height="340"></svg><svg id="plot-kld" width="520" height="340"></svg></div>
+<div class="plots"><svg id="plot-ppl" width="520" height="340"></svg><svg id="plot-kld"
+width="520" height="340"></svg></div>
 <p>Hover a point for its recipe; the dashed line joins the rows no other row beats on both axes
 (green: eviction, blue: the rest).</p>
 <div class="filters">

@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..calibration.fit import calibrate
 from .. import artifacts as artifact
+from ..calibration.fit import calibrate
 from ..compiler import ModelShape, compile_recipe
 from ..compiler.binding import calibrated_stages, key_for
 from ..errors import VeloxError
 from ..eval.rows import Row, parse_row
 from ..eval.run import evaluate
-from ..runtime import uninstall
 from ..recipe import load_recipe
+from ..runtime import uninstall
 from . import protocol
 
 SCHEMA = 1

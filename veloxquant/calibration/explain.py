@@ -1,6 +1,6 @@
 """`explain` lines for calibrated stages: what they fit, on what, and their artifact."""
 from collections import Counter
-from typing import List, Optional
+from typing import List
 
 from .. import artifacts as artifact
 from ..compiler.binding import calibrated_stages, key_for, settings

@@ -1,6 +1,5 @@
 """`veloxquant explain`: the per-layer plan, its storage cost and implementations."""
 import math
-
 from typing import List
 
 import attrs
@@ -38,7 +37,8 @@ def _tier_line(tier: TierPlan, head_dim: int, values: dict = None) -> str:
     line = f"    {route:<16} {codec}\n{'':21}bits/elem {tier_bits(tier, head_dim)}  impl {impl}{moves}"
     if tier.keys.entropy or tier.values.entropy:
         # Coded codes cannot be attended: the live cost above stays, the file shrinks.
-        line += f"\n{'':21}entropy-coded when saved (K: {_chain(tier.keys)}, V: {_chain(tier.values)}); live bytes unchanged"
+        line += (f"\n{'':21}entropy-coded when saved (K: {_chain(tier.keys)}, V: {_chain(tier.values)}); "
+                 "live bytes unchanged")
     return line
 
 
@@ -159,9 +159,9 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
                        f"+{8 + extra} bytes/token/head of positions and scores")
             if getattr(t.route, "votes", 0) > 0:
-                out.append(f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote (last "
-                           f"{t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), the rest by "
-                           f"score={t.route.score}")
+                out.append(f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote "
+                           f"(last {t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), "
+                           f"the rest by score={t.route.score}")
             if allocation_rule(t.route):
                 out.append("    budgets decided once at the end of the prompt by the coordinator: "
                            f"{allocation_rule(t.route)}")

@@ -100,7 +100,8 @@ def read(model, name: str = "model") -> Layout:
                              "first tokens); veloxquant reads sliding windows with keep=0 only")
         if kind is None:
             raise VeloxError(f"layer {i} of {name} uses {type(c).__module__}.{type(c).__name__}, a cache veloxquant "
-                             "cannot read (it reads mlx-lm's and mlx-vlm's KVCache, RotatingKVCache(keep=0), and passes "
+                             "cannot read (it reads mlx-lm's and mlx-vlm's KVCache, RotatingKVCache(keep=0), "
+                             "and passes "
                              f"{' and '.join(KEPT)} of non-attention layers through)")
         if kind in KEPT:
             slots.append(kind)

@@ -13,8 +13,8 @@ from .bind import bind_positions
 from .groups import assign_groups
 from .instantiate import instantiate
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
-from .shape import ModelShape
 from .selectors import select_layers
+from .shape import ModelShape
 
 KERNEL_SPILL = 32  # tokens a window hands at once to a kernel-read tier: its buffers stay exact (docs/kernels.md)
 
@@ -59,7 +59,8 @@ def _lower_layer(index: int, pipeline: Pipeline, params: Dict[str, Any], recipe:
     if "attention" in needs and not hook:
         stage = next(s for t in tiers for s in _stages_of(t) if "attention" in needs_of(s))
         raise RecipeError(f"stage '{stage.stage_name}' scores tokens by real attention, which needs the attention hook",
-                          pipeline.tiers[0].pos, "keep the hook installed: the default of veloxquant.make_prompt_cache; "
+                          pipeline.tiers[0].pos,
+                          "keep the hook installed: the default of veloxquant.make_prompt_cache; "
                           "on the command line, drop --no-hook")
     return LayerPlan(index, shape.n_kv_heads[index], head_dim, shape.windows[index], tuple(tiers), needs)
 

@@ -124,7 +124,8 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         model = attrs.asdict(self.shape)
         del model["ropes"]  # unrope stages carry their layer's settings; other plans keep their fingerprints
-        for usual in ("slots", "readers", "shard"):  # the usual layout (compiler/layout.py) is not written: fingerprints kept
+        # the usual layout (compiler/layout.py) is not written: fingerprints kept
+        for usual in ("slots", "readers", "shard"):
             if not model[usual]:
                 del model[usual]
         return {"model": model, "layers": [l.to_dict() for l in self.layers]}
@@ -141,7 +142,8 @@ class Plan:
 
 
 def _stage_text(stage) -> str:
-    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}  # bound by the compiler
+    # _-prefixed fields are bound by the compiler
+    values = {k: v for k, v in attrs.asdict(stage, recurse=False).items() if not k.startswith("_")}
     if not values:
         return stage.stage_name
     shown = (f"{k}={_stage_text(v) if hasattr(v, 'stage_name') else _fmt(v)}" for k, v in values.items())

@@ -1,8 +1,8 @@
 """`veloxquant schema`: a JSON Schema (draft-07) for recipe files, built from the stage registry.
 
 It joins the language (veloxquant.recipe) and the vocabulary (veloxquant.stages),
-so it sits in the compiler, which imports both. Generated at run time, so a stage added as a module appears without an edit
-here: each stage's family, doc, and parameters with their types, defaults,
+so it sits in the compiler, which imports both. Generated at run time, so a stage added as a module
+appears without an edit here: each stage's family, doc, and parameters with their types, defaults,
 ranges (`in_range`) and enums (`choices`) come from its attrs class. YAML
 language servers read it through a first line
 `# yaml-language-server: $schema=PATH-OR-URL`.

@@ -10,7 +10,6 @@ paragraphs, and cache one plain-text file per book under
 
 from __future__ import annotations
 
-from ..errors import VeloxError
 import os
 import re
 import struct
@@ -19,6 +18,8 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
+
+from ..errors import VeloxError
 
 DEB_PACKAGE = "r-cran-janeaustenr"
 DEFAULT_BOOK = "pride"

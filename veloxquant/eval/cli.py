@@ -35,7 +35,8 @@ def add_eval_args(p) -> None:
     g.add_argument("--prefill-chunk", type=int, help=f"prefill step in tokens (default {d.prefill_chunk})")
     g.add_argument("--score-chunk", type=int, help=f"continuation fed this many tokens at a time; 1 = exact "
                    f"token-by-token decode (default {d.score_chunk})")
-    g.add_argument("--fidelity-windows", type=int, help=f"windows for attention fidelity (default {d.fidelity_windows})")
+    g.add_argument("--fidelity-windows", type=int,
+                   help=f"windows for attention fidelity (default {d.fidelity_windows})")
     g.add_argument("--passkey-lengths", help="comma-separated prompt lengths in tokens "
                    f"(default {','.join(map(str, d.passkey_lengths))}; '' skips passkey)")
     g.add_argument("--passkey-depths", help="comma-separated needle depths in [0, 1] "

@@ -67,7 +67,8 @@ class Tee:
 
     @property
     def wrapped(self):
-        """The caches this tee feeds: a model pass they run records the prompt's ids (runtime/eviction/model_pass.py)."""
+        """The caches this tee feeds: a model pass they run records the prompt's ids
+        (runtime/eviction/model_pass.py)."""
         return (self.ref, *self.shadows)
 
     def finish_prompt(self):

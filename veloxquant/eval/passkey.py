@@ -112,6 +112,7 @@ def summarize(results: List[Dict]) -> Dict:
         cells.setdefault((r["length"], r["depth"]), []).append(r["correct"])
     return {
         "accuracy": sum(r["correct"] for r in results) / len(results) if results else None,
-        "cells": [{"length": L, "depth": d, "correct": sum(v), "trials": len(v)} for (L, d), v in sorted(cells.items())],
+        "cells": [{"length": L, "depth": d, "correct": sum(v), "trials": len(v)}
+                  for (L, d), v in sorted(cells.items())],
         "answers": [{k: r[k] for k in ("length", "depth", "key", "answer", "correct")} for r in results],
     }

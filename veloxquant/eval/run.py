@@ -15,10 +15,10 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..compiler import ModelShape
+from ..runtime import uninstall
 from . import cost, divergence, fidelity, passkey, ppl
 from .config import EvalConfig
 from .rows import Row
-from ..runtime import uninstall
 
 SCHEMA = 1
 
@@ -162,6 +162,7 @@ def _probe(model, row, corpus: List[int], chunk: int) -> Optional[str]:
 def _compute_dtype(model) -> str:
     """The floating dtype most parameters have (quantized weights also hold uint32)."""
     from collections import Counter
+
     from mlx.utils import tree_flatten
     floats = Counter(p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating))
     return str(floats.most_common(1)[0][0]).replace("mlx.core.", "") if floats else "?"

@@ -5,20 +5,18 @@ along the sequence and `reduce` merges them (attend_tc in its own launch where i
 Contract and format: kernels/CONTRACT.md.
 """
 import math
-import os
 from functools import lru_cache
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..paths import kernels_dir
-from .source import split_sections, strip as _strip
-from .geometry import MAX_ROWS, SM_COUNT, blocks_per_sm, choose_chunk, float_bits, plan
-from .geometry import SMEM_MAX, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
-from .reference import Spec, spec_fields
 from . import variants
-from .table import Kernel, attend_route, register
-from .table import KERNELS
+from .geometry import MAX_ROWS, SM_COUNT, SMEM_MAX, blocks_per_sm, choose_chunk, float_bits, plan, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
+from .reference import Spec, spec_fields
+from .source import split_sections
+from .source import strip as _strip
+from .table import KERNELS, Kernel, attend_route, register
 
 SOURCE = "cuda/affine_attention.cu"
 TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)

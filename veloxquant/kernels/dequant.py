@@ -6,9 +6,9 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from . import variants
 from .cuda import _QTYPES, _strip, sections
 from .reference import Spec, spec_fields
-from . import variants
 from .table import Kernel, register
 
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from . import cuda, dequant, lut, reference, tc_launch  # noqa: F401 -- each registers its kernels
 from .reference import Spec, spec_fields
-from .table import KERNELS, Kernel, OFF_ENV, attend_route, family, kernels_off, verified
+from .table import KERNELS, OFF_ENV, Kernel, attend_route, family, kernels_off, verified
 
 
 def backend() -> str:

@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import kernels_dir
+from . import variants
 from .cuda import sections as affine
 from .geometry import SM_COUNT
 from .source import split_sections, strip
-from . import variants
 from .table import Kernel, register
 
 SOURCE = "cuda/lut_attention.cu"
@@ -153,7 +153,8 @@ def partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict
     pm, pl, pacc = attend(
         inputs=[q, k_enc["codes"], k_enc["norms"], k_enc[kr + "codes"], k_enc[kr + "norms"],
                 v_enc["codes"], v_enc["norms"], v_enc[vr + "codes"], v_enc[vr + "norms"], lv],
-        template=template(D, rows, bits, bool(k_codec.transforms)), grid=(ns * 32 * WARPS, B * Hkv, 1), threadgroup=(32 * WARPS, 1, 1),
+        template=template(D, rows, bits, bool(k_codec.transforms)), grid=(ns * 32 * WARPS, B * Hkv, 1),
+        threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     return tuple(reduce(inputs=[pm, pl, pacc], template=[("D", D), ("VH", int(bool(v_codec.transforms)))],

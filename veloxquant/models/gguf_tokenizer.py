@@ -12,8 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from .errors import ModelError
 

@@ -8,9 +8,9 @@ import attrs
 from ..errors import Location, RecipeError, brief, nearest, quoted
 from ..paths import recipes_dir
 from .ast import Pipeline
+from .limits import MAX_EXTENDS, MAX_PIPELINE_CHARS
 from .params import Param, coerce, declare
 from .parse import parse_pipeline
-from .limits import MAX_EXTENDS, MAX_PIPELINE_CHARS
 from .source import Source, read_text
 
 SCHEMA_VERSION = 1
@@ -157,13 +157,15 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         where = src.loc("layers", selector, key=True)
         check_selector(str(selector), where)
         if str(selector) in seen:  # e.g. 0 and "0": two YAML keys, one selector
-            raise RecipeError(f"layer selector '{selector}' given twice", where, f"first given at line {seen[str(selector)]}")
+            raise RecipeError(f"layer selector '{selector}' given twice", where,
+                              f"first given at line {seen[str(selector)]}")
         seen[str(selector)] = where.line
         if not isinstance(body, dict):
             raise RecipeError("a layer override is a map with 'pipeline' and/or 'params'", src.loc("layers", selector))
         for key in body:
             if key not in LAYER_KEYS:
-                raise RecipeError(f"unknown field {quoted(key)} in a layer override", src.loc("layers", selector, key, key=True),
+                raise RecipeError(f"unknown field {quoted(key)} in a layer override",
+                                  src.loc("layers", selector, key, key=True),
                                   nearest(str(key), LAYER_KEYS))
         text = body.get("pipeline")
         if text is not None and not isinstance(text, str):
@@ -176,7 +178,8 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         checked = {}
         for pname, value in overrides.items():
             if pname not in params:
-                raise RecipeError(f"unknown parameter {quoted(pname)}", src.loc("layers", selector, "params", pname, key=True),
+                raise RecipeError(f"unknown parameter {quoted(pname)}",
+                                  src.loc("layers", selector, "params", pname, key=True),
                                   nearest(str(pname), params))
             checked[pname] = coerce(params[pname], value, src.loc("layers", selector, "params", pname))
         layers[str(selector)] = LayerOverride(str(selector), sub, text, checked, where)

@@ -7,8 +7,8 @@ import yaml
 
 from ..errors import Location, RecipeError, brief
 from .ast import Call, Num
-from .parse import parse_value
 from .limits import MAX_SCHEDULE_CHARS
+from .parse import parse_value
 from .safe_yaml import load_value
 
 TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -63,7 +63,7 @@ def type_of(value: Any) -> Optional[str]:
 
 
 def _schedule_from_text(text: str, where: Location) -> Optional[Schedule]:
-    if not text.strip().split("(")[0].strip() in SCHEDULES:
+    if text.strip().split("(")[0].strip() not in SCHEDULES:
         return None
     if len(text) > MAX_SCHEDULE_CHARS:
         raise RecipeError(f"a schedule is at most {MAX_SCHEDULE_CHARS} characters, got {len(text)}", where,
@@ -143,7 +143,8 @@ def declare(name: str, spec: Any, where: Location) -> Param:
                               "give one number per layer, e.g. [256, 128, ...], or a schedule such as "
                               "linear(from=256, to=64)")
         if isinstance(default, list) or (isinstance(default, str) and _schedule_from_text(default, where)):
-            declared = "int" if all(isinstance(v, int) for v in (default if isinstance(default, list) else [])) else "float"
+            listed = default if isinstance(default, list) else []
+            declared = "int" if all(isinstance(v, int) for v in listed) else "float"
             if isinstance(default, str):
                 sched = _schedule_from_text(default, where)
                 declared = "int" if float(sched.start).is_integer() and float(sched.stop).is_integer() else "float"

@@ -6,8 +6,8 @@ import lark
 
 from ..errors import Location, RecipeError
 from ..paths import grammar_file
-from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 from .ast import Arg, Call, Num, Pipeline, Ref, Str, Tier, Word
+from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 
 # Maps a (line, column) inside the pipeline text to a place in the recipe file.
 Locate = Callable[[int, int], Location]
@@ -46,7 +46,8 @@ class _ToAst(lark.Transformer):
         try:
             value = float(text) if any(c in text for c in ".eE") else int(text)
         except ValueError as e:  # an int of more digits than Python converts
-            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})", self._pos(tok)) from None
+            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})",
+                              self._pos(tok)) from None
         return Num(value, self._pos(tok))
 
     def string(self, items):

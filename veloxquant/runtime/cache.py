@@ -14,10 +14,10 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from . import batch, decoded_attention, fused, hook, kinds, trimming
-from .eviction import deferred, per_head
 from ..kernels.partials import merge_partials
+from . import batch, decoded_attention, fused, hook, kinds, trimming
 from .copying import copy_sharing
+from .eviction import deferred, per_head
 from .eviction.saliency import Saliency
 from .eviction.scoring import position_mask
 from .kinds.tier import Tier, decoded_run

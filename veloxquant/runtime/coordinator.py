@@ -19,9 +19,9 @@ import mlx.core as mx
 from ..compiler.groups import shared_tiers
 from ..compiler.plan import Plan
 from ..errors import VeloxError
+from .copying import copy_owned, copy_sharing
 from .eviction import model_pass
 from .eviction.allocation import allocates, decide
-from .copying import copy_owned, copy_sharing
 from .kinds.reuse_tier import ReuseTier
 
 TRIM_HINT = "trim every layer's cache by the same amount (mlx_lm.models.cache.trim_prompt_cache does)"

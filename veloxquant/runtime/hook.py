@@ -8,8 +8,8 @@ any other cache falls through to mlx-lm's original function.
 import sys
 from typing import Dict
 
-from .eviction import model_pass, protected
 from . import shared_kv
+from .eviction import model_pass, protected
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"

@@ -8,9 +8,9 @@ from ..errors import VeloxError
 from ..models.vlm import image_token_ids, is_vlm, text_model
 from ..recipe import Recipe, load_recipe
 from . import cache_list, hook, sharding
-from .eviction import model_pass, protected
 from .cache import TieredCache
 from .coordinator import link_groups
+from .eviction import model_pass, protected
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:

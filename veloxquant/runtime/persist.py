@@ -14,8 +14,8 @@ from ..compiler import ModelShape
 from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
 from . import cache_list, checksums, coded, hook, kept_state, sharding
-from .eviction import per_head
 from .cache_list import kept_caches, recipe_caches
+from .eviction import per_head
 from .make import caches_for
 
 FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)

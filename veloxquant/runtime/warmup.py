@@ -21,8 +21,8 @@ from mlx_lm.generate import generate_step
 
 from ..kernels import variants
 from ..recipe.load import Recipe
-from .make import make_prompt_cache
 from .hook import uninstall
+from .make import make_prompt_cache
 
 DECODE_STEPS = 256  # kivi's window (128) plus a group (32) is one spill period; this crosses it more than once
 

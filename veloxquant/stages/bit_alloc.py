@@ -41,8 +41,8 @@ def allocate(variances: Sequence[float], budget: int, choices: Sequence[int], be
     # best[i, c]: least distortion of the first i components with at most c bits.
     best = np.zeros((n + 1, budget + 1))
     for i in range(n):
-        options = [np.concatenate([np.full(min(b, budget + 1), np.inf), best[i, :max(budget + 1 - b, 0)]]) + v[i] * cost(b)
-                   for b in choices]
+        options = [np.concatenate([np.full(min(b, budget + 1), np.inf), best[i, :max(budget + 1 - b, 0)]])
+                   + v[i] * cost(b) for b in choices]
         best[i + 1] = np.min(options, axis=0)
     widths, c = np.zeros(n, dtype=np.int64), budget
     for i in reversed(range(n)):  # the smallest width that stays optimal: earlier components get the rest

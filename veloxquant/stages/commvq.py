@@ -30,8 +30,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from . import rope_pairs as rp
 from ..kernels.bitpack import pack, unpack
+from . import rope_pairs as rp
 from .registry import in_range, stage
 from .unrope import _freeze
 
@@ -72,7 +72,8 @@ def _m_step(x: np.ndarray, A: np.ndarray, B: np.ndarray, C: int, old: np.ndarray
 @stage("commvq", "store")
 @attrs.frozen
 class CommVQ(rp.BoundPreRope):
-    """Additive VQ of pre-RoPE keys with RoPE-commutative codewords (EM-trained); RoPE re-applied exactly in the scores."""
+    """Additive VQ of pre-RoPE keys with RoPE-commutative codewords (EM-trained); RoPE re-applied exactly
+    in the scores."""
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     half_bits: int = attrs.field(default=6, validator=in_range(2, 8))
     iters: int = attrs.field(default=6, validator=in_range(1, 200))

@@ -44,7 +44,8 @@ def allocate(entropy: np.ndarray, widths: List[int], target: float) -> np.ndarra
 @stage("headbits", "store", needs=("attention",))
 @attrs.frozen
 class HeadBits:
-    """Affine codes at lo/mid/hi bits per kv head, allocated once from the entropy of real attention to meet `target`."""
+    """Affine codes at lo/mid/hi bits per kv head, allocated once from the entropy of real attention
+    to meet `target`."""
     lo: int = attrs.field(default=2, validator=in_range(1, 8))
     mid: int = attrs.field(default=3, validator=in_range(1, 8))
     hi: int = attrs.field(default=4, validator=in_range(1, 8))

@@ -33,11 +33,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifacts import CalibrationError, slot_arrays
-from .bit_alloc import allocate, parse_choices
 from ..kernels.bitpack import pack, unpack
+from .bit_alloc import allocate, parse_choices
 from .codebook import lloyd_max
 from .principal import centred, principal_axes
-from .registry import choices as one_of, in_range, stage
+from .registry import choices as one_of
+from .registry import in_range, stage
 from .spectral import _tables
 
 FLOAT = 16  # width that stores a latent as float16
@@ -195,7 +196,8 @@ class Latent:
     def axes(self) -> mx.array:
         if not self._artifact:
             raise CalibrationError("stage 'latent' with calibrated=true is not bound to a calibration artifact: "
-                                   "run `veloxquant calibrate RECIPE` and make caches with veloxquant.make_prompt_cache")
+                                   "run `veloxquant calibrate RECIPE` and make caches with "
+                                   "veloxquant.make_prompt_cache")
         return slot_arrays(self._artifact, self._slot)["axes"]
 
     # --- latents <-> codes ------------------------------------------------------------
@@ -209,7 +211,8 @@ class Latent:
             return {}
         loc = mx.mean(z, axis=(0, 2))
         std = mx.sqrt(mx.mean(mx.square(z - loc[:, None]), axis=(0, 2)))
-        return {"loc": mx.contiguous(loc.astype(mx.float16)), "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16))}
+        return {"loc": mx.contiguous(loc.astype(mx.float16)),
+                "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16))}
 
     def _standard(self, stats: Dict[str, mx.array], idx: np.ndarray):
         """(loc, std) of the components idx as [1, G, 1, n, 1] (they broadcast over [B, G, groups, n, tokens])."""

@@ -42,7 +42,8 @@ def _tables(widths: Tuple[int, ...], group: int, gauss: bool):
         order.extend(idx.tolist())
     bit = np.arange(group)[None, :] * w[:, None]  # [r, group]: each code's first bit in its component
     lo = offset[:, None] + bit // 32
-    out = [mx.array(lo.reshape(-1).astype(np.int32)), mx.array(np.minimum(lo + 1, start - 1).reshape(-1).astype(np.int32)),
+    out = [mx.array(lo.reshape(-1).astype(np.int32)),
+           mx.array(np.minimum(lo + 1, start - 1).reshape(-1).astype(np.int32)),
            mx.array((bit % 32).astype(np.uint32)), mx.array(((1 << w) - 1).astype(np.uint32)[:, None])]
     inverse = np.argsort(np.array(order))
     out.append(None if (inverse == np.arange(len(w))).all() else mx.array(inverse.astype(np.int32)))

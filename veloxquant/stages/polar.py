@@ -34,7 +34,8 @@ def angle_levels(level: int, bits: int) -> np.ndarray:
 @stage("polar", "store")
 @attrs.frozen
 class Polar:
-    """Recursive polar transform: level-1 angles at first_bits, deeper angles at bits (Lloyd-Max), last radii float16."""
+    """Recursive polar transform: level-1 angles at first_bits, deeper angles at bits (Lloyd-Max),
+    last radii float16."""
     levels: int = attrs.field(default=4, validator=in_range(1, 8))
     first_bits: int = attrs.field(default=4, validator=in_range(1, 8))
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
@@ -58,7 +59,8 @@ class Polar:
 
     def check_head_dim(self, head_dim: int) -> str:
         if head_dim % (1 << self.levels):
-            return f"{self.levels} levels halve head_dim {self.levels} times; {head_dim} is not divisible by {1 << self.levels}"
+            return (f"{self.levels} levels halve head_dim {self.levels} times; "
+                    f"{head_dim} is not divisible by {1 << self.levels}")
         return ""
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:

@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifacts import CalibrationError
-from . import rope_pairs as rp
 from ..kernels.bitpack import pack, unpack
+from . import rope_pairs as rp
 from .productvq import PieceCodes, kmeans
 from .registry import in_range, stage
 from .unrope import _freeze

@@ -27,7 +27,8 @@ from .registry import choices, in_range, stage
 @stage("reconstruct", "route", needs=("attention",))
 @attrs.frozen
 class Reconstruct(_PerHeadRoute):
-    """KVzip: once, at the end of the prompt, keeps per head the tokens a "repeat the context" model pass attends to most.
+    """KVzip: once, at the end of the prompt, keeps per head the tokens a "repeat the context" model pass
+    attends to most.
 
     probe: context (one repeat pass through the model, chunked by `chunk`
     context tokens; max attention each token receives) or latest (the newest

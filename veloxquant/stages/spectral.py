@@ -127,7 +127,8 @@ class Spectral:
             out["scale"] = rel
         code = _quantize(z, t["bits"][:, None], t["count"][:, None], t["edges_flat"])
         planes = ((code[..., None] >> mx.arange(MAX_BITS, dtype=mx.uint32)) & 1).reshape(*code.shape[:-1], -1)
-        stream = mx.take_along_axis(planes, mx.broadcast_to(t["pick"][:, None], (*planes.shape[:-1], t["pick"].shape[-1])), -1)
+        pick = mx.broadcast_to(t["pick"][:, None], (*planes.shape[:-1], t["pick"].shape[-1]))
+        stream = mx.take_along_axis(planes, pick, -1)
         return {"codes": pack(stream, 1), **out}
 
     def _unit(self, enc) -> mx.array:
@@ -166,8 +167,8 @@ def _layout(bits: np.ndarray) -> Dict[str, mx.array]:
         place[h, own] = np.arange(own.size)
     if len({p.size for p in pick}) != 1:
         raise CalibrationError("calibrated bit widths differ in total between heads (damaged artifact)")
-    return {"pick": mx.array(np.stack(pick)), "place": mx.array(place), "count": mx.array(2 ** bits.astype(np.int32)), "levels_flat": mx.array(levels.ravel()),
-            "edges_flat": mx.array(edges.ravel())}
+    return {"pick": mx.array(np.stack(pick)), "place": mx.array(place), "count": mx.array(2 ** bits.astype(np.int32)),
+            "levels_flat": mx.array(levels.ravel()), "edges_flat": mx.array(edges.ravel())}
 
 
 def _quantize(z: mx.array, bits: mx.array, count: mx.array, edges_flat: mx.array) -> mx.array:

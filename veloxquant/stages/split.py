@@ -4,8 +4,8 @@ Each group of `chunk` tokens of one head sends its `fraction` of channels with
 the largest spread (`by=variance` over the chunk's tokens: Kitty; `by=range`:
 max - min; `by=queries`: variance weighted by the real queries' mean square
 per channel, each channel's share of the score error q.(k - k'), which the
-attention hook gathers while tokens wait in the fp16 window) through the `hi` store and the rest through `lo`; `by=list` sends
-the fixed `channels` ("3,17,42") through `hi` (CompositeQuantizer). A chosen
+attention hook gathers while tokens wait in the fp16 window) through the `hi` store and the rest
+through `lo`; `by=list` sends the fixed `channels` ("3,17,42") through `hi` (CompositeQuantizer). A chosen
 split is recorded per chunk as a bit mask (uint32 words, counted in the
 bytes); a listed one costs nothing. Decoding scatters both parts back, so
 q·k = q_hi·k_hi + q_lo·k_lo exactly: the two branches' scores add.
@@ -27,7 +27,8 @@ def _fraction(instance, attribute, value):
 @stage("split", "store")
 @attrs.frozen
 class Split:
-    """Channels split per chunk: the `fraction` with most spread (or listed ones) through `hi`, the rest through `lo`."""
+    """Channels split per chunk: the `fraction` with most spread (or listed ones) through `hi`,
+    the rest through `lo`."""
     hi: object = attrs.field(default=None)
     lo: object = attrs.field(default=None)
     fraction: float = attrs.field(default=0.25, validator=_fraction)
@@ -72,7 +73,7 @@ class Split:
         for side in ("hi", "lo"):
             inner = getattr(self, side)
             if not hasattr(inner, "stage_name"):
-                return f"split needs two stores, e.g. split(hi=affine(bits=4), lo=affine(bits=2))"
+                return "split needs two stores, e.g. split(hi=affine(bits=4), lo=affine(bits=2))"
             if getattr(inner, "fitted_once", False):
                 return f"'{inner.stage_name}' fits arrays per tier and cannot be a branch of split"
         h = self.n_hi(head_dim)

@@ -88,7 +88,8 @@ class Think:
             energy = energy * np.array(query_energy, dtype=np.float64)
         r = D - pruned(D, self.ratio)
         keep = np.sort(np.argsort(-energy, axis=1, kind="stable")[:, :r], axis=1)  # [H, r], channel order
-        return {"basis": mx.array(keep.astype(np.uint8 if D <= 256 else np.uint16)), "mean": mx.zeros((H, D), mx.float16),
+        basis = mx.array(keep.astype(np.uint8 if D <= 256 else np.uint16))
+        return {"basis": basis, "mean": mx.zeros((H, D), mx.float16),
                 "widths": mx.array(np.full(r, self.bits, np.uint8))}
 
     # --- the kept channels <-> codes (the latent store's) --------------------------------

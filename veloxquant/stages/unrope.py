@@ -16,8 +16,8 @@ from typing import Optional, Tuple
 import attrs
 import mlx.core as mx
 
-from .registry import stage
 from ..errors import VeloxError
+from .registry import stage
 
 # (dims, traditional, base, scale, freqs): base is None when explicit freqs are given.
 RopeSpec = Tuple[int, bool, Optional[float], float, Optional[Tuple[float, ...]]]
@@ -75,5 +75,6 @@ class Unrope:
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
-            raise VeloxError("unrope has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)")
+            raise VeloxError("unrope has no RoPE settings: make the caches with "
+                             "veloxquant.make_prompt_cache(model, ...)")
         return self._rope

@@ -11,13 +11,12 @@ from typing import Dict, List, Optional, Sequence
 
 import attrs
 
-from ..pool import load_cached
 from ..compiler import ModelShape
 from ..eval.cost import fp16_bytes
 from ..eval.ppl import window_nll, windows
+from ..pool import load_cached
 from ..recipe import load_recipe
 from ..runtime import make_prompt_cache, uninstall
-
 
 
 @attrs.frozen

@@ -22,12 +22,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import attrs
 from tqdm import tqdm
 
+from ..compiler.binding import needs_artifact
 from ..paths import recipes_dir
 from ..pool import run_all
 from ..recipe import builtin_names
 from .measure import Slice, measure_task
 from .space import Candidate, grid, mixes, shortlist
-from ..compiler.binding import needs_artifact
 
 
 @attrs.frozen

@@ -19,9 +19,9 @@ import attrs
 from ..compiler import ModelShape, compile_recipe
 from ..compiler.groups import codec_bits
 from ..errors import VeloxError
+from ..eval.cost import fp16_bytes
 from ..recipe import load_recipe
 from ..runtime.kinds.tier import UNBOUNDED_STEP
-from ..eval.cost import fp16_bytes
 from ..runtime.make import caches_for
 from .measure import recipe_from_text
 

@@ -12,17 +12,18 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ...compiler.plan import TierPlan
-from . import scorers
 from .. import sharding
 from ..buffer import Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
-from .allocation import allocates, watches
-from .merging import merged_for, store_values
-from .protected import protect, room as protected_room
-from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
 from ..kinds.protocol import KindBase
 from ..kinds.tier import UNBOUNDED_STEP
+from . import scorers
+from .allocation import allocates, watches
+from .merging import merged_for, store_values
+from .protected import protect
+from .protected import room as protected_room
+from .ragged import FREE_AFTER, PAD, Ragged, keep_ragged, restore_ragged
 
 META = ("pos", "score")  # arrays beside the codec's: positions and running scores (+ the scorer's own)
 

@@ -68,7 +68,9 @@ def room(tier, budget: int, offset: Optional[int] = None) -> int:
 
 def protect(tier, protected: mx.array, positions: mx.array) -> mx.array:
     """`protected` (sinks, recent) and the tier's image tokens."""
-    return protected if tier.protected is None or not tier.protected.runs else protected | tier.protected.mask(positions)
+    if tier.protected is None or not tier.protected.runs:
+        return protected
+    return protected | tier.protected.mask(positions)
 
 
 def attach(model, caches: list, ids: Tuple[int, ...]) -> Optional[Protected]:

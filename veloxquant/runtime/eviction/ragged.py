@@ -17,7 +17,8 @@ import numpy as np
 
 from ..buffer import Buffer
 from ..kinds.tier import UNBOUNDED_STEP
-from .protected import protect, room as protected_room
+from .protected import protect
+from .protected import room as protected_room
 
 PAD = 1 << 30  # position of an unused slot: after every query, so masked out
 # Tokens: an eviction dropping at least this many (a prefill step's, the prompt's decision) evaluates
@@ -40,7 +41,8 @@ class Ragged:
         off = np.concatenate([[0], np.cumsum(lens_np)[:-1]])
         j = np.arange(self.width)
         self.valid = mx.array(j[None, :] < lens_np[:, None])  # [H, W]
-        self.pad_idx = mx.array((off[:, None] + np.minimum(j[None, :], lens_np[:, None] - 1)).reshape(-1).astype(np.int32))
+        self.pad_idx = mx.array((off[:, None] + np.minimum(j[None, :], lens_np[:, None] - 1))
+                                .reshape(-1).astype(np.int32))
         self.sel = mx.array((np.repeat(np.arange(len(lens_np)) * self.width - off, lens_np)
                              + np.arange(int(lens_np.sum()))).astype(np.int32))  # [N]: each flat index's padded slot
 
@@ -163,7 +165,8 @@ def restore_ragged(tier, arrays: Dict[str, mx.array]) -> Optional[str]:
         if arr is None:
             return f"missing array {key}"
         if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
-            return f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens of ragged.lens"
+            return (f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens "
+                    "of ragged.lens")
         bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
         tail = arrays.get(f"tail.{key}")
         if tail is not None:

@@ -55,7 +55,8 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
     """Attention `block` queries at a time, each block masked by `mask_for(first, n)` (per kv head,
     or None): only one block's [heads x block x keys] weights ever exist, never the whole prompt's.
 
-    Returns (output [B, Hq, Lq, D] float32, or None without `values`; received [B, Hkv, L], newest `rows` rows [B, Hkv, rows, L]);
+    Returns (output [B, Hq, Lq, D] float32, or None without `values`; received [B, Hkv, L],
+    newest `rows` rows [B, Hkv, rows, L]);
     the last two are None unless `weigh`. Rows are independent softmaxes, so each row's weights are
     those of attention_weights(...) over all queries, and the sums equal its column sums up to float
     summation order. The first block is the short one, so the newest rows lie in the last block.

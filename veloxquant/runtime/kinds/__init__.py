@@ -14,7 +14,10 @@ from ...compiler.plan import LayerPlan, TierPlan
 from ...errors import VeloxError
 from ..eviction.head_tier import HeadTier
 from .plain import PlainRun
-from .protocol import HEAD_KINDS, KINDS, KindBase, TierKind, head_kind, kind
+from .protocol import HEAD_KINDS, KINDS, TierKind
+from .protocol import KindBase as KindBase  # re-exported, with kind and head_kind: what a kind registers with
+from .protocol import head_kind as head_kind
+from .protocol import kind as kind
 from .tier import EXACT_MIN_CHUNK, Tier, fusable
 
 for _info in pkgutil.iter_modules(__path__, prefix=__name__ + "."):

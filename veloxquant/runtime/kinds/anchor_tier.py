@@ -17,8 +17,8 @@ short for this tier to be attended before it ended) every token weighs the same.
 import mlx.core as mx
 
 from ...compiler.plan import TierPlan
-from .anchor_side import AnchorSide
 from ...kernels.partials import Partial, partial_from_scores
+from .anchor_side import AnchorSide
 from .latent_side import PlainSide
 from .latent_tier import LatentTier
 from .protocol import kind

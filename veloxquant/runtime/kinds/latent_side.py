@@ -132,7 +132,8 @@ class LatentSide:
         self.append(x)
 
     def observe(self, q: mx.array, n_queries: int = 1) -> None:
-        """Queries q [B, H, R, D] (R = group x n_queries) that attend before the fit: their second moment weighs the allocation."""
+        """Queries q [B, H, R, D] (R = group x n_queries) that attend before the fit: their second moment weighs
+        the allocation."""
         if not getattr(self.store, "queries", False) or self.widths is not None:
             return
         H, D = q.shape[1], q.shape[-1]

@@ -211,7 +211,8 @@ class MergedTier(SidesHeld):
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
         self.launch_key, self.launch, self.link, self.group = None, None, None, ()
-        self.sides = {side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads, head_dim)
+        self.sides = {side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads,
+                                                                                             head_dim)
                       for side, codec in (("k", plan.keys), ("v", plan.values))}
         self.start = self.count = 0
 

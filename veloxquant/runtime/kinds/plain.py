@@ -2,8 +2,8 @@
 
 A layer whose plan is one unrouted 16-bit tier (nothing scored or settled,
 `kinds.plain_tier`) appends to the tier's two buffers and reads them back here
-(a sliding-window layer also forgets its oldest token here, at decode), without the codec calls of `Tier.append` (two store encodes, a dict
-each) or `Tier.decoded`. Per decode step that leaves KVCache's MLX ops (two
+(a sliding-window layer also forgets its oldest token here, at decode), without the codec calls of
+`Tier.append` (two store encodes, a dict each) or `Tier.decoded`. Per decode step that leaves KVCache's MLX ops (two
 slice updates, two slices, one SDPA) and 4 short Python calls per layer
 (docs/kernels.md, "The fp16 path at KVCache's op count").
 """

@@ -64,7 +64,8 @@ class ReuseTier(Tier):
                 self.codecs[side] = ReuseCodec(codec, link, side)
                 # The last tier is unbounded (checked by the compiler): grow in steps, like Tier; exactly
                 # where the kernel reads the arrays (whole chunks arrive, compiler.lower.KERNEL_SPILL).
-                step = lambda u: None if plan.plain_affine and not codec.store.residual_bits else max(1, UNBOUNDED_STEP // u)
+                exact = plan.plain_affine and not codec.store.residual_bits
+                step = lambda u: None if exact else max(1, UNBOUNDED_STEP // u)
                 self.buffers[side] = {name: Buffer(step(per_unit))
                                       for name, per_unit in self.codecs[side].units().items()}
         self.codes_attend = code_attention.applies(self, 1)  # asked again: the codecs changed

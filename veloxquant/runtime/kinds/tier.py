@@ -43,7 +43,8 @@ class Tier(TierRows, KindBase):
         self.count = 0
         self.launch_key, self.launch = None, None  # the fused kernel chosen for the last call's shapes
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
-        self.side_state: Dict[str, mx.array] = {}  # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
+        # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
+        self.side_state: Dict[str, mx.array] = {}
         self.plain = None
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
