@@ -101,3 +101,16 @@ def test_sliding_window_layers_forget_old_tokens_of_every_tier():
 def test_shares_above_one_are_a_clear_error():
     with pytest.raises(Exception, match="exceeds 1"):
         vq.make_prompt_cache(tiny_llama(), "amc", ["k_high=0.7", "k_mid=0.5"])
+
+
+def test_nbytes_counts_the_position_order_an_attention_leaves_held():
+    from test_chunk_invariance import reachable_bytes
+    model = tiny_llama()
+    caches = prompt(model)
+    q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(2))
+    for c in caches:
+        mx.eval(c.tiers[1].partial(q, 0.125, None))  # scores and combine build the tiers' position order
+    side = caches[0].tiers[1].sides["k"]
+    order = 2 * 4 * len(side._at)  # two int32 per token the side holds
+    assert side._order is not None and side.nbytes == sum(a.nbytes for a in side.arrays().values()) + order
+    assert reachable_bytes(caches) == sum(c.nbytes for c in caches)

@@ -22,6 +22,7 @@ def test_rows_cover_every_builtin_with_byte_matched_settings():
     assert "h2o[budget=288]" in specs and "h2o[budget=144]" in specs
     assert "streaming_llm[window=284]" in specs  # 1/4 of 1152 with its 4 sinks
     assert "kivi[bits=4]" in specs and "kivi[bits=2]" not in specs  # 2 bits is kivi's default
+    assert "nsnquant" in specs and "nsnquant[bits=4]" not in specs  # nsn codes 1 or 2 bits only
     first_variant = next(i for i, r in enumerate(rows) if r[2] != "defaults")
     assert all(r[2] != "defaults" for r in rows[first_variant:])  # defaults first
 

@@ -79,3 +79,11 @@ def test_runs_close_to_fp16_and_a_saved_cache_continues(llama_model, model, tmp_
     loaded, _ = load_prompt_cache(str(tmp_path / "c.safetensors"), expect_fingerprint=caches[0].fingerprint)
     a, b = m(tokens[:, 160:], cache=caches), m(tokens[:, 160:], cache=loaded)
     assert float(mx.abs(a - b).max()) == 0.0
+
+
+def test_a_width_nsn_cannot_code_is_a_clear_error_naming_the_choices():
+    from veloxquant.errors import RecipeError
+    from veloxquant.recipe import load_recipe
+    # was "sequence item 0: expected str instance, int found": the int choices were joined as str
+    with pytest.raises(RecipeError, match=r"parameter 'bits' must be one of 1, 2, got 4"):
+        compile_recipe(load_recipe("nsnquant"), SMOLLM2_135M, ["bits=4"])

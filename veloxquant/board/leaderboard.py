@@ -97,7 +97,7 @@ def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name
     if protocol_name not in protocol.PROTOCOLS:
         raise VeloxError(f"--protocol: one of {', '.join(protocol.PROTOCOLS)}, not {protocol_name!r}")
     cfg = protocol.PROTOCOLS[protocol_name]
-    wanted = protocol.rows(protocol.context(cfg), only)
+    wanted = protocol.rows(protocol.context(cfg), only, ModelShape.from_model(model, model_name))
     board = load_partial(out) or {}
     if board and (board.get("model"), board.get("protocol_name")) != (model_name, protocol_name):
         raise VeloxError(f"{out}: holds {board.get('model')} / {board.get('protocol_name')}, not "

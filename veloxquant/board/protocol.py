@@ -4,10 +4,13 @@ Every built-in at its defaults, plus byte-matched settings where defaults
 differ widely: eviction recipes at 1/4 and 1/8 of the protocol's context
 (their `budget`, or streaming_llm's window), and recipes with a `bits`
 parameter at 4 and 2 bits (about 4× and 6× smaller than fp16 once past their
-fp16 window) where the default is another width.
+fp16 window) where the default is another width and the recipe takes that
+width (nsnquant's codes are 1 or 2 bits: no 4-bit row).
 """
 from typing import Dict, List, Tuple
 
+from ..compiler import SMOLLM2_135M, ModelShape, compile_recipe
+from ..errors import VeloxError
 from ..eval.config import EvalConfig
 from ..recipe import builtin_names, load_recipe
 
@@ -35,7 +38,16 @@ def family(name: str) -> str:
     return "eviction" if "budget" in params or name == "streaming_llm" else "compression"
 
 
-def settings(name: str, ctx: int) -> List[Tuple[str, str]]:
+def _accepts(name: str, sets: List[str], shape: ModelShape) -> bool:
+    """Whether the recipe compiles with `sets` (a stage may refuse a width: nsn's bits are 1 or 2)."""
+    try:
+        compile_recipe(load_recipe(name), shape, sets)
+    except VeloxError:
+        return False
+    return True
+
+
+def settings(name: str, ctx: int, shape: ModelShape = SMOLLM2_135M) -> List[Tuple[str, str]]:
     """(spec, setting label) rows for one built-in: defaults first, then byte-matched ones."""
     params = load_recipe(name).params
     rows = [(name, "defaults")]
@@ -45,13 +57,14 @@ def settings(name: str, ctx: int) -> List[Tuple[str, str]]:
         sinks = params["sinks"].default
         rows += [(f"{name}[window={ctx // f - sinks}]", f"budget 1/{f}") for f in FRACTIONS]
     if "bits" in params and params["bits"].type == "int":
-        rows += [(f"{name}[bits={b}]", f"{b}-bit") for b in WIDTHS if b != params["bits"].default]
+        rows += [(f"{name}[bits={b}]", f"{b}-bit") for b in WIDTHS
+                 if b != params["bits"].default and _accepts(name, [f"bits={b}"], shape)]
     return rows
 
 
-def rows(ctx: int, only: List[str] = ()) -> List[Tuple[str, str, str]]:
-    """(spec, family, setting) for every built-in but fp16, or for the names in `only`."""
+def rows(ctx: int, only: List[str] = (), shape: ModelShape = SMOLLM2_135M) -> List[Tuple[str, str, str]]:
+    """(spec, family, setting) for every built-in but fp16, or for the names in `only`, on `shape`."""
     names = [n for n in builtin_names() if n != "fp16" and (not only or n in only)]
-    every = [(spec, family(n), label) for n in names for spec, label in settings(n, ctx)]
+    every = [(spec, family(n), label) for n in names for spec, label in settings(n, ctx, shape)]
     # Defaults first: a run cut short still covers every recipe once.
     return sorted(every, key=lambda r: r[2] != "defaults")

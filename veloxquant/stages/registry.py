@@ -57,10 +57,10 @@ def stage(name: str, family: str, needs: Tuple[str, ...] = ()):
 
 
 def choices(*allowed):
-    """An enum-like str param: validated, and listed in errors and docs."""
+    """An enum-like param (str or int values): validated, and listed in errors and docs."""
     def check(instance, attribute, value):
         if value not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}")
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
     check.json_schema = {"enum": list(allowed)}  # read by `veloxquant schema`
     return check
 

@@ -21,6 +21,11 @@ FITTED = BASIS + ("thresholds",)
 
 
 class AmcSide(LatentSide):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._order: Optional[Tuple[mx.array, mx.array]] = None  # held from an attention to the next append
+        self._at = np.zeros(0, np.int64)
+
     def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
         self.fitted = dict(fitted)
         self.widths = np.array(fitted["widths"]).astype(np.int64)
@@ -111,6 +116,12 @@ class AmcSide(LatentSide):
     # --- bookkeeping -----------------------------------------------------------------------
     def units(self) -> Dict[str, int]:
         return {"x": 1} if self.widths is None else {"tier": 1}
+
+    @property
+    def nbytes(self) -> int:
+        """The latent side's bytes, plus the position order (two int32 per token) while it is held:
+        built at an attention, it lives until the next append or drop (the next step's spill)."""
+        return super().nbytes + (sum(a.nbytes for a in self._order) if self._order is not None else 0)
 
     def drop(self, n: int, front: bool) -> None:
         """The oldest (front) or newest n tokens leave: each tier loses its own among them."""
