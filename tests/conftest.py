@@ -18,6 +18,9 @@ def pytest_configure(config):
     _blas.maybe_reexec(["test"])
     if capture is not None:
         capture.resume_global_capture()
+    # One OpenBLAS thread: recorded logits hold on any machine (sums split by thread count differ in
+    # float32), and each pytest-xdist worker (the README's `-n auto`) takes one core without spinning.
+    _blas.pin_threads(1)
 
 
 class CharTokenizer:

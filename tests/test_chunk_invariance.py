@@ -201,7 +201,7 @@ def kinds(model, recipe) -> tuple:
 
 # One built-in per combination of tier kinds (test_representatives_cover_every_tier_kind keeps it whole).
 REPRESENTATIVES = ("fp16", "streaming_llm", "polarquant", "xquant", "h2o", "snapkv", "adakv", "squeezeattention",
-                   "rocketkv", "palu", "svdq", "amc", "anchorkv", "minicache")
+                   "rocketkv", "palu", "svdq", "amc", "anchorkv", "minicache", "think")
 
 
 def test_representatives_cover_every_tier_kind(tiny):

@@ -146,8 +146,9 @@ def test_budget_above_context_is_exact(llama_model, tmp_path):
     plain = feed(llama_model, tokens, veloxquant.make_prompt_cache(llama_model, "fp16"), 16)
     h2o = feed(llama_model, tokens, veloxquant.make_prompt_cache(llama_model, "h2o", ["budget=64"]), 16)
     # float32 apart: explicit softmax vs fused SDPA, summed in another order (seen: 1.1e-4 on a 1.41
-    # logit with Debian's OpenBLAS 0.3.21); an evicted token would move logits by far more.
-    np.testing.assert_allclose(np.array(h2o), np.array(plain), atol=1e-4, rtol=5e-4)
+    # logit with Debian's OpenBLAS 0.3.21 on 2 threads, 1.6e-4 on one); an evicted token would move
+    # logits by far more.
+    np.testing.assert_allclose(np.array(h2o), np.array(plain), atol=3e-4, rtol=5e-4)
 
 
 def test_real_and_proxy_scores_keep_different_tokens(llama_model):

@@ -83,3 +83,17 @@ def maybe_reexec(argv: Sequence[str]) -> None:
         os.execve(sys.executable, args, preload_env(os.environ, library))
     except OSError:  # could not start it again: carry on, only slower
         return
+
+
+def pin_threads(n: int) -> bool:
+    """Run OpenBLAS's matmuls on `n` threads in this process (and, through the environment, in processes
+    it starts). float32 sums are split differently for different thread counts, so results recorded
+    to 1e-5 hold only for one count; the tests pin 1 (each pytest-xdist worker then takes one core).
+    False where OpenBLAS is not loaded."""
+    os.environ["OPENBLAS_NUM_THREADS"] = str(n)
+    try:
+        setter = ctypes.CDLL(None).openblas_set_num_threads
+    except (AttributeError, OSError):
+        return False
+    setter(ctypes.c_int(n))
+    return True
