@@ -23,7 +23,6 @@ attention is answered, and attention is computed a block of queries at a time
 evaluated, so the LM head is never computed; each layer's output and scores
 are evaluated as the layer ends, so one layer's transients exist at a time.
 """
-import inspect
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -33,10 +32,11 @@ import mlx.core as mx
 from ...errors import VeloxError
 from ...models.tokenizers import tokenizer_of
 from . import per_head
+from .call_watch import CallWatch
 from .scoring import attend_blocked, block_size, position_mask
 
 NEED = "model_pass"
-_CALLS: Dict[type, Callable] = {}  # model class -> its own __call__, while recording
+_WATCH = CallWatch()  # the model classes whose calls are watched
 def _encode(tokenizer, text: str) -> List[int]:
     try:
         return list(tokenizer.encode(text, add_special_tokens=False))  # the instruction alone, no BOS
@@ -224,26 +224,18 @@ def _causal_blocks(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 
 # --- recording the prompt's token ids ------------------------------------------
 
+def _observe(arg, args, kwargs) -> None:
+    """Record the ids fed through caches with a pending pass."""
+    cache = arg("cache")
+    if isinstance(cache, (list, tuple)) and cache:
+        inputs = None if kwargs.get("input_embeddings") is not None else args[0] if args else kwargs.get("inputs")
+        for driver, offset in _drivers(cache[0]):
+            driver.record(offset, inputs)
+
+
 def install(model) -> None:
     """Wrap the model class's __call__ so ids fed through caches with a pending pass are recorded."""
-    cls = type(model)
-    if cls in _CALLS:
-        return
-    original = cls.__call__
-    names = list(inspect.signature(original).parameters)[1:]  # after self
-    at = names.index("cache") if "cache" in names else None
-
-    def __call__(self, *args, **kwargs):
-        cache = kwargs.get("cache", args[at] if at is not None and len(args) > at else None)
-        if isinstance(cache, (list, tuple)) and cache:
-            inputs = None if kwargs.get("input_embeddings") is not None else args[0] if args else kwargs.get("inputs")
-            for driver, offset in _drivers(cache[0]):
-                driver.record(offset, inputs)
-        return original(self, *args, **kwargs)
-
-    __call__.veloxquant_original = original
-    cls.__call__ = __call__
-    _CALLS[cls] = original
+    _WATCH.install(model, _observe)
 
 
 def _drivers(cache) -> List[tuple]:
@@ -261,6 +253,4 @@ def _drivers(cache) -> List[tuple]:
 
 def uninstall(model=None) -> None:
     """Restore the model class's own __call__ (of `model`, or every class wrapped)."""
-    for cls in [type(model)] if model is not None else list(_CALLS):
-        if cls in _CALLS:
-            cls.__call__ = _CALLS.pop(cls)
+    _WATCH.uninstall(model)

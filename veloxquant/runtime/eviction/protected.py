@@ -15,13 +15,14 @@ an image token past the window leaves, as any token does: no query sees it again
 share the runs (a position is kept where any row has an image token there). The image tokens'
 K/V are held in the tiers like any other and counted in their nbytes; the runs are host integers.
 """
-import inspect
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-_CALLS: Dict[type, object] = {}  # language model class -> its own __call__, while recording
+from .call_watch import CallWatch
+
+_WATCH = CallWatch()  # the language model classes whose calls are watched
 
 
 class Protected:
@@ -93,35 +94,21 @@ def of(caches) -> Optional[Protected]:
     return next((c.protected for c in caches or () if getattr(c, "protected", None) is not None), None)
 
 
+def _observe(arg, args, kwargs) -> None:
+    """Record where image placeholder ids are fed: calls that pass image embeddings."""
+    cache = arg("cache")
+    runs = of(cache) if isinstance(cache, (list, tuple)) else None
+    inputs = args[0] if args else kwargs.get("inputs")
+    if runs is not None and inputs is not None and arg("inputs_embeds") is not None:
+        first = next(c for c in cache if getattr(c, "protected", None) is runs)
+        runs.record(first.offset, inputs)
+
+
 def install(model) -> None:
     """Wrap the language model class's __call__ to record where image placeholder ids are fed."""
-    cls = type(model)
-    if cls in _CALLS:
-        return
-    original = cls.__call__
-    names = list(inspect.signature(original).parameters)[1:]  # after self
-    at = {n: names.index(n) for n in ("inputs", "inputs_embeds", "cache") if n in names}
-
-    def arg(name, args, kwargs):
-        i = at.get(name)
-        return kwargs.get(name, args[i] if i is not None and len(args) > i else None)
-
-    def __call__(self, *args, **kwargs):
-        cache = arg("cache", args, kwargs)
-        runs = of(cache) if isinstance(cache, (list, tuple)) else None
-        inputs = args[0] if args else kwargs.get("inputs")
-        if runs is not None and inputs is not None and arg("inputs_embeds", args, kwargs) is not None:
-            first = next(c for c in cache if getattr(c, "protected", None) is runs)
-            runs.record(first.offset, inputs)
-        return original(self, *args, **kwargs)
-
-    __call__.veloxquant_original = original
-    cls.__call__ = __call__
-    _CALLS[cls] = original
+    _WATCH.install(model, _observe)
 
 
 def uninstall(model=None) -> None:
     """Restore the language model class's own __call__ (of `model`, or every class wrapped)."""
-    for cls in [type(model)] if model is not None else list(_CALLS):
-        if cls in _CALLS:
-            cls.__call__ = _CALLS.pop(cls)
+    _WATCH.uninstall(model)
