@@ -10,6 +10,7 @@ the device's share (generate_step overlaps a token's host work with the last one
 KVCache, the fp16 recipe, kivi and kivi with the fused kernel switched off
 (VELOXQUANT_KERNELS=off), in one run; then a cProfile of kivi's host half.
 """
+
 import argparse
 import cProfile
 import io
@@ -62,14 +63,18 @@ def main(argv=None) -> int:
     mx.random.seed(0)
     model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
-    print(f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
-          f"{args.steps} decode steps, sync every step; device {mx.default_device()}")
+    print(
+        f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
+        f"{args.steps} decode steps, sync every step; device {mx.default_device()}"
+    )
     print("| cache | ms/token | host build ms | host encode ms | device wait ms | tok/s |")
     print("|---|---|---|---|---|---|")
-    rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""),
-            ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
-            ("kivi", lambda: make_prompt_cache(model, "kivi"), ""),
-            ("kivi kernels off", lambda: make_prompt_cache(model, "kivi"), "off")]
+    rows = [
+        ("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""),
+        ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
+        ("kivi", lambda: make_prompt_cache(model, "kivi"), ""),
+        ("kivi kernels off", lambda: make_prompt_cache(model, "kivi"), "off"),
+    ]
     for label, make, kernels in rows:
         os.environ["VELOXQUANT_KERNELS"] = kernels
         cache = make()

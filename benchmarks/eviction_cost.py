@@ -22,6 +22,7 @@ a second, then a few decoded tokens): on CUDA, MLX compiles a kernel the first
 time it meets an op graph, and a 32-token decode that paid its recipe's compiles
 measured the compiler, not the cache (`--no-warmup` measures that too).
 """
+
 import argparse
 import json
 import statistics
@@ -36,9 +37,30 @@ from veloxquant.eval.rows import recipe_caches
 from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
-EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "squeezeattention", "adakv", "nestedkv", "cam",
-            "observed_attention", "knorm", "keydiff", "expected_attention", "qfilters", "keyformer", "morphkv",
-            "chunkkv", "curdkv", "rocketkv", "kvzip", "observed_snap", "anchorkv")
+EVICTION = (
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "squeezeattention",
+    "adakv",
+    "nestedkv",
+    "cam",
+    "observed_attention",
+    "knorm",
+    "keydiff",
+    "expected_attention",
+    "qfilters",
+    "keyformer",
+    "morphkv",
+    "chunkkv",
+    "curdkv",
+    "rocketkv",
+    "kvzip",
+    "observed_snap",
+    "anchorkv",
+)
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:
@@ -48,16 +70,22 @@ def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Di
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     first = None
-    for n, _ in enumerate(generate_step(prompt, model, max_tokens=decode + 1, prompt_cache=caches,
-                                        prefill_step_size=chunk)):
+    for n, _ in enumerate(
+        generate_step(prompt, model, max_tokens=decode + 1, prompt_cache=caches, prefill_step_size=chunk)
+    ):
         if n == 0:
             mx.synchronize()
             first = time.perf_counter()
     mx.synchronize()
     end = time.perf_counter()
-    row = {"recipe": recipe, "peak": mx.get_peak_memory(), "over_start": mx.get_peak_memory() - start_bytes,
-           "prefill_tps": prompt.size / (first - t0), "decode_tps": decode / (end - first),
-           "cache_bytes": sum(c.nbytes for c in caches)}
+    row = {
+        "recipe": recipe,
+        "peak": mx.get_peak_memory(),
+        "over_start": mx.get_peak_memory() - start_bytes,
+        "prefill_tps": prompt.size / (first - t0),
+        "decode_tps": decode / (end - first),
+        "cache_bytes": sum(c.nbytes for c in caches),
+    }
     uninstall(model)
     del caches
     mx.clear_cache()
@@ -73,21 +101,28 @@ def _ratios(rows: List[Dict]) -> Dict[str, Dict]:
             base = r
             continue
         each.setdefault(r["recipe"], []).append(
-            dict(r, peak_x=r["peak"] / base["peak"], over_x=r["over_start"] / base["over_start"],
-                 decode_x=r["decode_tps"] / base["decode_tps"]))
+            dict(
+                r,
+                peak_x=r["peak"] / base["peak"],
+                over_x=r["over_start"] / base["over_start"],
+                decode_x=r["decode_tps"] / base["decode_tps"],
+            )
+        )
     return {name: _median_row(rs) for name, rs in each.items()}
 
 
 def _median_row(rows: List[Dict]) -> Dict:
-    return {k: (statistics.median(r[k] for r in rows) if isinstance(v, (int, float)) else v)
-            for k, v in rows[0].items()}
+    return {
+        k: (statistics.median(r[k] for r in rows) if isinstance(v, (int, float)) else v) for k, v in rows[0].items()
+    }
 
 
 def table(rows: List[Dict], before: List[Dict] = ()) -> str:
-    mib = 2 ** 20
+    mib = 2**20
     then = _ratios(list(before))
-    head = ("| row | peak MiB | over weights MiB | peak ÷ fp16 | over ÷ fp16 | decode tok/s | decode ÷ fp16 "
-            "| cache MiB |")
+    head = (
+        "| row | peak MiB | over weights MiB | peak ÷ fp16 | over ÷ fp16 | decode tok/s | decode ÷ fp16 | cache MiB |"
+    )
     extra = " before: peak ÷ fp16 | before: decode ÷ fp16 |" if before else ""
     lines = [head + extra, "|" + "---|" * (head.count("|") - 1 + extra.count("|"))]
     ratios = _ratios(rows)
@@ -95,9 +130,16 @@ def table(rows: List[Dict], before: List[Dict] = ()) -> str:
         rows = [_median_row([r for r in rows if r["recipe"] == "fp16"]), *ratios.values()]
     for r in rows:
         x = ratios.get(r["recipe"]) if r["recipe"] != "fp16" else None
-        cols = [r["recipe"], f"{r['peak'] / mib:,.0f}", f"{r['over_start'] / mib:,.0f}",
-                f"{x['peak_x']:.2f}" if x else "1", f"{x['over_x']:.2f}" if x else "1", f"{r['decode_tps']:.1f}",
-                f"{x['decode_x']:.2f}" if x else "1", f"{r['cache_bytes'] / mib:,.1f}"]
+        cols = [
+            r["recipe"],
+            f"{r['peak'] / mib:,.0f}",
+            f"{r['over_start'] / mib:,.0f}",
+            f"{x['peak_x']:.2f}" if x else "1",
+            f"{x['over_x']:.2f}" if x else "1",
+            f"{r['decode_tps']:.1f}",
+            f"{x['decode_x']:.2f}" if x else "1",
+            f"{r['cache_bytes'] / mib:,.1f}",
+        ]
         if before:
             b = then.get(r["recipe"]) if x else None
             cols += [f"{b['peak_x']:.2f}", f"{b['decode_x']:.2f}"] if b else ["", ""]
@@ -113,8 +155,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill step (mlx-lm generate's default)")
     ap.add_argument("--fp16-every", type=int, default=1, help="an fp16 row before every N recipes")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep only the model's first N layers (a quick CPU diagnostic; say so beside its figures)",
+    )
     ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each recipe before its row")
     ap.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved; medians")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -141,13 +187,18 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(mx.default_device()), "tokens": args.tokens, "layers": args.layers, "rows": rows},
-                      f, indent=1)
+            json.dump(
+                {"device": str(mx.default_device()), "tokens": args.tokens, "layers": args.layers, "rows": rows},
+                f,
+                indent=1,
+            )
     before = json.load(open(args.before))["rows"] if args.before else ()
     layers = f"; the first {args.layers} layers only" if args.layers else ""
     rounds = f"; medians of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
-    print(f"\n{args.tokens}-token prompt in {args.chunk}-token steps, then {args.decode} decoded tokens; "
-          f"device {mx.default_device()}{layers}{rounds}\n")
+    print(
+        f"\n{args.tokens}-token prompt in {args.chunk}-token steps, then {args.decode} decoded tokens; "
+        f"device {mx.default_device()}{layers}{rounds}\n"
+    )
     print(table(rows, before))
     return 0
 

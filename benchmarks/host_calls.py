@@ -9,6 +9,7 @@ device's. This times, per call: building it (no evaluation), and encoding it
 floor (an empty custom kernel, `x + 1`) and veloxquant's launches (attend +
 reduce, attend + reduce_tail). Kernel rows need the CUDA backend.
 """
+
 import argparse
 import time
 
@@ -51,10 +52,11 @@ def calls(S: int, window: int) -> dict:
     ks, vs = {"bits": 2, "group": 32, "axis": "channel"}, {"bits": 2, "group": 32, "axis": "token"}
     ke, ve = Affine(**ks).encode(k), Affine(**vs).encode(k)
     mx.eval(ke, ve)
-    run = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, 128 ** -0.5)
+    run = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, 128**-0.5)
     empty = mx.fast.cuda_kernel(name="vq_empty", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
-    out["empty custom kernel"] = lambda: empty(inputs=[q], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                                                output_shapes=[(1,)], output_dtypes=[mx.float16])[0]
+    out["empty custom kernel"] = lambda: empty(
+        inputs=[q], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float16]
+    )[0]
     out["attend + reduce (2-bit)"] = lambda: run(q, ke, ve)[0]
     out["attend + reduce_tail (2-bit)"] = lambda: run(q, ke, ve, [(tk, tk)])
     return out
@@ -66,8 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=128, help="dense tokens reduce_tail attends over")
     ap.add_argument("--calls", type=int, default=300)
     args = ap.parse_args(argv)
-    print(f"device {mx.default_device()}, mlx {mx.__version__}; 32/8 heads, D=128, {args.seq} tokens; "
-          f"best of 5 rounds of {args.calls} calls" + ("" if backend() == "cuda" else "; kernel rows need CUDA"))
+    print(
+        f"device {mx.default_device()}, mlx {mx.__version__}; 32/8 heads, D=128, {args.seq} tokens; "
+        f"best of 5 rounds of {args.calls} calls" + ("" if backend() == "cuda" else "; kernel rows need CUDA")
+    )
     print("| call | build µs | encode µs |")
     print("|---|---|---|")
     for name, fn in calls(args.seq, args.window).items():

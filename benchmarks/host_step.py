@@ -13,6 +13,7 @@ interleaving the caches round by round so machine noise hits them alike.
 Reported: ops and build µs per step and per layer, and the build time as a
 ratio to mlx-lm's KVCache (the fp16 recipe's target: <= 1.0).
 """
+
 import argparse
 import io
 import re
@@ -45,6 +46,7 @@ def python_calls(model, cache, y: mx.array) -> int:
     def count(frame, event, arg):
         if event == "call":
             calls[0] += 1
+
     sys.setprofile(count)
     try:
         out = model(y, cache=cache)
@@ -96,13 +98,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache and round")
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--ops-table", action="store_true",
-                    help="also print, per layer, each primitive whose count differs between the caches")
+    ap.add_argument(
+        "--ops-table",
+        action="store_true",
+        help="also print, per layer, each primitive whose count differs between the caches",
+    )
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model, name = random_model(args.arch, (args.layers, heads, kv_heads, args.head_dim, args.vocab,
-                                           getattr(mx, args.dtype), args.hidden), args.window)
+    model, name = random_model(
+        args.arch,
+        (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden),
+        args.window,
+    )
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
     for r in split_specs(args.recipes):
@@ -119,15 +127,19 @@ def main(argv=None) -> int:
         for label, cache in rows.items():
             samples[label].append(build_us(model, cache, y, args.steps))
     base = statistics.median(samples["mlx-lm KVCache"])
-    print(f"{name}: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
-          f"device {mx.default_device()}; {args.rounds} interleaved rounds x {args.steps} steps, medians")
+    print(
+        f"{name}: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
+        f"device {mx.default_device()}; {args.rounds} interleaved rounds x {args.steps} steps, medians"
+    )
     print("| cache | ops/step | ops/layer | build µs/step | build µs/layer | range µs/step | vs KVCache |")
     print("|---|---|---|---|---|---|---|")
     for label, s in samples.items():
         med = statistics.median(s)
         n = sum(v for k, v in ops[label].items() if not k.startswith("("))
-        print(f"| {label} | {n} | {n / args.layers:.1f} | {med:.0f} | {med / args.layers:.1f} "
-              f"| {min(s):.0f}–{max(s):.0f} | {med / base:.2f}× |")
+        print(
+            f"| {label} | {n} | {n / args.layers:.1f} | {med:.0f} | {med / args.layers:.1f} "
+            f"| {min(s):.0f}–{max(s):.0f} | {med / base:.2f}× |"
+        )
     if args.ops_table:
         print("\n" + "\n".join(op_table(ops, args.layers)))
     return 0

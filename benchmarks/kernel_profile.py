@@ -13,6 +13,7 @@ per-call cost split into launches, beside the host floor, and an ncu target.
 
 SEQS e.g. 32768,131072; BITS e.g. 4,2; IMPLS of mma, tc (default mma,tc).
 """
+
 import ctypes
 import os
 import statistics
@@ -35,11 +36,12 @@ def cycler(fns):
     def f():
         st["i"] = (st["i"] + 1) % len(fns)
         return fns[st["i"]]()
+
     return f
 
 
 def methods(S: int, bits: int, copies: int, impls) -> dict:
-    scale = D ** -0.5
+    scale = D**-0.5
     ks, vs = {"bits": bits, "group": G, "axis": "channel"}, {"bits": bits, "group": G, "axis": "token"}
     q = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
     sets = []
@@ -49,8 +51,11 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
         ke, ve = Affine(**ks).encode(k), Affine(**vs).encode(v)
         mx.eval(k, v, ke, ve)
         sets.append((k, v, ke, ve))
-    out = {"sdpa": cycler([lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-                           for k, v, _, _ in sets])}
+    out = {
+        "sdpa": cycler(
+            [lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale) for k, v, _, _ in sets]
+        )
+    }
     shape = (tuple(q.shape), q.dtype, tuple(sets[0][2]["codes"].shape), (bits, G, "channel"), (bits, G, "token"), scale)
     for impl in impls:
         run = cuda.launcher(*shape[:3], ks, vs, scale, impl=impl)
@@ -59,9 +64,14 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
             att = tc_launch.partials(*shape)
         else:
             att = cuda.mma_partials(*shape)
-        out[impl + "-attend"] = cycler([lambda ke=ke, ve=ve, att=att: att(
-            [q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]])
-            for _, _, ke, ve in sets])
+        out[impl + "-attend"] = cycler(
+            [
+                lambda ke=ke, ve=ve, att=att: att(
+                    [q, ke["codes"], ke["scales"], ke["zeros"], ve["codes"], ve["scales"], ve["zeros"]]
+                )
+                for _, _, ke, ve in sets
+            ]
+        )
     return out
 
 
@@ -86,12 +96,19 @@ def main(argv=None) -> int:
     mx.eval(a, b)
     empty = mx.fast.cuda_kernel(name="vq_empty", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
     # the same with attend_tc's header: MLX assembles a kernel's whole text on every call
-    big = mx.fast.cuda_kernel(name="vq_empty_big", input_names=["a"], output_names=["o"], source="o[0] = a[0];",
-                              header=strip(tc.header(3, True, 1)))
+    big = mx.fast.cuda_kernel(
+        name="vq_empty_big",
+        input_names=["a"],
+        output_names=["o"],
+        source="o[0] = a[0];",
+        header=strip(tc.header(3, True, 1)),
+    )
     kw = dict(grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
-    floor = {"empty-kernel": lambda: empty(inputs=[a], **kw)[0],
-             f"empty-kernel-{len(strip(tc.header(3, True, 1))) // 1000}kB-header": lambda: big(inputs=[a], **kw)[0],
-             "add": lambda: a + b}
+    floor = {
+        "empty-kernel": lambda: empty(inputs=[a], **kw)[0],
+        f"empty-kernel-{len(strip(tc.header(3, True, 1))) // 1000}kB-header": lambda: big(inputs=[a], **kw)[0],
+        "add": lambda: a + b,
+    }
     print("device", mx.default_device(), mx.__version__)
     rt = ctypes.CDLL(os.environ["CUDART"]) if mode == "ncu" else None
     for S in seqs:
@@ -103,8 +120,11 @@ def main(argv=None) -> int:
                 for _ in range(5):
                     for n, f in ms.items():
                         res[n].append(timeit(f, 2, 10, 32) if mode == "wall" else host_us(f))
-                print(f"{mode} S={S} bits={bits} | " + " | ".join(f"{n} {statistics.median(v):.1f}"
-                                                                 for n, v in res.items()), flush=True)
+                print(
+                    f"{mode} S={S} bits={bits} | "
+                    + " | ".join(f"{n} {statistics.median(v):.1f}" for n, v in res.items()),
+                    flush=True,
+                )
                 continue
             for f in ms.values():
                 mx.eval(f())

@@ -16,6 +16,7 @@ so calibrate them first with the same --set values): keys encoded at their real
 positions, and pre-RoPE stores (commvq, a2ats) scored with each query's position.
 Codecs that cannot score their codes are measured decode-then-dot.
 """
+
 import argparse
 import sys
 import tempfile
@@ -32,10 +33,12 @@ from veloxquant.recipe import load_recipe
 from veloxquant.runtime.codec import Codec
 from veloxquant.runtime.make import plan_for
 
-PIPELINES = ("rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
-             "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"
-             "rotation | groupmean(64) | residual(rabitq);rotation | lloydmax(bits=2) | residual(qjl(factor=1.0));"
-             "rotation | groupmean(64) | residual(lloydmax(bits=2)) | residual(qjl(factor=1.0))")
+PIPELINES = (
+    "rotation | lloydmax(bits=3);rotation | groupmean(64) | residual(lloydmax(bits=3));"
+    "qjl(factor=2.0);groupmean(64) | residual(qjl(factor=2.0));rotation | rabitq;"
+    "rotation | groupmean(64) | residual(rabitq);rotation | lloydmax(bits=2) | residual(qjl(factor=1.0));"
+    "rotation | groupmean(64) | residual(lloydmax(bits=2)) | residual(qjl(factor=1.0))"
+)
 
 
 def _capture(model, ids, layers, group):
@@ -55,16 +58,21 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--layers", help="comma-separated (default: six spread over the model)")
     ap.add_argument("--pipelines", default=PIPELINES, help="key pipelines separated by ';'")
-    ap.add_argument("--sinks", type=int, default=0,
-                    help="the first N positions scored exactly, as a recipe's fp16 sink tier holds them")
+    ap.add_argument(
+        "--sinks",
+        type=int,
+        default=0,
+        help="the first N positions scored exactly, as a recipe's fp16 sink tier holds them",
+    )
     ap.add_argument("--recipes", help="built-in recipes (name[:k=v,k=v]) separated by ';', instead of --pipelines")
     args = ap.parse_args(argv)
     path = gemma3_model_path() if args.model == "gemma3" else (args.model or default_model_path())
     model, tok = load_model(path, dtype=mx.float32)
     shape = ModelShape.from_model(model)
     n = shape.n_layers
-    layers = ([int(x) for x in args.layers.split(",")] if args.layers
-              else sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1}))
+    layers = (
+        [int(x) for x in args.layers.split(",")] if args.layers else sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 1})
+    )
     data = _capture(model, tok.encode(austen_text())[: args.tokens], layers, 64)
     tmp = Path(tempfile.mkdtemp())
     N, NQ = args.tokens, args.queries
@@ -81,18 +89,24 @@ def main(argv=None) -> int:
         exact = qq @ k.swapaxes(-1, -2)
         ref = mx.softmax(mx.where(mask, exact, -mx.inf), -1) @ v
         norm = lambda a: float(mx.mean(mx.sqrt(mx.sum(a * a, -1))))
-        print(f"layer {i} (window {window}, {L} keys, head_dim {D}): |k| {norm(k):.1f}  "
-              f"|mean k| {norm(mx.mean(k, axis=2, keepdims=True)):.1f}  |q|*scale {norm(qq):.2f}")
+        print(
+            f"layer {i} (window {window}, {L} keys, head_dim {D}): |k| {norm(k):.1f}  "
+            f"|mean k| {norm(mx.mean(k, axis=2, keepdims=True)):.1f}  |q|*scale {norm(qq):.2f}"
+        )
         for p in (args.recipes or args.pipelines).split(";"):
             if args.recipes:
                 est = _recipe_scores(model, p, i, qq, k, first, qpos, Hq // H)
             else:
-                (tmp / "r.yaml").write_text(f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n"
-                                            "    values: fp16\n")
+                (tmp / "r.yaml").write_text(
+                    f"veloxquant: 1\nname: r\npipeline: |\n  recent(64) >> keys: {p}\n    values: fp16\n"
+                )
                 codec = Codec(compile_recipe(load_recipe(str(tmp / "r.yaml")), shape).layers[i].tiers[-1].keys)
                 enc = codec.encode(k)
-                est = (codec.scores(qq, enc) if codec.scores_from_codes
-                       else qq @ codec.decode(enc, mx.float32).swapaxes(-1, -2))
+                est = (
+                    codec.scores(qq, enc)
+                    if codec.scores_from_codes
+                    else qq @ codec.decode(enc, mx.float32).swapaxes(-1, -2)
+                )
             if args.sinks and first < args.sinks:  # a sink tier holds them in fp16: exact scores
                 est = mx.where(kpos[None] < args.sinks, exact, est)
             err = float(mx.sqrt(mx.sum(mx.where(mask, est - exact, 0) ** 2) / mx.sum(mask) / B / H))

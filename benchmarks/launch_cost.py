@@ -8,6 +8,7 @@ them; and a built-in add. Columns: `host` = microseconds per call building the g
 (kernel_profile.host_us), `wall` = per call with 32 calls per evaluation (bench.attention.timeit);
 medians of 5 interleaved rounds. attend_tc's binding (kernels/tc_launch.py) was shaped by it.
 """
+
 import statistics
 
 import mlx.core as mx
@@ -24,11 +25,15 @@ def empty_kernel(name: str, n_in: int, n_out: int, strides: bool, n_template: in
     reads = "".join(f" + i{k}_shape[0] + (float)i{k}_strides[0]" for k in range(n_in)) if strides else ""
     helper = "__device__ inline float vq_pad{k}(float x) {{ return x * {k}.0f + 1.0f; /* {pad} */ }}\n"
     header = "".join(helper.format(k=k, pad="y" * 40) for k in range(header_bytes // 100))
-    kernel = mx.fast.cuda_kernel(name=name, input_names=names, output_names=[f"o{j}" for j in range(n_out)],
-                                 source=f"if (threadIdx.x == 0) {{ o0[0] = i0[0]{reads}; }}\n", header=header,
-                                 ensure_row_contiguous=not strides)
-    kw = dict(grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)] * n_out,
-              output_dtypes=[mx.float32] * n_out)
+    kernel = mx.fast.cuda_kernel(
+        name=name,
+        input_names=names,
+        output_names=[f"o{j}" for j in range(n_out)],
+        source=f"if (threadIdx.x == 0) {{ o0[0] = i0[0]{reads}; }}\n",
+        header=header,
+        ensure_row_contiguous=not strides,
+    )
+    kw = dict(grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)] * n_out, output_dtypes=[mx.float32] * n_out)
     if n_template:
         kw["template"] = [(f"T{j}", j) for j in range(n_template)]
     return lambda: kernel(inputs=[a] * n_in, **kw)[0]

@@ -9,6 +9,7 @@ launches). One query, B = 1; calls per evaluation and K/V copies cycled as
 `bench attention` (so consecutive calls do not hit L2); medians of `--rounds`
 interleaved rounds. Bytes read: what each path's inputs hold.
 """
+
 import argparse
 from typing import Dict, List, Optional
 
@@ -31,13 +32,16 @@ def build(Hq: int, Hkv: int, D: int, S: int, sets, copy: int):
     for start in range(0, S, 8192):  # encode in blocks: the encode's float32 temporaries stay small
         n = min(8192, S - start)
         seed = 3 * (S + D + copy) + start
-        tier.append(mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 1)).astype(mx.float16),
-                    mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 2)).astype(mx.float16), start)
+        tier.append(
+            mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 1)).astype(mx.float16),
+            mx.random.normal((1, Hkv, n, D), key=mx.random.key(seed + 2)).astype(mx.float16),
+            start,
+        )
         mx.eval([a for side in ("k", "v") for a in tier.encoded(side).values()])
     ke, ve, kc, vc = tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"]
     k16, v16 = tier.decoded(mx.float16)
     mx.eval(ke, ve, k16, v16)
-    scale = D ** -0.5
+    scale = D**-0.5
     if lut.unsupported(q, ke, ve, kc, vc):
         raise SystemExit(f"the LUT kernel does not take this call: {lut.unsupported(q, ke, ve, kc, vc)}")
     return {
@@ -60,10 +64,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args(argv)
     wanted = a.methods.split(",")
-    print(f"device: {mx.default_device()}  mlx {mx.__version__}; turboquant_rvq codes, B=1, one query; "
-          f"{a.per_eval} calls per evaluation, {a.copies} copies cycled, median of {a.rounds} interleaved rounds\n")
-    print("| Hq/Hkv/D | S | bits | " + " | ".join(f"{n} µs · GB/s" for n in wanted) + " | lut vs sdpa | lut vs ops "
-          "| lut % HBM |")
+    print(
+        f"device: {mx.default_device()}  mlx {mx.__version__}; turboquant_rvq codes, B=1, one query; "
+        f"{a.per_eval} calls per evaluation, {a.copies} copies cycled, median of {a.rounds} interleaved rounds\n"
+    )
+    print(
+        "| Hq/Hkv/D | S | bits | " + " | ".join(f"{n} µs · GB/s" for n in wanted) + " | lut vs sdpa | lut vs ops "
+        "| lut % HBM |"
+    )
     print("|" + "---|" * (len(wanted) + 6))
     for shape in a.shapes.split(","):
         Hq, Hkv, D = (int(x) for x in shape.split("/"))
@@ -78,11 +86,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         us = timeit(fn, a.warmup, a.iters, min(a.per_eval, 4) if name == "ops" else a.per_eval)
                         runs.setdefault(name, []).append({"us": us, "gbps": nbytes / us / 1e3})
                 res = {n: median_run(r) for n, r in runs.items()}
-                ratio = lambda o: (f"{res[o]['us'] / res['lut']['us']:.1f}×" if "lut" in res and o in res else "-")
+                ratio = lambda o: f"{res[o]['us'] / res['lut']['us']:.1f}×" if "lut" in res and o in res else "-"
                 hbm = f"{100 * res['lut']['gbps'] / HBM_GBPS:.0f}%" if "lut" in res else "-"
-                print(f"| {shape} | {S // 1024}k | {bits}+{bits} | "
-                      + " | ".join(f"{res[n]['us']:.1f} · {res[n]['gbps']:.0f}" for n in wanted)
-                      + f" | {ratio('sdpa')} | {ratio('ops')} | {hbm} |", flush=True)
+                print(
+                    f"| {shape} | {S // 1024}k | {bits}+{bits} | "
+                    + " | ".join(f"{res[n]['us']:.1f} · {res[n]['gbps']:.0f}" for n in wanted)
+                    + f" | {ratio('sdpa')} | {ratio('ops')} | {hbm} |",
+                    flush=True,
+                )
     return 0
 
 

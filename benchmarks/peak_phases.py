@@ -9,6 +9,7 @@ memory over what was allocated when the caches were made, for each phase
 (MiB), and the bytes the caches hold at the end. Each recipe runs twice and
 the second run is printed: on CUDA the first run also pays kernel compilation.
 """
+
 import argparse
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from veloxquant.eval.rows import recipe_caches
 from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
-MiB = 2 ** 20
+MiB = 2**20
 PHASES = ("chunk 1", "chunk 2", "chunk 3", "chunk 4", "first decode", "16 decode")
 
 
@@ -37,7 +38,7 @@ def phases(model, prompt: mx.array, spec: str):
         return out
 
     def prefill(i):
-        model(prompt[:, i * chunk:(i + 1) * chunk], cache=caches)
+        model(prompt[:, i * chunk : (i + 1) * chunk], cache=caches)
         mx.eval([c.state for c in caches])
 
     def decode(y, steps):
@@ -64,9 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model, progress=False)
-    prompt = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
-    print(f"{prompt.shape[1]}-token prompt in 4 chunks; peak MiB over the start of each recipe; "
-          f"device {mx.default_device()}\n")
+    prompt = mx.array(tokenizer.encode(load_text("austen"))[: args.tokens])[None]
+    print(
+        f"{prompt.shape[1]}-token prompt in 4 chunks; peak MiB over the start of each recipe; "
+        f"device {mx.default_device()}\n"
+    )
     print("| recipe | " + " | ".join(PHASES) + " | cache MiB |")
     print("|---" * (len(PHASES) + 2) + "|")
     for spec in args.recipes:

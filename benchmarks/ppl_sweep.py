@@ -8,6 +8,7 @@ continuation tokens fed 32 at a time), on the first `--windows` windows only:
 a cheap way to place parameters before one full evaluation. Prints perplexity
 and the cache's held bytes over fp16's for the same tokens.
 """
+
 import argparse
 import math
 import time
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model)
     c = EvalConfig()
-    wins = windows(tokenizer.encode(load_text("austen")), c.windows, c.window_len)[:args.windows]
+    wins = windows(tokenizer.encode(load_text("austen")), c.windows, c.window_len)[: args.windows]
     shape = ModelShape.from_model(model)
     print(f"{len(wins)} window(s) of {c.prefix} prefix + {c.score_tokens} scored Austen tokens\n")
     print("| variant | PPL | held / fp16 | s |")
@@ -38,8 +39,9 @@ def main(argv=None) -> int:
         name, *sets = spec.split(":")
         start, nll, n = time.perf_counter(), 0.0, 0
         for w in wins:
-            r = window_nll(model, lambda: make_prompt_cache(model, name, sets), w, c.prefix, c.prefill_chunk,
-                           c.score_chunk)
+            r = window_nll(
+                model, lambda: make_prompt_cache(model, name, sets), w, c.prefix, c.prefill_chunk, c.score_chunk
+            )
             nll, n = nll + r["nll"], n + r["tokens"]
         ratio = r["cache_bytes"] / fp16_bytes(shape, r["context"])
         print(f"| {spec} | {math.exp(nll / n):.3f} | {ratio:.3f} | {time.perf_counter() - start:.0f} |", flush=True)

@@ -11,6 +11,7 @@ is built. On MLX's CUDA backend the host runs ahead of the device and the
 temporaries of several layers are alive at once; this shows how much of the
 peak that is (a diagnostic: it costs prefill speed).
 """
+
 import argparse
 from contextlib import contextmanager
 
@@ -33,6 +34,7 @@ def layers_synced(on: bool):
         if queries.shape[2] > 1:
             mx.eval(out)
         return out
+
     TieredCache.attend = synced if on else attend
     try:
         yield
@@ -50,8 +52,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model, progress=False)
     x = mx.array(tokenizer.encode(load_text("austen"))[: args.tokens])[None]
-    print(f"{x.shape[1]} tokens in chunks of {args.chunk}, then one decode step; device {mx.default_device()}"
-          + ("; each layer's prefill attention evaluated before the next" if args.sync_layers else ""))
+    print(
+        f"{x.shape[1]} tokens in chunks of {args.chunk}, then one decode step; device {mx.default_device()}"
+        + ("; each layer's prefill attention evaluated before the next" if args.sync_layers else "")
+    )
     print("| recipe | peak MiB over start | held MiB after |")
     print("|---|---|---|")
     for name in args.recipes:
@@ -62,8 +66,8 @@ def main(argv=None) -> int:
         with layers_synced(args.sync_layers):
             prefill(model, x, caches, args.chunk)
             mx.eval(model(mx.array([[5]]), cache=caches))
-        peak = (mx.get_peak_memory() - start) / 2 ** 20
-        print(f"| {name} | {peak:,.0f} | {sum(c.nbytes for c in caches) / 2 ** 20:,.1f} |", flush=True)
+        peak = (mx.get_peak_memory() - start) / 2**20
+        print(f"| {name} | {peak:,.0f} | {sum(c.nbytes for c in caches) / 2**20:,.1f} |", flush=True)
         uninstall(model)
         del caches
     return 0

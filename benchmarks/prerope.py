@@ -8,6 +8,7 @@ codec otherwise, decoded and re-roped), and the relative squared error
 ||K - K̂||² / ||K||², pooled over layers, is printed per quantizer and width.
 RoPE is a rotation, so the error is the same measured before or after it.
 """
+
 import argparse
 
 import mlx.core as mx
@@ -33,13 +34,13 @@ def layer_keys(model, tokens):
     """{layer: keys [1, H, L, D]} of the layers whose cache holds every position in order
     (Gemma 3's sliding-window layers keep a ring buffer of 512: left out)."""
     from mlx_lm.models.cache import RotatingKVCache
+
     caches = mlx_prompt_cache(model)
     for s in range(0, tokens.shape[1], 512):
-        model(tokens[:, s:s + 512], cache=caches)
+        model(tokens[:, s : s + 512], cache=caches)
         mx.eval([c.state for c in caches])
     L = tokens.shape[1]
-    return {i: c.keys[:, :, :L].astype(mx.float32) for i, c in enumerate(caches)
-            if not isinstance(c, RotatingKVCache)}
+    return {i: c.keys[:, :, :L].astype(mx.float32) for i, c in enumerate(caches) if not isinstance(c, RotatingKVCache)}
 
 
 def errors(keys, ropes, store):
@@ -63,14 +64,16 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,3,4")
     args = p.parse_args(argv)
     model, tokenizer = load_model(None if args.model == "smollm2" else args.model)
-    tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
+    tokens = mx.array(tokenizer.encode(load_text("austen"))[: args.tokens])[None]
     shape = ModelShape.from_model(model)
     if any(isinstance(r, str) for r in shape.ropes):
         why = next(r for r in shape.ropes if isinstance(r, str))
         raise SystemExit(f"unrope cannot invert this model's RoPE: {why}")
     keys = layer_keys(model, tokens)
-    print(f"model {args.model}: {len(keys)} of {len(shape.ropes)} layers (full attention), {tokens.shape[1]} tokens; "
-          "relative key error ||K-K̂||²/||K||²")
+    print(
+        f"model {args.model}: {len(keys)} of {len(shape.ropes)} layers (full attention), {tokens.shape[1]} tokens; "
+        "relative key error ||K-K̂||²/||K||²"
+    )
     print("| quantizer | bits | post-RoPE | pre-RoPE (unrope) | change |")
     print("|---|---|---|---|---|")
     for label, make in QUANTIZERS.items():

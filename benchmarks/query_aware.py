@@ -10,6 +10,7 @@ coded and its last --queries queries scored from the codes, with exact RoPE
 keys' relative squared error, the RMS error of the scaled scores, and the
 relative error of the attention output (values exact).
 """
+
 import argparse
 import sys
 
@@ -37,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=64)
     args = ap.parse_args(argv)
     import numpy as np
+
     layers = [int(x) for x in args.layers.split(",")]
     model, tok = load_model(default_model_path(), dtype=mx.float32)
     shape = ModelShape.from_model(model)
@@ -66,8 +68,11 @@ def main(argv=None) -> int:
                 err = float(mx.sqrt(mx.sum(mx.where(mask, est - exact, 0) ** 2) / mx.sum(mask) / B / H))
                 out = mx.softmax(mx.where(mask, est, -mx.inf), -1) @ v
                 rel = float(mx.mean(mx.sqrt(mx.sum((out - ref) ** 2, -1) / mx.sum(ref * ref, -1))))
-                print(f"layer {i:2d}  beta {beta:.2f}  window {window:>7d}: key rel sq err {mse:.4f}  "
-                      f"score err {err:.3f}  output rel err {rel:.4f}", flush=True)
+                print(
+                    f"layer {i:2d}  beta {beta:.2f}  window {window:>7d}: key rel sq err {mse:.4f}  "
+                    f"score err {err:.3f}  output rel err {rel:.4f}",
+                    flush=True,
+                )
     return 0
 
 

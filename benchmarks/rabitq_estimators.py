@@ -11,6 +11,7 @@ Printed: least-squares slope of estimate on exact (1 = unbiased), correlation,
 and the cosine of the attention output to the exact one (softmax with the
 model's scale, values exact), averaged over kv heads.
 """
+
 import argparse
 import sys
 
@@ -34,10 +35,11 @@ def capture_qkv(model, ids, layers):
         def attend(queries, scale, mask=None, sinks=None, observe=True, _i=i, _orig=orig):
             seen.setdefault(_i, []).append((queries, scale))
             return _orig(queries, scale, mask, sinks, observe)
+
         caches[i].attend = attend
     x = mx.array(ids)[None]
     for s in range(0, x.shape[1], 256):
-        model(x[:, s:s + 256], cache=caches)
+        model(x[:, s : s + 256], cache=caches)
     out = {}
     for i in layers:
         q = mx.concatenate([a for a, _ in seen[i]], axis=2)
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
         q, k, v, scale = data[i]
         B, Hq, L, D = q.shape
         H = k.shape[1]
-        q = q[:, :, -args.queries:].reshape(B, H, Hq // H * args.queries, D)
+        q = q[:, :, -args.queries :].reshape(B, H, Hq // H * args.queries, D)
         L = k.shape[2]
         qpos = mx.arange(L - args.queries, L)
         mask = mx.tile(mx.arange(L)[None] <= qpos[:, None], (Hq // H, 1))  # causal, per query row
@@ -74,8 +76,8 @@ def main(argv=None) -> int:
         exact = q @ k.swapaxes(-1, -2)
         norm = mx.sqrt(mx.sum(k * k, -1))[..., None]  # [B, H, L, 1]
         signs = mx.where(xr > 0, 1.0, -1.0)
-        plain = (qr @ signs.swapaxes(-1, -2)) * norm.swapaxes(-1, -2) / D ** 0.5  # ||k|| <q, xbar>
-        ip = mx.sum(mx.abs(xr), -1, keepdims=True) / (D ** 0.5 * norm)  # <xbar, u>, [B, H, L, 1]
+        plain = (qr @ signs.swapaxes(-1, -2)) * norm.swapaxes(-1, -2) / D**0.5  # ||k|| <q, xbar>
+        ip = mx.sum(mx.abs(xr), -1, keepdims=True) / (D**0.5 * norm)  # <xbar, u>, [B, H, L, 1]
         corrected = plain / ip.swapaxes(-1, -2)
         qsign = mx.where(qr > 0, 1.0, -1.0)
         qnorm = mx.sqrt(mx.sum(q * q, -1))[..., None]

@@ -8,6 +8,7 @@ keys and values of SmolLM2 both ways with the recipe's quantizers (KIVI's: keys
 per channel, values per token, group 32) and prints the relative squared error
 ||X - X̂||² / ||X||² pooled over layers, and how much the chain adds.
 """
+
 import argparse
 
 import mlx.core as mx
@@ -19,9 +20,10 @@ from veloxquant.stages.store import Affine
 
 def layer_kv(model, tokens):
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
     caches = mlx_prompt_cache(model)
     for s in range(0, tokens.shape[1], 512):
-        model(tokens[:, s:s + 512], cache=caches)
+        model(tokens[:, s : s + 512], cache=caches)
         mx.eval([c.state for c in caches])
     L = tokens.shape[1]
     return [(c.keys[:, :, :L].astype(mx.float32), c.values[:, :, :L].astype(mx.float32)) for c in caches]
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1024, help="Austen tokens (a multiple of 32)")
     args = p.parse_args(argv)
     model, tokenizer = load_model(None if args.model == "smollm2" else args.model)
-    tokens = mx.array(tokenizer.encode(load_text("austen"))[:args.tokens])[None]
+    tokens = mx.array(tokenizer.encode(load_text("austen"))[: args.tokens])[None]
     kv = layer_kv(model, tokens)
     print(f"model {args.model}: {len(kv)} layers, {tokens.shape[1]} tokens; relative error ||X-X̂||²/||X||²")
     print("| tensor | band | from fp16 | from the previous band's codes | added by the chain |")

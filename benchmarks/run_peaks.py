@@ -9,6 +9,7 @@ allocated when it starts (what earlier runs left behind: a dropped cache must be
 freed at once, not at Python's next cyclic collection), the prefill and decode
 peaks, and the bytes the cache holds (GiB, weights included).
 """
+
 import argparse
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from veloxquant.bench.e2e import random_llama
 from veloxquant.runtime import make_prompt_cache, uninstall
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def one_run(model, prompt: mx.array, recipe: str, decode: int) -> str:
@@ -37,8 +38,10 @@ def one_run(model, prompt: mx.array, recipe: str, decode: int) -> str:
     mx.synchronize()
     held = sum(c.nbytes for c in cache)
     uninstall(model)
-    return (f"| {recipe} | {before / GiB:.2f} | {prefill_peak / GiB:.2f} | {mx.get_peak_memory() / GiB:.2f} "
-            f"| {held / GiB:.3f} |")
+    return (
+        f"| {recipe} | {before / GiB:.2f} | {prefill_peak / GiB:.2f} | {mx.get_peak_memory() / GiB:.2f} "
+        f"| {held / GiB:.3f} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -58,9 +61,11 @@ def main(argv=None) -> int:
     model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
     prompt = mx.random.randint(0, args.vocab, (args.context,))
     mx.eval(prompt)
-    print(f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
-          f"context {args.context}, decode {args.decode}, device {mx.default_device()}; weights and prompt "
-          f"{mx.get_active_memory() / GiB:.2f} GiB")
+    print(
+        f"random Llama: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
+        f"context {args.context}, decode {args.decode}, device {mx.default_device()}; weights and prompt "
+        f"{mx.get_active_memory() / GiB:.2f} GiB"
+    )
     print("| run | allocated at its start GiB | prefill peak GiB | decode peak GiB | cache GiB |")
     print("|---|---|---|---|---|")
     for recipe in args.recipes.split(","):

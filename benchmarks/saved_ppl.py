@@ -13,6 +13,7 @@ that was saved) scores the same tokens too: a difference between the two
 columns would be a loss in saving (there is none: `eval`'s one-window figure
 differs because it scores other tokens, after a 1,536-token prefix).
 """
+
 import argparse
 import math
 import tempfile
@@ -62,13 +63,17 @@ def main(argv=None) -> int:
             rows.append((spec, size, ppl, live))
     base_size, base_ppl = rows[0][1:3]
     sets = f" --set {' --set '.join(args.set)}" if args.set else ""
-    print(f"model {args.model or 'smollm2'}, {len(wins)} window(s) of {args.tokens} saved + {args.score} scored "
-          f"Austen tokens{sets}\n")
+    print(
+        f"model {args.model or 'smollm2'}, {len(wins)} window(s) of {args.tokens} saved + {args.score} scored "
+        f"Austen tokens{sets}\n"
+    )
     print("| recipe | file bytes (mean) | fp16 file / file | PPL through the loaded cache | ΔPPL | PPL live |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for recipe, size, ppl, live in rows:
-        print(f"| {recipe} | {size:,.0f} | {base_size / size:.2f}x | {ppl:.3f} | {(ppl / base_ppl - 1) * 100:+.2f}% "
-              f"| {live:.3f} |")
+        print(
+            f"| {recipe} | {size:,.0f} | {base_size / size:.2f}x | {ppl:.3f} | {(ppl / base_ppl - 1) * 100:+.2f}% "
+            f"| {live:.3f} |"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ or centred (PCA, as KVTC) with --center -- give the share of energy the first r
 components hold. Printed per layer (mean over heads) at each rank, then the
 model mean: the latent recipes' error at rank r is the energy left out.
 """
+
 import argparse
 from typing import List
 
@@ -41,16 +42,22 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=1, help="kv heads per basis (PALU's head groups; 0 = all)")
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model)
-    ids = mx.array(tokenizer.encode(load_text(args.corpus))[:args.tokens])[None]
+    ids = mx.array(tokenizer.encode(load_text(args.corpus))[: args.tokens])[None]
     caches = make_prompt_cache(model, "fp16")
     model(ids, cache=caches)
     mx.eval([c.state for c in caches])
     ranks = [int(r) for r in args.ranks.split(",")]
     kind = "centred (PCA)" if args.center else "uncentred (SVD)"
-    print(f"{args.model}: {ids.shape[1]} tokens, {kind}, {args.heads or 'all'} kv head(s) per basis; "
-          "share of energy in the first r components")
-    print(f"{'layer':>5} {'H x D':>7}  " + "  ".join(f"K@{r:<4}" for r in ranks) + "  "
-          + "  ".join(f"V@{r:<4}" for r in ranks))
+    print(
+        f"{args.model}: {ids.shape[1]} tokens, {kind}, {args.heads or 'all'} kv head(s) per basis; "
+        "share of energy in the first r components"
+    )
+    print(
+        f"{'layer':>5} {'H x D':>7}  "
+        + "  ".join(f"K@{r:<4}" for r in ranks)
+        + "  "
+        + "  ".join(f"V@{r:<4}" for r in ranks)
+    )
     rows = []
     for i, c in enumerate(caches):
         k, v = (np.array(a[0].astype(mx.float32), dtype=np.float64) for a in c.tiers[0].decoded(mx.float32))

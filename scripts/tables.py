@@ -19,6 +19,7 @@ kvpress's published rows beside ours.
     python scripts/tables.py           # rewrite the blocks in docs/*.md and README.md
     python scripts/tables.py --check   # exit 1, naming the docs whose tables differ from results/
 """
+
 import argparse
 import json
 import re
@@ -29,8 +30,9 @@ from typing import Dict, List
 from veloxquant.eval import report
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)",
-                   re.S)
+BLOCK = re.compile(
+    r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S
+)
 
 
 def _cell(x) -> str:
@@ -46,8 +48,12 @@ def _cell(x) -> str:
 def rows_table(data: Dict, source: str) -> str:
     rows: List[Dict] = data["rows"]
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    lines = [f"`{source}`" + (f", made by `{data['command']}`" if data.get("command") else "") + ":", "",
-             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines = [
+        f"`{source}`" + (f", made by `{data['command']}`" if data.get("command") else "") + ":",
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+    ]
     lines += ["| " + " | ".join(_cell(r.get(k, "–")) for k in keys) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -90,11 +96,17 @@ def kvpress(spec: str, root: Path = ROOT) -> str:
     fractions = data["fractions"]
     rows = [(f"kvpress {k}", v) for k, v in data["kvpress_reference"].items()]
     rows += [(f"ours {k}", v) for k, v in data["delta_ppl_percent"].items()]
-    best = [(label, [min(v[i] for v in data[key].values()) for i in range(len(fractions))])
-            for label, key in (("**best kvpress**", "kvpress_reference"), ("**best ours**", "delta_ppl_percent"))]
-    lines = [f"`{path}` (baseline PPL {data['baseline_ppl']:.3f}, {data['windows']} windows; {data['machine']}); "
-             "ΔPPL at the fraction of the prefix removed:", "",
-             "| row | " + " | ".join(str(f) for f in fractions) + " |", "|---|" + "---|" * len(fractions)]
+    best = [
+        (label, [min(v[i] for v in data[key].values()) for i in range(len(fractions))])
+        for label, key in (("**best kvpress**", "kvpress_reference"), ("**best ours**", "delta_ppl_percent"))
+    ]
+    lines = [
+        f"`{path}` (baseline PPL {data['baseline_ppl']:.3f}, {data['windows']} windows; {data['machine']}); "
+        "ΔPPL at the fraction of the prefix removed:",
+        "",
+        "| row | " + " | ".join(str(f) for f in fractions) + " |",
+        "|---|" + "---|" * len(fractions),
+    ]
     lines += [f"| {name} | " + " | ".join(f"{x:+.2f}%" for x in vals) + " |" for name, vals in rows + best]
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ through mlx-lm's ``generate_step``. Recorded per step: the chosen token, the log
 logits at 64 fixed token ids and at the step's 8 largest. Calibrated recipes whose artifact is not in
 the cache directory are recorded as skipped.
 """
+
 import hashlib
 import json
 import sys
@@ -30,6 +31,7 @@ def recipe_logits(model, prompt_ids, name) -> dict:
 
     import veloxquant as vq
     from veloxquant.artifacts import CalibrationError
+
     try:
         caches = vq.make_prompt_cache(model, name)
     except CalibrationError as e:
@@ -38,8 +40,15 @@ def recipe_logits(model, prompt_ids, name) -> dict:
     for (token, logprobs), _ in zip(generate_step(mx.array(prompt_ids), model, prompt_cache=caches), range(STEPS)):
         logits = np.array(logprobs.astype(mx.float32))  # log-softmax: logits minus their log-sum-exp
         top = np.argsort(-logits)[:8].tolist()
-        steps.append({"token": int(token), "probe": logits[PROBE_IDS].tolist(), "top_ids": top,
-                      "top": logits[top].tolist(), "sha256": hashlib.sha256(logits.tobytes()).hexdigest()})
+        steps.append(
+            {
+                "token": int(token),
+                "probe": logits[PROBE_IDS].tolist(),
+                "top_ids": top,
+                "top": logits[top].tolist(),
+                "sha256": hashlib.sha256(logits.tobytes()).hexdigest(),
+            }
+        )
     vq.uninstall(model)
     return {"steps": steps}
 
@@ -47,6 +56,7 @@ def recipe_logits(model, prompt_ids, name) -> dict:
 def load():
     from veloxquant.data import load_text
     from veloxquant.models import load_model
+
     model, tokenizer = load_model()
     return model, tokenizer.encode(load_text("austen"))[:PROMPT_TOKENS]
 
@@ -55,8 +65,13 @@ def main(argv) -> int:
     model, ids = load()
     if argv[:1] == ["write"]:
         record = {name: recipe_logits(model, ids, name) for name in builtin_names()}
-        RECORD.write_text(json.dumps({"command": "python tests/builtin_logits.py write",
-                                      "prompt_tokens": PROMPT_TOKENS, "recipes": record}, indent=0) + "\n")
+        RECORD.write_text(
+            json.dumps(
+                {"command": "python tests/builtin_logits.py write", "prompt_tokens": PROMPT_TOKENS, "recipes": record},
+                indent=0,
+            )
+            + "\n"
+        )
         print(f"wrote {RECORD}: {sum('steps' in r for r in record.values())} recipes")
         return 0
     record = json.loads(RECORD.read_text())["recipes"]

@@ -10,6 +10,7 @@ re-signed (valid checksums: the decoder's own checks must refuse them).
 
     python tests/cache_fuzz.py --count 20000     # the long run; prints the breakdown
 """
+
 import argparse
 import json
 import signal
@@ -29,8 +30,7 @@ from veloxquant.runtime import checksums  # noqa: E402
 
 from conftest import feed, tiny_llama  # noqa: E402
 
-SOURCES = {"fp16": [], "kivi": ["window=32"], "cachegen": ["window=32"], "xquant": ["window=32"],
-           "h2o": ["budget=48"]}
+SOURCES = {"fp16": [], "kivi": ["window=32"], "cachegen": ["window=32"], "xquant": ["window=32"], "h2o": ["budget=48"]}
 LOAD_SECONDS = 20  # a load slower than this is a hang
 
 
@@ -49,16 +49,19 @@ def save_sources(model, folder: Path):
 def sections(data: bytes):
     """(header length, header dict, [(tensor name, absolute start, absolute end)])."""
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    spans = [(k, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
-             for k, v in header.items() if k != "__metadata__"]
+    header = json.loads(data[8 : 8 + n])
+    spans = [
+        (k, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    ]
     return n, header, sorted(spans, key=lambda s: s[1])
 
 
 def _with_header(data: bytes, header: dict) -> bytes:
     n = struct.unpack("<Q", data[:8])[0]
     body = json.dumps(header).encode()
-    return struct.pack("<Q", len(body)) + body + data[8 + n:]
+    return struct.pack("<Q", len(body)) + body + data[8 + n :]
 
 
 def _flip(data: bytes, lo: int, hi: int, rng) -> bytes:
@@ -82,7 +85,7 @@ def random_mutation(data: bytes, rng, other: bytes):
     meta_at = data.find(b'"__metadata__"', 8, 8 + n)
     kind = int(rng.integers(0, 9))
     if kind == 0:
-        return "truncate at a random point", data[:int(rng.integers(0, len(data)))]
+        return "truncate at a random point", data[: int(rng.integers(0, len(data)))]
     if kind == 1:
         return "bit flip in the length prefix", _flip(data, 0, 8, rng)
     if kind == 2:
@@ -130,7 +133,7 @@ def damaged_stream(path: Path, rng):
         i = int(rng.integers(0, flat.size))
         flat[i] ^= flat.dtype.type(1 << int(rng.integers(0, 8 * flat.itemsize)))
     elif how == 1:
-        a = a.reshape(-1)[:int(rng.integers(0, a.size + 1))]
+        a = a.reshape(-1)[: int(rng.integers(0, a.size + 1))]
     else:
         a = np.concatenate([a.reshape(-1), rng.integers(0, 255, int(rng.integers(1, 64))).astype(a.dtype)])
     arrays[key] = a
@@ -141,15 +144,19 @@ def damaged_stream(path: Path, rng):
 
 
 def _contents(caches):
-    return [(c.offset, str(c.dtype), [(t.start if t.count else 0, t.count, t.arrays()) for t in c.tiers])
-            for c in caches]
+    return [
+        (c.offset, str(c.dtype), [(t.start if t.count else 0, t.count, t.arrays()) for t in c.tiers]) for c in caches
+    ]
 
 
 def _same(a, b) -> bool:
     if [(o, d, [(s, n) for s, n, _ in t]) for o, d, t in a] != [(o, d, [(s, n) for s, n, _ in t]) for o, d, t in b]:
         return False
-    return all(x.keys() == y.keys() and all(mx.array_equal(x[k], y[k]).item() for k in x)
-               for (_, _, ta), (_, _, tb) in zip(a, b) for (_, _, x), (_, _, y) in zip(ta, tb))
+    return all(
+        x.keys() == y.keys() and all(mx.array_equal(x[k], y[k]).item() for k in x)
+        for (_, _, ta), (_, _, tb) in zip(a, b)
+        for (_, _, x), (_, _, y) in zip(ta, tb)
+    )
 
 
 class _Hang(Exception):
@@ -222,8 +229,10 @@ def main():
     for k in kinds:
         print(f"| {k} | {tally[(k, 'refused')]} | {tally[(k, 'loaded exactly')]} | {tally[(k, 'FAIL')]} |")
     total = sum(tally.values())
-    print(f"| total ({total}) | {sum(v for (k, r), v in tally.items() if r == 'refused')} | "
-          f"{sum(v for (k, r), v in tally.items() if r == 'loaded exactly')} | {len(failures)} |")
+    print(
+        f"| total ({total}) | {sum(v for (k, r), v in tally.items() if r == 'refused')} | "
+        f"{sum(v for (k, r), v in tally.items() if r == 'loaded exactly')} | {len(failures)} |"
+    )
     for f in failures[:20]:
         print("FAIL", *f)
     return 1 if failures else 0

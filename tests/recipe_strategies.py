@@ -9,6 +9,7 @@ Three layers, each able to reach deeper than the one before:
                    duplicated lines, truncation, bit flips) and encoded (UTF-8/16/32,
                    BOMs, Latin-1), sometimes padded past the file limit.
 """
+
 import yaml
 from hypothesis import strategies as st
 
@@ -18,30 +19,173 @@ from veloxquant.stages import REGISTRY
 STAGES = sorted(REGISTRY)
 STAGE_PARAMS = {name: [f.name for f in info.params] for name, info in REGISTRY.items()}
 PARAM_NAMES = ["bits", "group", "window", "budget", "sinks", "n", "x", "score", "recent"]
-WORDS = ["channel", "token", "gaussian", "laplace", "mass", "current", "proxy", "tensor", "true", "false",
-         "keys", "values", "linear", "pyramid"]
-NUMBERS = ["0", "1", "2", "3", "4", "8", "9", "16", "32", "64", "128", "256", "-1", "-0", "-0.0", "0.5", "1.5",
-           "1e309", "-1e309", "1e-400", "2e0", "16777216", "16777217", "4294967296", "9" * 40, "9" * 5000,
-           "9" * 400, "9" * 400 + ".5"]
-YAML_ODD = ["~", "null", "true", "no", "0x1F", "0o17", ".inf", "-.inf", ".nan", "1e309", "-0", "1_000",
-            "2001-12-14", "12:30:00", "'x'", '"\\x00"', "[]", "{}", "[1, 2]", "{a: 1}", "&a [*a]", "*undefined",
-            "!!binary AAA", "!!python/object/apply:os.system [x]", "!!timestamp x", "!!set {a}", "!foo bar",
-            "|", ">-", "? a", "- - -", "9" * 5000, "linear(from=1, to=2)", "pyramid(from=1e309, to=1)",
-            "linear(1)", "linear(from=a, to=b)"]
-SELECTORS = ["0", "1", "-1", "0-3", "0..29", "3-1", "29", "30", "-31", "sliding", "full", "all", "0,2,4", "0,0",
-             "0-999999999", "99999999999999999999", "a", "", "0-", "1e3", " 0 ", "9" * 5000, "0-" + "9" * 30]
-SCHEDULES = ["linear(from=1024, to=128)", "pyramid(from=448, to=64)", "linear(from=1e309, to=1)",
-             "pyramid(from=-5, to=9999999999)", "linear(to=3)", "linear(from=1, to=2, x=3)", "linear(", "pyramid()"]
-EXTENDS = ["parent.yaml", "self.yaml", "cycle_a.yaml", "chain_00.yaml", "utf16_parent.yaml", "missing.yaml",
-           "kivi", "h2o", "no_such_builtin", "/dev/null", "sub/", "", "a" * 5000, "a\0b", "a/" * 3000, "~"]
-TAGS = ["!!binary ", "!!python/object/apply:os.system ['x'] #", "!!timestamp ", "!!set ", "!!map ", "!!seq ",
-        "!!int ", "!!float ", "!!str ", "!!null ", "!local ", "!!omap ", "!<tag:evil> "]
+WORDS = [
+    "channel",
+    "token",
+    "gaussian",
+    "laplace",
+    "mass",
+    "current",
+    "proxy",
+    "tensor",
+    "true",
+    "false",
+    "keys",
+    "values",
+    "linear",
+    "pyramid",
+]
+NUMBERS = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "8",
+    "9",
+    "16",
+    "32",
+    "64",
+    "128",
+    "256",
+    "-1",
+    "-0",
+    "-0.0",
+    "0.5",
+    "1.5",
+    "1e309",
+    "-1e309",
+    "1e-400",
+    "2e0",
+    "16777216",
+    "16777217",
+    "4294967296",
+    "9" * 40,
+    "9" * 5000,
+    "9" * 400,
+    "9" * 400 + ".5",
+]
+YAML_ODD = [
+    "~",
+    "null",
+    "true",
+    "no",
+    "0x1F",
+    "0o17",
+    ".inf",
+    "-.inf",
+    ".nan",
+    "1e309",
+    "-0",
+    "1_000",
+    "2001-12-14",
+    "12:30:00",
+    "'x'",
+    '"\\x00"',
+    "[]",
+    "{}",
+    "[1, 2]",
+    "{a: 1}",
+    "&a [*a]",
+    "*undefined",
+    "!!binary AAA",
+    "!!python/object/apply:os.system [x]",
+    "!!timestamp x",
+    "!!set {a}",
+    "!foo bar",
+    "|",
+    ">-",
+    "? a",
+    "- - -",
+    "9" * 5000,
+    "linear(from=1, to=2)",
+    "pyramid(from=1e309, to=1)",
+    "linear(1)",
+    "linear(from=a, to=b)",
+]
+SELECTORS = [
+    "0",
+    "1",
+    "-1",
+    "0-3",
+    "0..29",
+    "3-1",
+    "29",
+    "30",
+    "-31",
+    "sliding",
+    "full",
+    "all",
+    "0,2,4",
+    "0,0",
+    "0-999999999",
+    "99999999999999999999",
+    "a",
+    "",
+    "0-",
+    "1e3",
+    " 0 ",
+    "9" * 5000,
+    "0-" + "9" * 30,
+]
+SCHEDULES = [
+    "linear(from=1024, to=128)",
+    "pyramid(from=448, to=64)",
+    "linear(from=1e309, to=1)",
+    "pyramid(from=-5, to=9999999999)",
+    "linear(to=3)",
+    "linear(from=1, to=2, x=3)",
+    "linear(",
+    "pyramid()",
+]
+EXTENDS = [
+    "parent.yaml",
+    "self.yaml",
+    "cycle_a.yaml",
+    "chain_00.yaml",
+    "utf16_parent.yaml",
+    "missing.yaml",
+    "kivi",
+    "h2o",
+    "no_such_builtin",
+    "/dev/null",
+    "sub/",
+    "",
+    "a" * 5000,
+    "a\0b",
+    "a/" * 3000,
+    "~",
+]
+TAGS = [
+    "!!binary ",
+    "!!python/object/apply:os.system ['x'] #",
+    "!!timestamp ",
+    "!!set ",
+    "!!map ",
+    "!!seq ",
+    "!!int ",
+    "!!float ",
+    "!!str ",
+    "!!null ",
+    "!local ",
+    "!!omap ",
+    "!<tag:evil> ",
+]
 ENCODINGS = ["utf-8"] * 6 + ["utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "latin-1"]
 
-odd_scalar = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12),
-                       st.sampled_from([10 ** 30, -(10 ** 30), float("inf"), float("nan"), -0.0]))
-odd_value = st.recursive(odd_scalar, lambda inner: st.lists(inner, max_size=4)
-                         | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=8)
+odd_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=12),
+    st.sampled_from([10**30, -(10**30), float("inf"), float("nan"), -0.0]),
+)
+odd_value = st.recursive(
+    odd_scalar,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -94,29 +238,46 @@ def pipeline_text(draw):
     text = draw(st.sampled_from([" >> ", "\n>> ", ">>"])).join(tiers)
     for _ in range(draw(st.integers(0, 2))):  # a stray character of the language
         at = draw(st.integers(0, len(text)))
-        text = text[:at] + draw(st.sampled_from(list("()|>,=$:\"#\n\t ;{}[]") + ["keys:", "values:", ">>"])) + text[at:]
+        text = text[:at] + draw(st.sampled_from(list('()|>,=$:"#\n\t ;{}[]') + ["keys:", "values:", ">>"])) + text[at:]
     return text
 
 
 param_spec = st.one_of(
-    st.sampled_from(NUMBERS[:12]).map(yaml.safe_load), st.sampled_from(SCHEDULES), st.sampled_from(WORDS),
-    st.sampled_from([{"default": 1.5, "type": "float"}, {"default": 10 ** 400, "type": "float"},
-                     {"default": 10 ** 400}]),
-    st.lists(st.sampled_from([1, 2, 128, 1.5, 10 ** 20, float("nan"), "x"]), min_size=0, max_size=31),
-    st.fixed_dictionaries({}, optional={"default": odd_scalar | st.sampled_from(SCHEDULES), "type": st.sampled_from(
-        ["int", "float", "bool", "str", "list", 3]) | odd_value, "doc": st.text(max_size=10), "extra": st.just(1)}),
-    odd_value)
+    st.sampled_from(NUMBERS[:12]).map(yaml.safe_load),
+    st.sampled_from(SCHEDULES),
+    st.sampled_from(WORDS),
+    st.sampled_from([{"default": 1.5, "type": "float"}, {"default": 10**400, "type": "float"}, {"default": 10**400}]),
+    st.lists(st.sampled_from([1, 2, 128, 1.5, 10**20, float("nan"), "x"]), min_size=0, max_size=31),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "default": odd_scalar | st.sampled_from(SCHEDULES),
+            "type": st.sampled_from(["int", "float", "bool", "str", "list", 3]) | odd_value,
+            "doc": st.text(max_size=10),
+            "extra": st.just(1),
+        },
+    ),
+    odd_value,
+)
 
-layer_body = st.one_of(st.fixed_dictionaries({}, optional={
-    "pipeline": pipeline_text() | odd_value,
-    "params": st.dictionaries(st.sampled_from(PARAM_NAMES), param_spec, max_size=3) | odd_value,
-    "other": odd_value}), odd_value)
+layer_body = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "pipeline": pipeline_text() | odd_value,
+            "params": st.dictionaries(st.sampled_from(PARAM_NAMES), param_spec, max_size=3) | odd_value,
+            "other": odd_value,
+        },
+    ),
+    odd_value,
+)
 
 
 @st.composite
 def recipe_doc(draw):
     def field(good, odds=8):  # mostly well-typed, so that checks deeper in are reached too
         return draw(odd_value) if draw(st.integers(0, odds)) == 0 else draw(good)
+
     doc = {}
     if draw(st.integers(0, 10)):
         doc["veloxquant"] = field(st.just(1))
@@ -151,25 +312,52 @@ def mutated_text(draw, text):
             at = line.index(": ") + 2
             lines[i] = line[:at] + draw(st.sampled_from(TAGS)) + line[at:]
         elif kind == 1:  # anchors and aliases: self reference, a bomb, undefined, reuse
-            lines += draw(st.sampled_from([
-                ["x: &p {b: *p}"], ["params: &p {bits: *p}"], ["x: &a [*a]"], ["x: *nope"],
-                ["lol:", "  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [
-                    f"  {c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")],
-                ["base: &b {bits: 2}", "params: {<<: *b}"], ["p: &q fp16", "pipeline: *q"]]))
+            lines += draw(
+                st.sampled_from(
+                    [
+                        ["x: &p {b: *p}"],
+                        ["params: &p {bits: *p}"],
+                        ["x: &a [*a]"],
+                        ["x: *nope"],
+                        ["lol:", "  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+                        + [f"  {c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")],
+                        ["base: &b {bits: 2}", "params: {<<: *b}"],
+                        ["p: &q fp16", "pipeline: *q"],
+                    ]
+                )
+            )
         elif kind == 2:  # nesting
             n = draw(st.integers(1, 400))
             lines.insert(i, "deep: " + "[" * n + "1" + "]" * draw(st.sampled_from([n, 0, n - 1])))
         elif kind == 3:  # a huge scalar
-            lines.insert(i, f"summary: {'a' * draw(st.sampled_from([10 ** 3, 10 ** 5, MAX_FILE_BYTES - 200]))}")
+            lines.insert(i, f"summary: {'a' * draw(st.sampled_from([10**3, 10**5, MAX_FILE_BYTES - 200]))}")
         elif kind == 4:  # a special number where a digit is
             digits = [j for j, c in enumerate(line) if c.isdigit()]
             if digits:
                 j = draw(st.sampled_from(digits))
-                lines[i] = line[:j] + draw(st.sampled_from(NUMBERS + YAML_ODD)) + line[j + 1:]
+                lines[i] = line[:j] + draw(st.sampled_from(NUMBERS + YAML_ODD)) + line[j + 1 :]
         elif kind == 5:  # a character YAML refuses, or one it allows but that is odd
             j = draw(st.integers(0, len(line)))
-            ch = draw(st.sampled_from(["\x00", "\x01", "\x07", "\x1b", "\x7f", "\x85", "\u2028", "\ufeff", "\ufffe",
-                                       "\t", "\r", "\u00e9", "\U0001F600", "\\"]))
+            ch = draw(
+                st.sampled_from(
+                    [
+                        "\x00",
+                        "\x01",
+                        "\x07",
+                        "\x1b",
+                        "\x7f",
+                        "\x85",
+                        "\u2028",
+                        "\ufeff",
+                        "\ufffe",
+                        "\t",
+                        "\r",
+                        "\u00e9",
+                        "\U0001f600",
+                        "\\",
+                    ]
+                )
+            )
             lines[i] = line[:j] + ch + line[j:]
         elif kind == 6:
             lines.insert(i, line)  # a duplicated line: duplicate keys
@@ -185,7 +373,7 @@ def mutated_text(draw, text):
         elif kind == 11:  # set a known-parameter to an odd thing
             lines.append(f"params: {{{draw(st.sampled_from(PARAM_NAMES))}: {draw(st.sampled_from(YAML_ODD))}}}")
         else:
-            lines[i] = line[:draw(st.integers(0, len(line)))]  # truncated line
+            lines[i] = line[: draw(st.integers(0, len(line)))]  # truncated line
     return "\n".join(lines) + draw(st.sampled_from(["\n", "", "\r\n"]))
 
 
@@ -202,20 +390,21 @@ def recipe_bytes(draw):
             if draw(st.booleans()):
                 data = data[:j]
             else:
-                data = data[:j] + bytes([data[j] ^ (1 << draw(st.integers(0, 7)))]) + data[j + 1:]
+                data = data[:j] + bytes([data[j] ^ (1 << draw(st.integers(0, 7)))]) + data[j + 1 :]
     if draw(st.integers(0, 60)) == 0:  # near and past the file limit
         pad = MAX_FILE_BYTES - len(data) + draw(st.sampled_from([-100, 10, 3 * MAX_FILE_BYTES]))
         data += b"#" + b"x" * pad + b"\n"
     return data
 
 
-set_value = st.tuples(st.sampled_from(PARAM_NAMES + ["", "bits ", "a=b"]),
-                      st.sampled_from(NUMBERS + YAML_ODD + SCHEDULES)).map(lambda kv: f"{kv[0]}={kv[1]}") \
-    | st.sampled_from(["bits", "=", "==", "bits=", "bits=\x00"])
+set_value = st.tuples(
+    st.sampled_from(PARAM_NAMES + ["", "bits ", "a=b"]), st.sampled_from(NUMBERS + YAML_ODD + SCHEDULES)
+).map(lambda kv: f"{kv[0]}={kv[1]}") | st.sampled_from(["bits", "=", "==", "bits=", "bits=\x00"])
 
 
 def _builtin_texts():
     from veloxquant.paths import recipes_dir
+
     return [p.read_text() for p in sorted(recipes_dir().glob("*.yaml"))]
 
 

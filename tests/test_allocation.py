@@ -1,5 +1,6 @@
 """Budgets across layers and heads (SqueezeAttention, Ada-KV), decided once by the
 coordinator, and the ragged per-head storage that holds unequal heads without padding."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -25,9 +26,9 @@ def tokens(n=PROMPT + STEPS, seed=3):
 
 def drive(model, caches, toks):
     """The prompt in one block, then one token at a time (the last prompt token alone, as mlx-lm does)."""
-    outs = [model(toks[:, :PROMPT - 1], cache=caches)[:, -1]]
+    outs = [model(toks[:, : PROMPT - 1], cache=caches)[:, -1]]
     for i in range(PROMPT - 1, toks.shape[1]):
-        outs.append(model(toks[:, i:i + 1], cache=caches)[:, -1])
+        outs.append(model(toks[:, i : i + 1], cache=caches)[:, -1])
     return mx.stack(outs, axis=1)
 
 
@@ -150,8 +151,9 @@ def test_ragged_attention_equals_each_heads_own_tokens(model, tmp_path):
 
 @pytest.mark.parametrize("once", ["true", "false"])  # once: decode tokens wait in the tail when saved
 def test_ragged_cache_saves_loads_and_continues_identically(model, tmp_path, once):
-    recipe = pipeline_recipe(tmp_path, f"evict(budget=24, sinks=2, score=mean, heads=adakv, alpha=0.1, once={once})",
-                             "rag")
+    recipe = pipeline_recipe(
+        tmp_path, f"evict(budget=24, sinks=2, score=mean, heads=adakv, alpha=0.1, once={once})", "rag"
+    )
     caches = veloxquant.make_prompt_cache(model, recipe)
     toks = tokens()
     drive(model, caches, toks)

@@ -1,4 +1,5 @@
 """AMC: tokens routed by L1 saliency into three latent tiers of falling rank and precision."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -61,8 +62,10 @@ def test_bytes_are_the_tiers_arrays_and_lower_tiers_hold_fewer():
     assert side.nbytes == sum(a.nbytes for a in arrays.values())
     at = np.array(arrays["tier"]).ravel()
     assert arrays["high.f16"].shape[2] == (at == 0).sum() and arrays["low.codes"].shape[2] == (at == 2).sum()
-    per_token = {name: sum(a[0, 0, 0].nbytes for n, a in arrays.items() if n.startswith(name + "."))
-                 for name in ("high", "mid", "low")}
+    per_token = {
+        name: sum(a[0, 0, 0].nbytes for n, a in arrays.items() if n.startswith(name + "."))
+        for name in ("high", "mid", "low")
+    }
     assert per_token["high"] > per_token["mid"] > per_token["low"]
 
 
@@ -105,6 +108,7 @@ def test_shares_above_one_are_a_clear_error():
 
 def test_nbytes_counts_the_position_order_an_attention_leaves_held():
     from test_chunk_invariance import reachable_bytes
+
     model = tiny_llama()
     caches = prompt(model)
     q = mx.random.normal((1, 9, 1, 64), key=mx.random.key(2))

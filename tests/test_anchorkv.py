@@ -1,4 +1,5 @@
 """AnchorKV: the anchor store (stages/anchor.py) and its tier kind (runtime/kinds/anchor_side.py, anchor_tier.py)."""
+
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -25,8 +26,7 @@ def fitted_side(x, mass=None, impact=None, **params):
     side = AnchorSide(SimpleNamespace(store=Anchor(**params)), H, D)
     side.append(x)
     n = x.shape[2]
-    side.finish_prompt(mx.ones((B, H, n)) if mass is None else mass,
-                       impact or (lambda r: mx.sum(r * r, axis=-1)))
+    side.finish_prompt(mx.ones((B, H, n)) if mass is None else mass, impact or (lambda r: mx.sum(r * r, axis=-1)))
     return side
 
 
@@ -106,14 +106,22 @@ def test_ranking_on_real_queries_beats_the_reverse_ranking():
     # The first-order estimate picks which keys get a residual; choosing by it must give a smaller output
     # error on the queries that ranked than choosing the tokens it ranks lowest.
     from veloxquant.runtime.kinds.anchor_tier import AnchorTier
+
     rng = np.random.default_rng(7)
     keys = mx.array((rng.standard_normal((B, H, 300, D)) * 0.3).astype(np.float16))
     values = tokens(300, seed=8)
     q = mx.array(rng.standard_normal((B, 3 * H, 32, D)).astype(np.float32))
     errors = {}
     for flip in (False, True):
-        tier = AnchorTier(SimpleNamespace(route=None, keys=SimpleNamespace(store=Anchor(anchors=0.05, theta=0.2)),
-                                          values=SimpleNamespace(store=Anchor(anchors=1.0))), H, D)
+        tier = AnchorTier(
+            SimpleNamespace(
+                route=None,
+                keys=SimpleNamespace(store=Anchor(anchors=0.05, theta=0.2)),
+                values=SimpleNamespace(store=Anchor(anchors=1.0)),
+            ),
+            H,
+            D,
+        )
         tier.append(keys, values, 0)
         tier.partial(q, 1.0)  # the queries attend before the end of the prompt: they are observed
         if flip:
@@ -129,8 +137,9 @@ def test_ranking_on_real_queries_beats_the_reverse_ranking():
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 def test_runs_saves_and_loads_on_a_model(tmp_path, make):
     model = make()
-    recipe = pipeline_recipe(tmp_path, "recent(16)\n>> keys: anchor(anchors=0.2, theta=0.3)\n"
-                                        "   values: anchor(anchors=0.2, theta=0.3)", "a")
+    recipe = pipeline_recipe(
+        tmp_path, "recent(16)\n>> keys: anchor(anchors=0.2, theta=0.3)\n   values: anchor(anchors=0.2, theta=0.3)", "a"
+    )
     caches = veloxquant.make_prompt_cache(model, recipe)
     toks = mx.array(np.random.default_rng(4).integers(0, 500, (1, 90)))
     model(toks[:, :80], cache=caches)
@@ -147,8 +156,12 @@ def test_runs_saves_and_loads_on_a_model(tmp_path, make):
 def test_a_long_chunk_is_answered_in_query_blocks_with_the_same_result(monkeypatch):
     from veloxquant.runtime.kinds import anchor_tier
     from veloxquant.runtime.kinds.anchor_tier import AnchorTier
-    plan = SimpleNamespace(route=None, keys=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)),
-                           values=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)))
+
+    plan = SimpleNamespace(
+        route=None,
+        keys=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)),
+        values=SimpleNamespace(store=Anchor(anchors=0.2, theta=0.3)),
+    )
     tier = AnchorTier(plan, H, D)
     tier.append(tokens(120), tokens(120, seed=1), 0)
     q = tokens(40, seed=2, dtype=mx.float32).reshape(B, H, 40, D)

@@ -5,6 +5,7 @@ processed, then left-padded), sequences joining a running batch (extend) and lea
 extract). fp16 must give every sequence the tokens it gets alone; a recipe whose tiers are a chain of
 sink? >> recent? >> codes (kivi & co, runtime/batch_chain.py) the tokens, and logprobs within float
 tolerance; every other built-in declares its refusal (compiler/batching.py), which explain prints."""
+
 import types
 
 import mlx.core as mx
@@ -114,8 +115,25 @@ def _refusals(shape):
     return out
 
 
-CHAINS = ["cachegen", "composite", "gear", "kitty", "kivi", "kivi_sink", "polarquant", "qjl", "rabitq", "streaming_llm",
-          "ratekivi", "ratequant", "spectralquant", "turboquant_mse", "turboquant_prod", "turboquant_rvq", "vecinfer"]
+CHAINS = [
+    "cachegen",
+    "composite",
+    "gear",
+    "kitty",
+    "kivi",
+    "kivi_sink",
+    "polarquant",
+    "qjl",
+    "rabitq",
+    "streaming_llm",
+    "ratekivi",
+    "ratequant",
+    "spectralquant",
+    "turboquant_mse",
+    "turboquant_prod",
+    "turboquant_rvq",
+    "vecinfer",
+]
 
 
 def test_every_builtin_batches_or_declares_why():
@@ -136,9 +154,12 @@ CHAIN_TOKENS = [10, 4, 7, 5]
 CHAIN_TOL = 5e-2
 
 
-@pytest.mark.parametrize("recipe,make_model", [(r, tiny_llama) for r in CHAINS] + [
-    (r, lambda: tiny_gemma3(window=24)) for r in ("kivi", "kivi_sink", "turboquant_rvq", "streaming_llm")],
-    ids=CHAINS + ["kivi-gemma3", "kivi_sink-gemma3", "turboquant_rvq-gemma3", "streaming_llm-gemma3"])
+@pytest.mark.parametrize(
+    "recipe,make_model",
+    [(r, tiny_llama) for r in CHAINS]
+    + [(r, lambda: tiny_gemma3(window=24)) for r in ("kivi", "kivi_sink", "turboquant_rvq", "streaming_llm")],
+    ids=CHAINS + ["kivi-gemma3", "kivi_sink-gemma3", "turboquant_rvq-gemma3", "streaming_llm-gemma3"],
+)
 def test_a_chain_batch_equals_alone(recipe, make_model):
     """Each sequence's sinks, window spills, code groups and (Gemma 3's sliding layers) expiry are its own
     in a batch: tokens as alone, logprobs within float tolerance, and the cache it leaves with holds
@@ -189,6 +210,7 @@ def test_batch_generate_with_fp16_caches():
 def test_run_batch_reports_each_sequence_and_the_whole():
     from veloxquant.recipe import load_recipe as load
     from veloxquant.run_batch import format_batch, generate_batch, ragged_prompts
+
     model = tiny_llama()
     tokenizer = types.SimpleNamespace(eos_token_ids=[])
     args = types.SimpleNamespace(batch=3, sets=[], no_hook=False, max_tokens=4)
@@ -204,12 +226,38 @@ def test_run_batch_reports_each_sequence_and_the_whole():
 
 def test_bench_serve_prints_its_table(capsys):
     from veloxquant.bench.serve import main
-    assert main(["--recipes", "fp16,age_tiered", "--context", "40", "--decode", "3", "--concurrency", "1,3",
-                 "--layers", "2", "--budget-mib", "1", "--dtype", "float32"]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| fp16")
-            or line.startswith("| age_tiered")]
+
+    assert (
+        main(
+            [
+                "--recipes",
+                "fp16,age_tiered",
+                "--context",
+                "40",
+                "--decode",
+                "3",
+                "--concurrency",
+                "1,3",
+                "--layers",
+                "2",
+                "--budget-mib",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    rows = [
+        line.split(" | ")
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| fp16") or line.startswith("| age_tiered")
+    ]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("| fp16", "1", "batched"), ("| fp16", "3", "batched"),
-        ("| age_tiered", "1", "one at a time"), ("| age_tiered", "3", "one at a time")]
+        ("| fp16", "1", "batched"),
+        ("| fp16", "3", "batched"),
+        ("| age_tiered", "1", "one at a time"),
+        ("| age_tiered", "3", "one at a time"),
+    ]
     # fp16 holds exactly its tokens: 43 x 2 layers x 2 kv heads x 64 x 2 bytes x (K, V), padding never kept
     assert all(float(r[4]) == round(43 * 2 * 2 * 64 * 2 * 2 / 1024) for r in rows[:2])

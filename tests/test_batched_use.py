@@ -5,6 +5,7 @@ BatchGenerator merges per-sequence caches through `merge`: a recipe whose plan d
 run are tests/test_batch.py's). mlx-lm's server's LRUPromptCache deep-copies and trims caches: that
 works, and a reused cache continues exactly like the one it was copied from.
 """
+
 import copy
 
 import mlx.core as mx

@@ -1,5 +1,6 @@
 """`veloxquant bench NAME`: every registered bench runs on a tiny configuration and prints its table;
 the research instruments in benchmarks/ reach no private name of a veloxquant module."""
+
 import ast
 from pathlib import Path
 
@@ -11,21 +12,77 @@ from veloxquant.errors import VeloxError
 
 # One tiny run per bench, and a line of the table it must print.
 TINY = {
-    "attention": (["--seq", "1k", "--bits", "4", "--shapes", "4/2/64", "--methods", "sdpa,reference",
-                   "--iters", "1", "--warmup", "0", "--per-eval", "2", "--copies", "1"], "| 4/2/64 | 1k | 4 |"),
+    "attention": (
+        [
+            "--seq",
+            "1k",
+            "--bits",
+            "4",
+            "--shapes",
+            "4/2/64",
+            "--methods",
+            "sdpa,reference",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--per-eval",
+            "2",
+            "--copies",
+            "1",
+        ],
+        "| 4/2/64 | 1k | 4 |",
+    ),
     "contract": (["kivi", "--prompt", "200", "--tokens", "2"], "| kivi | ok ("),
-    "decode-ops": (["--layers", "2", "--context", "64", "--steps", "2", "--dtype", "float32",
-                    "--recipes", "fp16,kivi"], "| kivi |"),
-    "e2e": (["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
-             "--vocab", "300", "--dtype", "float32", "--recipes", "fp16"], "| fp16 |"),
+    "decode-ops": (
+        ["--layers", "2", "--context", "64", "--steps", "2", "--dtype", "float32", "--recipes", "fp16,kivi"],
+        "| kivi |",
+    ),
+    "e2e": (
+        [
+            "--context",
+            "64",
+            "--decode",
+            "2",
+            "--layers",
+            "1",
+            "--heads",
+            "4/2",
+            "--head-dim",
+            "64",
+            "--vocab",
+            "300",
+            "--dtype",
+            "float32",
+            "--recipes",
+            "fp16",
+        ],
+        "| fp16 |",
+    ),
     "entropy": (["--tokens", "512"], "| cachegen (as written) |"),
     "kept-mass": (["--prompt-tokens", "128", "--next", "8", "--budget", "32", "--only", "h2o,tova"], "| tova | 32 |"),
     "kvpress": (["knorm", "--fractions", "0.5", "--windows", "1"], "| ours knorm |"),
-    "long-generation": (["--tokens", "60", "--window", "20", "--recipes", "identity", "--layers", "1"],
-                        "| identity |"),
+    "long-generation": (["--tokens", "60", "--window", "20", "--recipes", "identity", "--layers", "1"], "| identity |"),
     "parity": (["--tokens", "64", "--chunk", "32"], "| fp16 |"),
-    "serve": (["--recipes", "fp16", "--context", "40", "--decode", "3", "--concurrency", "1", "--layers", "2",
-               "--budget-mib", "1", "--dtype", "float32"], "| fp16 |"),
+    "serve": (
+        [
+            "--recipes",
+            "fp16",
+            "--context",
+            "40",
+            "--decode",
+            "3",
+            "--concurrency",
+            "1",
+            "--layers",
+            "2",
+            "--budget-mib",
+            "1",
+            "--dtype",
+            "float32",
+        ],
+        "| fp16 |",
+    ),
     "sharded": (["fp16"], "| fp16 |"),
 }
 SLOW = {"entropy", "kvpress", "sharded"}  # tens of seconds on the CPU (real model; sharded: two mlx.launch ranks)
@@ -74,8 +131,13 @@ def _private_reaches(path: Path):
         elif isinstance(node, ast.Import):
             imported |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("veloxquant")}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and isinstance(node.value, ast.Name) and node.value.id in imported):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in imported
+        ):
             yield f"{node.value.id}.{node.attr} (line {node.lineno})"
 
 

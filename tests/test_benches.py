@@ -1,5 +1,6 @@
 """The benchmark scripts run and print their tables (numbers are not asserted:
 speed and memory are measured, never tested)."""
+
 import io
 
 import pytest
@@ -9,25 +10,66 @@ from veloxquant.bench import decode_ops
 
 
 def test_decode_split_prints_its_table(capsys):
-    assert decode_split.main(["--context", "64", "--layers", "2", "--vocab", "300", "--steps", "2",
-                              "--dtype", "float32"]) == 0
+    assert (
+        decode_split.main(["--context", "64", "--layers", "2", "--vocab", "300", "--steps", "2", "--dtype", "float32"])
+        == 0
+    )
     out = capsys.readouterr().out
     for row in ("| mlx-lm KVCache |", "| fp16 |", "| kivi |", "| kivi kernels off |"):
         assert row in out
 
 
 def test_decode_ops_prints_its_table(capsys):
-    assert decode_ops.main(["--layers", "2", "--context", "64", "--steps", "2", "--dtype", "float32",
-                            "--recipes", "fp16,kivi", "--as-cuda"]) == 0
+    assert (
+        decode_ops.main(
+            [
+                "--layers",
+                "2",
+                "--context",
+                "64",
+                "--steps",
+                "2",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "fp16,kivi",
+                "--as-cuda",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "graph of the CUDA path" in out and "| kivi |" in out
 
 
 def test_decode_ops_counts_a_gemma3_with_sliding_layers(capsys):
     # Past the window every sliding layer's kivi tier leaves expired tokens out by count: all on the kernel.
-    assert decode_ops.main(["--arch", "gemma3", "--layers", "6", "--heads", "2/1", "--head-dim", "64",
-                            "--window", "256", "--context", "512", "--steps", "4", "--dtype", "float32",
-                            "--recipes", "kivi", "--as-cuda"]) == 0
+    assert (
+        decode_ops.main(
+            [
+                "--arch",
+                "gemma3",
+                "--layers",
+                "6",
+                "--heads",
+                "2/1",
+                "--head-dim",
+                "64",
+                "--window",
+                "256",
+                "--context",
+                "512",
+                "--steps",
+                "4",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "kivi",
+                "--as-cuda",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "random Gemma 3 (window 256, every 6th layer global)" in out and "Sin 6" in out
 
@@ -48,6 +90,7 @@ def test_layers_synced_keeps_the_logits_and_restores_attend():
     from veloxquant.bench.e2e import random_llama
     from veloxquant.runtime import make_prompt_cache, uninstall
     from veloxquant.runtime.cache import TieredCache
+
     model = random_llama(2, 4, 2, 64, 300, mx.float32)
     tokens = mx.random.randint(0, 300, (1, 40), key=mx.random.key(3))
     plain = model(tokens, cache=make_prompt_cache(model, "kivi"))
@@ -62,8 +105,32 @@ def test_layers_synced_keeps_the_logits_and_restores_attend():
 
 def test_e2e_repeats_rows_and_prints_medians(capsys):
     from veloxquant.bench import e2e
-    assert e2e.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
-                     "--vocab", "300", "--dtype", "float32", "--recipes", "fp16", "--repeat", "2"]) == 0
+
+    assert (
+        e2e.main(
+            [
+                "--context",
+                "64",
+                "--decode",
+                "2",
+                "--layers",
+                "1",
+                "--heads",
+                "4/2",
+                "--head-dim",
+                "64",
+                "--vocab",
+                "300",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "fp16",
+                "--repeat",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| fp16 |") or line.startswith("| mlx-lm KVCache |")]
     assert len(rows) == 2 and all("–" in r for r in rows), out  # one line per row, with the range of 2 runs
@@ -72,8 +139,32 @@ def test_e2e_repeats_rows_and_prints_medians(capsys):
 
 def test_run_peaks_prints_a_row_per_run(capsys):
     from benchmarks import run_peaks
-    assert run_peaks.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
-                           "--vocab", "300", "--dtype", "float32", "--recipes", "kvcache,fp16", "--runs", "2"]) == 0
+
+    assert (
+        run_peaks.main(
+            [
+                "--context",
+                "64",
+                "--decode",
+                "2",
+                "--layers",
+                "1",
+                "--heads",
+                "4/2",
+                "--head-dim",
+                "64",
+                "--vocab",
+                "300",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "kvcache,fp16",
+                "--runs",
+                "2",
+            ]
+        )
+        == 0
+    )
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| kvcache |", "| fp16 |"))]
     assert len(rows) == 4 and all(len(r.split("|")) == 7 for r in rows)
 
@@ -90,6 +181,7 @@ def test_fp16_decode_step_builds_kvcache_graph():
     from veloxquant.bench.e2e import random_llama
     from veloxquant.eval.feed import prefill
     from veloxquant.runtime import make_prompt_cache, uninstall
+
     model = random_llama(2, 4, 2, 64, 300, mx.float16)
     prompt = mx.random.randint(0, 300, (1, 300), key=mx.random.key(1))
     y = mx.array([[1]])
@@ -109,9 +201,33 @@ def test_fp16_decode_step_builds_kvcache_graph():
 
 def test_host_step_prints_ops_table(capsys):
     from benchmarks import host_step
-    assert host_step.main(["--context", "64", "--layers", "1", "--heads", "4/2", "--head-dim", "64", "--vocab", "300",
-                           "--dtype", "float32", "--recipes", "fp16", "--rounds", "1", "--steps", "2",
-                           "--ops-table"]) == 0
+
+    assert (
+        host_step.main(
+            [
+                "--context",
+                "64",
+                "--layers",
+                "1",
+                "--heads",
+                "4/2",
+                "--head-dim",
+                "64",
+                "--vocab",
+                "300",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "fp16",
+                "--rounds",
+                "1",
+                "--steps",
+                "2",
+                "--ops-table",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| primitive per layer | mlx-lm KVCache | fp16 |" in out and "| all primitives |" in out
     assert "(Python calls)" in out
@@ -119,6 +235,7 @@ def test_host_step_prints_ops_table(capsys):
 
 def test_host_calls_prints_its_table(capsys):
     from benchmarks import host_calls
+
     assert host_calls.main(["--seq", "256", "--window", "16", "--calls", "16"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 SDPA |" in out and "| x + 1 |" in out
@@ -126,21 +243,43 @@ def test_host_calls_prints_its_table(capsys):
 
 def test_long_generation_prints_first_and_last_windows(capsys):
     from veloxquant.bench import long_generation
-    assert long_generation.main(["--tokens", "60", "--window", "20", "--recipes", "identity,h2o",
-                                 "--layers", "1"]) == 0
-    rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| ") and "---" not in line}
+
+    assert long_generation.main(["--tokens", "60", "--window", "20", "--recipes", "identity,h2o", "--layers", "1"]) == 0
+    rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and "---" not in line
+    }
     assert set(rows) == {"cache", "mlx-lm KVCache", "identity", "h2o"}
     assert rows["identity"].endswith("| all |")  # float32 K/V as computed: mlx-lm's tokens exactly
 
 
 def test_eviction_cost_prints_ratios_against_interleaved_fp16(capsys, tmp_path):
     from benchmarks import eviction_cost
+
     before = tmp_path / "before.json"
-    assert eviction_cost.main(["tova", "knorm", "--tokens", "200", "--chunk", "64", "--decode", "2",
-                               "--fp16-every", "2", "--json", str(before)]) == 0
-    assert eviction_cost.main(["tova", "--tokens", "200", "--chunk", "64", "--decode", "2",
-                               "--before", str(before)]) == 0
+    assert (
+        eviction_cost.main(
+            [
+                "tova",
+                "knorm",
+                "--tokens",
+                "200",
+                "--chunk",
+                "64",
+                "--decode",
+                "2",
+                "--fp16-every",
+                "2",
+                "--json",
+                str(before),
+            ]
+        )
+        == 0
+    )
+    assert (
+        eviction_cost.main(["tova", "--tokens", "200", "--chunk", "64", "--decode", "2", "--before", str(before)]) == 0
+    )
     out = capsys.readouterr().out
     assert "| fp16 | " in out and "| knorm | " in out and "before: peak ÷ fp16" in out
     row = next(line for line in out.splitlines()[::-1] if line.startswith("| tova |"))
@@ -149,6 +288,7 @@ def test_eviction_cost_prints_ratios_against_interleaved_fp16(capsys, tmp_path):
 
 def test_contract_prints_a_row_per_recipe_and_fails_on_an_error(capsys, tmp_path):
     from veloxquant.bench import contract
+
     bad = tmp_path / "bad.yaml"
     bad.write_text("veloxquant: 1\nname: bad\npipeline: evict(budget=8, sinks=8)\n")
     assert contract.main(["kivi", str(bad), "--prompt", "200", "--tokens", "2"]) == 1
@@ -159,8 +299,13 @@ def test_contract_prints_a_row_per_recipe_and_fails_on_an_error(capsys, tmp_path
 
 def test_eviction_cost_rounds_print_one_median_row_per_spec(capsys):
     from benchmarks import eviction_cost
-    assert eviction_cost.main(["h2o[slack=8]", "--tokens", "200", "--chunk", "64", "--decode", "2",
-                               "--rounds", "2", "--no-warmup"]) == 0
+
+    assert (
+        eviction_cost.main(
+            ["h2o[slack=8]", "--tokens", "200", "--chunk", "64", "--decode", "2", "--rounds", "2", "--no-warmup"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in table[1:]] == ["fp16", "h2o[slack=8]"] and "medians of 2" in out
@@ -168,6 +313,7 @@ def test_eviction_cost_rounds_print_one_median_row_per_spec(capsys):
 
 def test_peak_phases_prints_a_row_per_recipe(capsys):
     from benchmarks import peak_phases
+
     assert peak_phases.main(["fp16", "tova[slack=4]", "--tokens", "128"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 | " in out and "| tova[slack=4] | " in out and "first decode" in out
@@ -177,9 +323,31 @@ def test_e2e_runs_a_recipe_under_a_named_kernel_and_restores_the_setting(capsys,
     import os
 
     from veloxquant.bench import e2e
+
     monkeypatch.setenv("VELOXQUANT_CUDA_IMPL", "mma")
-    assert e2e.main(["--context", "64", "--decode", "2", "--layers", "1", "--heads", "4/2", "--head-dim", "64",
-                     "--vocab", "300", "--dtype", "float32", "--recipes", "kivi,kivi@v1"]) == 0
+    assert (
+        e2e.main(
+            [
+                "--context",
+                "64",
+                "--decode",
+                "2",
+                "--layers",
+                "1",
+                "--heads",
+                "4/2",
+                "--head-dim",
+                "64",
+                "--vocab",
+                "300",
+                "--dtype",
+                "float32",
+                "--recipes",
+                "kivi,kivi@v1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| kivi |" in out and "| kivi@v1 |" in out
     assert os.environ["VELOXQUANT_CUDA_IMPL"] == "mma"  # the process's own setting is back
@@ -188,6 +356,7 @@ def test_e2e_runs_a_recipe_under_a_named_kernel_and_restores_the_setting(capsys,
 def test_launch_cost_builds_its_empty_kernels_where_cuda_is():
     from benchmarks import launch_cost
     from veloxquant.kernels import backend
+
     if backend() != "cuda":
         return  # mx.fast.cuda_kernel exists only on the CUDA backend; the module must still import
     assert launch_cost.empty_kernel("vq_lc_test", 3, 2, True, 2, 300)() is not None

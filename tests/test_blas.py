@@ -1,4 +1,5 @@
 """The automatic OpenBLAS preload of the `veloxquant` command (veloxquant/blas.py)."""
+
 import os
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from veloxquant import blas
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAN = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.OFF, blas.DONE)}
-linux_cpu_wheel = pytest.mark.skipif(not sys.platform.startswith("linux") or blas.bundled_blas() is None,
-                                     reason="MLX's bundled BLAS is only used by the Linux mlx-cpu wheel")
+linux_cpu_wheel = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or blas.bundled_blas() is None,
+    reason="MLX's bundled BLAS is only used by the Linux mlx-cpu wheel",
+)
 
 
 @linux_cpu_wheel
@@ -47,6 +50,11 @@ print("libopenblas" in open("/proc/self/maps").read())
 def test_reexec_loads_openblas(tmp_path, env, loaded):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    out = subprocess.run([sys.executable, str(probe), "run"], env={**CLEAN, **env, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(probe), "run"],
+        env={**CLEAN, **env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == loaded, out.stderr

@@ -1,5 +1,6 @@
 """Scoring a block of queries at a time gives the materialised softmax's output and column
 sums (float tolerance), and never holds [heads x queries x keys] at once."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,23 +19,34 @@ B, HQ, HKV, D = 1, 6, 2, 16
 
 def _inputs(Lq: int, L: int, seed: int):
     rng = np.random.default_rng(seed)
-    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in
-               ((B, HQ, Lq, D), (B, HKV, L, D), (B, HKV, L, D)))
+    q, k, v = (
+        mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((B, HQ, Lq, D), (B, HKV, L, D), (B, HKV, L, D))
+    )
     # Per-head positions, as after eviction: each head holds its own increasing subset of [0, L + 40).
     pos = np.stack([np.sort(rng.choice(L + 40 - Lq, L - Lq, replace=False)) for _ in range(HKV)])
     pos = np.concatenate([pos, np.broadcast_to(np.arange(L + 40 - Lq, L + 40), (HKV, Lq))], axis=1)
     return q, k, v, mx.array(pos[None].astype(np.int32)), L + 40 - Lq
 
 
-@pytest.mark.parametrize("Lq, L, block, rows, window", [(37, 90, 8, 1, None), (37, 90, 8, 5, 30), (40, 90, 8, 12, None),
-                                                        (1, 50, 8, 1, None), (16, 60, 16, 3, None), (9, 60, 4, 4, 7)])
+@pytest.mark.parametrize(
+    "Lq, L, block, rows, window",
+    [
+        (37, 90, 8, 1, None),
+        (37, 90, 8, 5, 30),
+        (40, 90, 8, 12, None),
+        (1, 50, 8, 1, None),
+        (16, 60, 16, 3, None),
+        (9, 60, 4, 4, 7),
+    ],
+)
 def test_blocked_equals_materialised(Lq, L, block, rows, window):
     q, k, v, kpos, first_q = _inputs(Lq, L, Lq * L)
     w = attention_weights(q, k, 0.25, position_mask(kpos, first_q, Lq, window))
     want_out = (w @ v[:, :, None]).reshape(B, HQ, Lq, D)
     want_total, want_rows = received(w, rows)
-    out, total, tail = attend_blocked(q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, window),
-                                      block, rows)
+    out, total, tail = attend_blocked(
+        q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, window), block, rows
+    )
     np.testing.assert_allclose(np.array(out), np.array(want_out), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(total), np.array(want_total), rtol=1e-5, atol=1e-6)
     assert tail.shape == want_rows.shape
@@ -52,9 +64,9 @@ def test_one_block_is_bit_identical():
 
 
 def test_block_size_bounded_by_bytes():
-    assert block_size(9, 8192, 128, 32 * 2 ** 20) == 113  # 32 MiB / (4 B * 9 heads * 8192 keys)
-    assert block_size(9, 256, 128, 32 * 2 ** 20) == 128
-    assert block_size(64, 10 ** 9, 128, 2 ** 20) == 1
+    assert block_size(9, 8192, 128, 32 * 2**20) == 113  # 32 MiB / (4 B * 9 heads * 8192 keys)
+    assert block_size(9, 256, 128, 32 * 2**20) == 128
+    assert block_size(64, 10**9, 128, 2**20) == 1
 
 
 def test_peak_memory_stays_a_block():
@@ -64,10 +76,11 @@ def test_peak_memory_stays_a_block():
     mx.synchronize()
     start = mx.get_active_memory()
     mx.reset_peak_memory()
-    out, total, tail = attend_blocked(q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, None),
-                                      block_size(HQ, 2048, 128, 2 * 2 ** 20))
+    out, total, tail = attend_blocked(
+        q, k, v, 0.25, lambda s, n: position_mask(kpos, first_q + s, n, None), block_size(HQ, 2048, 128, 2 * 2**20)
+    )
     mx.eval(out, total, tail)
-    peak = (mx.get_peak_memory() - start) / 2 ** 20
+    peak = (mx.get_peak_memory() - start) / 2**20
     assert peak < 40, f"blocked scoring peaked at {peak:.0f} MiB"
 
 

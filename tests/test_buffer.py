@@ -1,4 +1,5 @@
 """runtime/buffer.py: a stepped buffer forgets its front by moving its start; what it holds stays exact."""
+
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -1,5 +1,6 @@
 """Every built-in's logits on the default model equal the record captured before the runtime was
 restructured (tests/data/builtin_logits.json, written by `python tests/builtin_logits.py write`)."""
+
 import json
 
 import numpy as np

@@ -5,6 +5,7 @@ and trims them (trim_prompt_cache, speculative decoding): a copy continues
 exactly like its original, and trim(n) rewinds exactly min(n, offset) positions
 in every layer or, where is_trimmable() is False, nothing at all.
 """
+
 import copy
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ TOKENS = mx.random.randint(0, 500, (1, 220), key=mx.random.key(11))
 def caches_after(model, recipe, n):
     caches = vq.make_prompt_cache(model, recipe, SMALL.get(recipe, []))
     feed(model, TOKENS[:, :n], caches, 50)
-    model(TOKENS[:, n:n + 1], cache=caches)  # one decode step, as generation does
+    model(TOKENS[:, n : n + 1], cache=caches)  # one decode step, as generation does
     return caches
 
 
@@ -77,7 +78,7 @@ def test_trim_is_all_layers_exactly_or_nothing(llama_model, recipe, prompt):
     for c, (k, v) in zip(caches, held):  # the kept positions hold what they held before
         for old, new in zip((k, v), c._fetch()):
             # a quantized group cut in two is re-held from its decoded values, in fp16
-            assert float(mx.abs(old[:, :, :kept] - new).max()) <= 2 ** -10 * float(mx.abs(old).max())
+            assert float(mx.abs(old[:, :, :kept] - new).max()) <= 2**-10 * float(mx.abs(old).max())
 
 
 @pytest.mark.parametrize("recipe", EXACT)
@@ -112,6 +113,7 @@ def test_streaming_llm_trims_when_mlx_rotating_cache_does(llama_model, prompt):
 @pytest.mark.parametrize("prompt", [20, 31, 32, 33, 60])
 def test_sliding_window_layers_trim_when_mlx_rotating_cache_does(prompt):
     from conftest import tiny_gemma3
+
     model = tiny_gemma3(window=32)
     ours, ref = vq.make_prompt_cache(model, "fp16"), model.make_cache()
     feed(model, TOKENS[:, :prompt], ref, 1)

@@ -1,6 +1,7 @@
 """Saved cache files, mutated (tests/cache_fuzz.py): refused with CacheFileError or loaded
 exactly, never a crash, a hang or other numbers. CI runs a bounded count; the long run
 is `python tests/cache_fuzz.py --count 20000`."""
+
 import mlx.core as mx
 import pytest
 
@@ -16,9 +17,14 @@ def test_mutated_files_are_refused_or_load_exactly(tmp_path):
     tally = cache_fuzz.run(250, seed=1, folder=tmp_path, log=failures)
     assert not failures, failures[:5]
     kinds = {k for k, _ in tally}
-    assert {"truncate at a section boundary", "bit flip in array data", "bit flip in the metadata",
-            "length prefix claiming a huge size", "header claiming huge or wrong sizes",
-            "metadata of another recipe's file"} <= kinds
+    assert {
+        "truncate at a section boundary",
+        "bit flip in array data",
+        "bit flip in the metadata",
+        "length prefix claiming a huge size",
+        "header claiming huge or wrong sizes",
+        "metadata of another recipe's file",
+    } <= kinds
     assert any(k.startswith("damaged entropy stream") for k in kinds)
     assert sum(tally.values()) > 500
 

@@ -6,6 +6,7 @@ strong references both ways, a dropped cache kept its arrays until Python's cycl
 happened to run (on the H200, a 32k fp16 recipe cache, 1 GiB, outlived its owner into the
 next run). Deep copies must then still hold only what they copied.
 """
+
 import copy
 import gc
 
@@ -46,8 +47,11 @@ def test_dropped_caches_leave_nothing_for_the_cyclic_collector_and_their_copies_
     gc.disable()
     try:
         del caches
-        left = [type(o).__module__ + "." + type(o).__qualname__ for o in cycle_garbage()
-                if type(o).__module__.startswith("veloxquant") or isinstance(o, mx.array)]
+        left = [
+            type(o).__module__ + "." + type(o).__qualname__
+            for o in cycle_garbage()
+            if type(o).__module__.startswith("veloxquant") or isinstance(o, mx.array)
+        ]
     finally:
         gc.enable()
     assert not left, f"{recipe}: held only by reference cycles after the caches were dropped: {sorted(set(left))}"

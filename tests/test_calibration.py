@@ -1,5 +1,6 @@
 """Calibration: the artifact's key, binding by key (never a random fallback), the
 fingerprint it enters, and the `spectral` stage it feeds (tiny random Llama)."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from conftest import feed
 
 class Tokens:
     """A tokenizer stand-in: calibration only needs encode()."""
+
     def encode(self, text):
         return [(ord(c) - 1000) % 500 for c in text]
 
@@ -36,9 +38,11 @@ def setup(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_text(0))
     recipe = tmp_path / "spec.yaml"
-    recipe.write_text(f"veloxquant: 1\nname: spec\npipeline: |\n"
-                      f"  keys: spectral(bits=3, corpus=\"{corpus}\", tokens=256)\n"
-                      f"  values: spectral(bits=2, corpus=\"{corpus}\", tokens=256)\n")
+    recipe.write_text(
+        f"veloxquant: 1\nname: spec\npipeline: |\n"
+        f'  keys: spectral(bits=3, corpus="{corpus}", tokens=256)\n'
+        f'  values: spectral(bits=2, corpus="{corpus}", tokens=256)\n'
+    )
     return str(recipe), corpus, tmp_path
 
 
@@ -64,8 +68,9 @@ def test_missing_artifact_is_a_clear_error_and_calibrate_makes_it(llama_model, s
     two_bit = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, str(plain)), 32)
     # a random model's keys are isotropic (nothing for PCA to find): about as good as 2-bit TurboQuant
     assert float(mx.mean(mx.abs(got - exact))) < 1.5 * float(mx.mean(mx.abs(two_bit - exact)))
-    assert any("artifact: " in line and meta["key"] in line for line in calibration_lines(caches[0].plan_root,
-                                                                                           llama_model))
+    assert any(
+        "artifact: " in line and meta["key"] in line for line in calibration_lines(caches[0].plan_root, llama_model)
+    )
 
 
 def test_a_changed_corpus_changes_the_key_and_an_old_saved_cache_is_refused(llama_model, setup):
@@ -98,6 +103,7 @@ def test_a_saved_cache_without_its_artifact_names_it(llama_model, setup):
     loaded, _ = load_prompt_cache(str(tmp / "c.safetensors"))
     assert float(mx.abs(llama_model(tokens, cache=caches) - llama_model(tokens, cache=loaded)).max()) == 0.0
     from veloxquant import artifacts as artifact
+
     digest = caches[0].plan.tiers[0].keys.store._artifact
     for p in directory().iterdir():
         p.unlink()
@@ -112,13 +118,16 @@ def test_spectral_scores_equal_decode_then_attend(llama_model, setup):
     _calibrate(llama_model, recipe)
     tier = vq.make_prompt_cache(llama_model, recipe)[1].tiers[0]
     from veloxquant.runtime.kinds.tier import Tier
+
     tier = Tier(tier.plan)
     k = mx.random.normal((1, 3, 50, 64), key=mx.random.key(0))
     tier.append(k, k * 0.5, 0)
     q = mx.random.normal((1, 9, 3, 64), key=mx.random.key(1))
     kd, vd = tier.decoded(mx.float32)
-    ref, got = partial_attention(q, kd, vd, 0.125), codes_partial_attention(
-        q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125)
+    ref, got = (
+        partial_attention(q, kd, vd, 0.125),
+        codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125),
+    )
     assert float(mx.abs(ref[0] - got[0]).max()) < 1e-4
     assert tier.nbytes == 256 * 3 * (64 * 3 // 8 + 2 + 64 * 2 // 8 + 2)  # codes + float16 scale; one 256-token step
 
@@ -136,6 +145,7 @@ def test_an_unbound_spectral_stage_refuses_to_run_rather_than_guess():
 
 def test_calibrate_command_names_a_setting_the_recipe_lacks(capsys):
     from veloxquant.cli import main
+
     assert main(["calibrate", "kivi", "--corpus", "austen:emma"]) == 2
     assert "recipe 'kivi' has no 'corpus' parameter" in capsys.readouterr().err
 
@@ -149,21 +159,27 @@ def test_explain_lists_calibrated_stages_without_a_model():
 
 def test_vecinfer_look_up_table_scores_equal_decode_then_attend(llama_model, setup):
     from veloxquant.stages.productvq import ProductVQ
+
     recipe, corpus, tmp = setup
     path = tmp / "vi.yaml"
-    path.write_text(f"veloxquant: 1\nname: vi\npipeline: |\n  keys: pvq(corpus=\"{corpus}\", tokens=256)\n"
-                    "  values: rotation | lloydmax(bits=4)\n")
+    path.write_text(
+        f'veloxquant: 1\nname: vi\npipeline: |\n  keys: pvq(corpus="{corpus}", tokens=256)\n'
+        "  values: rotation | lloydmax(bits=4)\n"
+    )
     _calibrate(llama_model, str(path))
     plan = plan_for(llama_model, str(path))
     from veloxquant.runtime.kinds.tier import Tier
+
     tier = Tier(plan.layers[2].tiers[0])
     k = mx.random.normal((1, 3, 40, 64), key=mx.random.key(0))
     tier.append(k, k, 0)
     assert tier.codecs["k"].scores_from_codes and tier.encoded("k")["codes"].shape[-1] == 2  # 8 one-byte indices
     q = mx.random.normal((1, 9, 3, 64), key=mx.random.key(1))
     kd, vd = tier.decoded(mx.float32)
-    ref, got = partial_attention(q, kd, vd, 0.125), codes_partial_attention(
-        q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125)
+    ref, got = (
+        partial_attention(q, kd, vd, 0.125),
+        codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125),
+    )
     assert float(mx.abs(ref[0] - got[0]).max()) < 1e-4 and float(mx.abs(ref[1] - got[1]).max()) < 1e-4
     assert ProductVQ().bits_per_element(64) == 1.0
     tokens = mx.random.randint(0, 500, (1, 48), key=mx.random.key(3))
@@ -172,6 +188,7 @@ def test_vecinfer_look_up_table_scores_equal_decode_then_attend(llama_model, set
 
 def test_run_reports_the_artifact_beside_the_cache_bytes(llama_model, setup):
     from veloxquant.run import cache_report
+
     recipe, _, _ = setup
     meta = _calibrate(llama_model, recipe)
     caches = vq.make_prompt_cache(llama_model, recipe)

@@ -7,6 +7,7 @@ decode step, (b) 3 x 128 + 8 x 8, (c) a 384 prefix then 64 single steps). SmolLM
 ((b) 4 x 256 + 4 x 32, (c) a 1,024 prefix then 128 single steps), which crosses every built-in's
 window (streaming_llm's 4 + 1,020), band, budget and 64-token group boundary: on its first 4 layers
 for one built-in per combination of tier kinds, on all 30 for every built-in (both `-m long`)."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def _feed(model, recipe, ids, blocks):
     caches = veloxquant.make_prompt_cache(model, recipe)
     at = 0
     for n in blocks:
-        mx.eval(model(ids[:, at:at + n], cache=caches))
+        mx.eval(model(ids[:, at : at + n], cache=caches))
         at += n
     mx.eval([c.state for c in caches])
     return caches
@@ -75,16 +76,23 @@ def _feed(model, recipe, ids, blocks):
 
 def feeds(s):
     later = s["total"] - s["prefix"]
-    return {"block": [s["total"] - 1, 1],
-            "chunks": [s["first"]] * (s["prefix"] // s["first"]) + [s["later"]] * (later // s["later"]),
-            "singles": [s["prefix"]] + [1] * later}
+    return {
+        "block": [s["total"] - 1, 1],
+        "chunks": [s["first"]] * (s["prefix"] // s["first"]) + [s["later"]] * (later // s["later"]),
+        "singles": [s["prefix"]] + [1] * later,
+    }
 
 
 def _once(caches) -> bool:
     """Some tier decides at the prompt's end: a `once` eviction, or budgets allocated then (squeeze, adakv)."""
-    return any(getattr(t, "route", None) is not None and t.scorer is not None
-               and (getattr(t.route, "once", False) or allocates(t.route))
-               for c in caches for t in c.tiers if getattr(t, "per_head", False))
+    return any(
+        getattr(t, "route", None) is not None
+        and t.scorer is not None
+        and (getattr(t.route, "once", False) or allocates(t.route))
+        for c in caches
+        for t in c.tiers
+        if getattr(t, "per_head", False)
+    )
 
 
 def _fits(caches) -> bool:
@@ -135,8 +143,9 @@ KNOWN: dict = {}
 
 
 def _known_gaps(recipes):
-    return [pytest.param(r, marks=pytest.mark.xfail(reason=KNOWN[r], strict=True)) if r in KNOWN else r
-            for r in recipes]
+    return [
+        pytest.param(r, marks=pytest.mark.xfail(reason=KNOWN[r], strict=True)) if r in KNOWN else r for r in recipes
+    ]
 
 
 @pytest.mark.parametrize("recipe", _known_gaps(RECIPES))
@@ -153,6 +162,7 @@ def test_two_turn_chat_snapkv_decides_again():
 
     from veloxquant.data.corpus import austen_text
     from veloxquant.models import load_model
+
     model, tok = load_model()
     budget, decode = 128, 8
     caches = veloxquant.make_prompt_cache(model, "snapkv", sets=[f"budget={budget}"])
@@ -167,6 +177,7 @@ def test_two_turn_chat_snapkv_decides_again():
 @pytest.fixture(scope="module")
 def smollm2():
     from veloxquant.models import load_model
+
     return load_model()[0]
 
 
@@ -175,6 +186,7 @@ def smollm2_top():
     """SmolLM2's first 4 layers: its real weights, so real keys and attention (what the random-init
     model lacks), at under a seventh of the 30 layers' cost."""
     from veloxquant.models import load_model
+
     model = load_model()[0]
     model.model.layers = model.model.layers[:4]
     return model
@@ -200,8 +212,23 @@ def kinds(model, recipe) -> tuple:
 
 
 # One built-in per combination of tier kinds (test_representatives_cover_every_tier_kind keeps it whole).
-REPRESENTATIVES = ("fp16", "streaming_llm", "polarquant", "xquant", "h2o", "snapkv", "adakv", "squeezeattention",
-                   "rocketkv", "palu", "svdq", "amc", "anchorkv", "minicache", "think")
+REPRESENTATIVES = (
+    "fp16",
+    "streaming_llm",
+    "polarquant",
+    "xquant",
+    "h2o",
+    "snapkv",
+    "adakv",
+    "squeezeattention",
+    "rocketkv",
+    "palu",
+    "svdq",
+    "amc",
+    "anchorkv",
+    "minicache",
+    "think",
+)
 
 
 def test_representatives_cover_every_tier_kind(tiny):
@@ -235,6 +262,7 @@ def test_gemma4_lent_keys_do_not_outlive_the_pass(recipe):
     (runtime/shared_kv.py): once the model's pass returns, no such key block is still held, and
     what the caches keep alive is their nbytes."""
     from test_layouts import gemma4
+
     model = gemma4()
     ids = mx.random.randint(0, 500, (1, 96), key=mx.random.key(5))
     caches = _feed(model, recipe, ids, [64, 16, 8, 1, 1])

@@ -1,5 +1,6 @@
 """Attention from codes (runtime/code_attention.py) against decode-then-attend, and the
 sketch/rotation stages it scores: qjl, rabitq, rotation; the turboquant/qjl/rabitq recipes."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -38,8 +39,9 @@ def test_scores_from_codes_equal_decode_then_attend(recipe, masked):
     mask = position_mask(mx.arange(0, 128), 118, 7, 40) if masked else None
     k, v = tier.decoded(mx.float32)
     ref_out, ref_lse = partial_attention(q, k, v, 0.125, mask)
-    out, lse = codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"],
-                                       tier.codecs["v"], 0.125, mask)
+    out, lse = codes_partial_attention(
+        q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125, mask
+    )
     assert tier.codecs["k"].scores_from_codes
     assert float(mx.abs(out - ref_out).max()) < 1e-4 and float(mx.abs(lse - ref_lse).max()) < 1e-4
 
@@ -114,16 +116,19 @@ def test_sketch_widths_that_do_not_fill_words_are_located(tmp_path):
 
 def test_groupmean_residual_scores_equal_decode_and_cut_the_error(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("veloxquant: 1\nname: c\npipeline: |\n  recent(64) >> rotation | keys: groupmean(32) | "
-                    "residual(rabitq)\n                              values: lloydmax(bits=4)\n")
+    path.write_text(
+        "veloxquant: 1\nname: c\npipeline: |\n  recent(64) >> rotation | keys: groupmean(32) | "
+        "residual(rabitq)\n                              values: lloydmax(bits=4)\n"
+    )
     tier, k, _ = _tier(str(path), n=128)
     q = mx.random.normal((1, 9, 5, 64), key=mx.random.key(2))
     kd, vd = tier.decoded(mx.float32)
     ref = partial_attention(q, kd, vd, 0.125)
     got = codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"], 0.125)
     assert float(mx.abs(ref[0] - got[0]).max()) < 1e-4
-    (tmp_path / "p.yaml").write_text("veloxquant: 1\nname: p\npipeline: |\n  rotation | keys: rabitq\n"
-                                     "              values: lloydmax(bits=4)\n")
+    (tmp_path / "p.yaml").write_text(
+        "veloxquant: 1\nname: p\npipeline: |\n  rotation | keys: rabitq\n              values: lloydmax(bits=4)\n"
+    )
     plain, _, _ = _tier(str(tmp_path / "p.yaml"), n=128)  # the keys carry a common offset (+1.5): centring removes it
     err = lambda t: float(mx.mean((t.decoded(mx.float32)[0] - k) ** 2))
     assert err(tier) < 0.5 * err(plain)
@@ -131,6 +136,7 @@ def test_groupmean_residual_scores_equal_decode_and_cut_the_error(tmp_path):
 
 def test_polar_round_trip_bytes_and_levels():
     from veloxquant.stages.polar import Polar, angle_levels
+
     x = Rotation().forward(mx.random.normal((1, 3, 256, 64), key=mx.random.key(0)))
     rel = lambda p: float(mx.sum((p.decode(p.encode(x), mx.float32) - x) ** 2) / mx.sum(x * x))
     assert rel(Polar()) < 0.05 and rel(Polar(first_bits=8, bits=8)) < 1e-3
@@ -164,4 +170,5 @@ def test_sketch_score_errors_do_not_grow_with_a_shared_key_offset(recipe):
         tier.append(keys, keys, 0)
         codec = tier.codecs["k"]
         return float(mx.sqrt(mx.mean((codec.scores(q, tier.encoded("k")) - q @ keys.swapaxes(-1, -2)) ** 2)))
+
     assert err(k + offset) < 1.25 * err(k)

@@ -1,4 +1,5 @@
 """Lloyd-Max codebooks, the residual composition, and the turboquant_rvq recipe."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -52,6 +53,7 @@ def test_turboquant_rvq_runs_in_a_model_and_bytes_are_what_it_holds(llama_model)
     # 96 tokens x 3 heads, K and V: 2 planes of 64 2-bit codes + 2 float16 norms, allocated in
     # UNBOUNDED_STEP-token steps (the slack is held memory, so it is counted).
     from veloxquant.runtime.kinds.tier import UNBOUNDED_STEP
+
     per_token = 2 * 3 * (2 * 64 * 2 // 8 + 2 * 2)
     assert caches[0].nbytes == -(-96 // UNBOUNDED_STEP) * UNBOUNDED_STEP * per_token
 

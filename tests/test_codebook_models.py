@@ -1,5 +1,6 @@
 """The codebook/sketch recipes in mlx_lm.generate on SmolLM2 and Gemma-3-270M (sliding-window
 layers): they run, attend through the hook, hold what they claim, and save/load identically."""
+
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -10,14 +11,24 @@ from veloxquant.run import cache_report
 
 pytestmark = pytest.mark.slow
 
-RECIPES = ["turboquant_mse", "turboquant_prod", "qjl", "rabitq", "polarquant", "spectralquant", "nsnquant", "ratequant",
-           "ratekivi"]
+RECIPES = [
+    "turboquant_mse",
+    "turboquant_prod",
+    "qjl",
+    "rabitq",
+    "polarquant",
+    "spectralquant",
+    "nsnquant",
+    "ratequant",
+    "ratekivi",
+]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def model(request):
     from veloxquant.models import load_model
     from veloxquant.models.default import default_model_path, gemma3_model_path
+
     path = default_model_path() if request.param == "smollm2" else gemma3_model_path()
     return load_model(path, dtype=mx.float32)
 

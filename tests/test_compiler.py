@@ -1,4 +1,5 @@
 """Compiler checks that no built-in stage exercises yet, with stages registered by the test."""
+
 import attrs
 import pytest
 
@@ -14,6 +15,7 @@ def test_stages():
     @attrs.frozen
     class ScoredWindow:
         """A route that would rank tokens by the attention they receive."""
+
         n: int = 8
         bounded = True
         spills = True
@@ -51,6 +53,7 @@ def test_entropy_coding_needs_integer_codes(test_stages, tmp_path):
 
 def test_plan_fingerprint_ignores_the_model_label():
     from veloxquant.compiler import ModelShape
+
     other = ModelShape.uniform("another label", 30, 3, 64)
     kivi = load_recipe("kivi")
     assert compile_recipe(kivi, SMOLLM2_135M).fingerprint == compile_recipe(kivi, other).fingerprint

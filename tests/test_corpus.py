@@ -11,8 +11,17 @@ import rdata
 
 from veloxquant.data import AUSTEN_BOOKS, CorpusError, austen_text, book_key, corpus, load_text
 
-LINES = ["PRIDE AND PREJUDICE", "", "Chapter 1", "", "It is a truth universally",
-         "acknowledged, that a single man", "", "", "Mr. Bennet replied."]
+LINES = [
+    "PRIDE AND PREJUDICE",
+    "",
+    "Chapter 1",
+    "",
+    "It is a truth universally",
+    "acknowledged, that a single man",
+    "",
+    "",
+    "Mr. Bennet replied.",
+]
 
 
 @pytest.fixture
@@ -54,8 +63,10 @@ def test_book_keys():
 
 def test_lines_to_text_joins_paragraphs():
     text = corpus.lines_to_text(LINES + [None])
-    assert text == ("PRIDE AND PREJUDICE\n\nChapter 1\n\nIt is a truth universally "
-                    "acknowledged, that a single man\n\nMr. Bennet replied.\n")
+    assert text == (
+        "PRIDE AND PREJUDICE\n\nChapter 1\n\nIt is a truth universally "
+        "acknowledged, that a single man\n\nMr. Bennet replied.\n"
+    )
 
 
 def test_unpack_blob_codecs():
@@ -77,8 +88,7 @@ def test_read_r_books_from_lazyload_db(tmp_path):
 
 
 def test_austen_text_fetches_once_and_caches_all_books(cache, tmp_path, monkeypatch):
-    books = {rname: [title.upper(), "", f"Text of {title}."]
-             for title, rname in AUSTEN_BOOKS.values()}
+    books = {rname: [title.upper(), "", f"Text of {title}."] for title, rname in AUSTEN_BOOKS.values()}
     calls = []
     monkeypatch.setattr(corpus, "_fetch_books", lambda progress: calls.append(1) or books)
     assert austen_text(progress=False) == "PRIDE & PREJUDICE\n\nText of Pride & Prejudice.\n"

@@ -2,6 +2,7 @@
 block before a cut. Pinned here: the same kept tokens, scores and logits as scoring every step,
 through a real model; held queries count in nbytes, are scored into saved files, and a trim forgets
 the newest; and a decode step between cuts computes no explicit softmax."""
+
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -1,4 +1,5 @@
 """KL divergence and top-1 agreement vs fp16 (veloxquant/eval/divergence.py), on a tiny random Llama."""
+
 import math
 
 import mlx.core as mx
@@ -44,10 +45,19 @@ def test_fp16_is_zero_and_lossy_rows_diverge(llama_model):
 
 def test_evaluate_reports_divergence_columns(llama_model):
     tok = TokenizerWrapper(CharTokenizer())
-    cfg = EvalConfig(windows=2, prefix=96, score_tokens=32, prefill_chunk=32, score_chunk=8, fidelity_windows=0,
-                     passkey_lengths=(), passkey_trials=1)
-    result = evaluate(llama_model, tok, expand(["kivi[bits=2,window=16,group=16]"], []), SENTENCES * 4, cfg,
-                      progress=False)
+    cfg = EvalConfig(
+        windows=2,
+        prefix=96,
+        score_tokens=32,
+        prefill_chunk=32,
+        score_chunk=8,
+        fidelity_windows=0,
+        passkey_lengths=(),
+        passkey_trials=1,
+    )
+    result = evaluate(
+        llama_model, tok, expand(["kivi[bits=2,window=16,group=16]"], []), SENTENCES * 4, cfg, progress=False
+    )
     fp16, kivi = result["rows"]
     assert fp16["divergence"]["kld_mean"] <= 1e-6 and fp16["divergence"]["positions"] == 64
     assert kivi["divergence"]["kld_mean"] > 0 and 0 <= kivi["divergence"]["top1_agreement"] <= 1

@@ -1,5 +1,6 @@
 """The measured tables in docs/ are what scripts/tables.py makes from results/: a doc whose table
 was edited by hand, or whose JSON changed, fails here."""
+
 import importlib.util
 import json
 import shutil
@@ -26,9 +27,15 @@ def test_every_json_in_results_names_its_command_or_its_entries_do():
     assert set(missing) <= KNOWN_WITHOUT_COMMAND, sorted(set(missing) - KNOWN_WITHOUT_COMMAND)
 
 
-KNOWN_WITHOUT_COMMAND = {"results-cpu-round11.json", "results-h200-round11.json", "results-h200-round12.json",
-                         "results-h200-round13.json", "results-h200-round14.json", "results-h200-round15.json",
-                         "results-h200-round16.json"}
+KNOWN_WITHOUT_COMMAND = {
+    "results-cpu-round11.json",
+    "results-h200-round11.json",
+    "results-h200-round12.json",
+    "results-h200-round13.json",
+    "results-h200-round14.json",
+    "results-h200-round15.json",
+    "results-h200-round16.json",
+}
 
 
 def test_a_hand_edited_table_is_stale(tmp_path):
@@ -39,5 +46,5 @@ def test_a_hand_edited_table_is_stale(tmp_path):
     text = doc.read_text()
     i = text.index("<!-- table: ")
     j = text.index("| ", i)
-    doc.write_text(text[:j] + "| edited " + text[j + 2:])
+    doc.write_text(text[:j] + "| edited " + text[j + 2 :])
     assert tables.stale(tmp_path) == [str(doc.relative_to(tmp_path))]

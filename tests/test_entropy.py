@@ -1,4 +1,5 @@
 """Entropy stages (delta, rans) and the cachegen recipe: lossless, real coder output, clear errors."""
+
 import json
 
 import mlx.core as mx
@@ -112,8 +113,10 @@ def test_save_load_round_trip_gives_identical_attention(llama_model, tmp_path):
 
 def test_coded_file_is_smaller_on_correlated_codes(tmp_path):
     k, v = _smooth(400, 0), _smooth(400, 9)
-    sizes = [save_prompt_cache(str(tmp_path / f"{i}.safetensors"), _filled(plan, k, v))
-             for i, plan in enumerate((_plan(), keep_entropy(_plan(), lambda s: False)))]
+    sizes = [
+        save_prompt_cache(str(tmp_path / f"{i}.safetensors"), _filled(plan, k, v))
+        for i, plan in enumerate((_plan(), keep_entropy(_plan(), lambda s: False)))
+    ]
     assert sizes[0] < 0.95 * sizes[1]
 
 
@@ -145,13 +148,19 @@ def _tamper(path, out, change):
     return out
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda a: a.__setitem__("0.1.k.codes.rans", a["0.1.k.codes.rans"] ^ np.uint32(0x5A5A5A5A)), "k.codes"),
-    (lambda a: a.__setitem__("0.1.k.codes.rans", a["0.1.k.codes.rans"][: a["0.1.k.codes.rans"].size // 2]), "k.codes"),
-    (lambda a: a.__setitem__("0.1.v.codes.freq", a["0.1.v.codes.freq"][:-1]), "frequency table"),
-    (lambda a: a.__setitem__("0.1.v.codes.head", a["0.1.v.codes.head"] * 1000), "header shape"),
-    (lambda a: a.pop("0.1.k.codes.freq"), "missing k.codes.freq"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda a: a.__setitem__("0.1.k.codes.rans", a["0.1.k.codes.rans"] ^ np.uint32(0x5A5A5A5A)), "k.codes"),
+        (
+            lambda a: a.__setitem__("0.1.k.codes.rans", a["0.1.k.codes.rans"][: a["0.1.k.codes.rans"].size // 2]),
+            "k.codes",
+        ),
+        (lambda a: a.__setitem__("0.1.v.codes.freq", a["0.1.v.codes.freq"][:-1]), "frequency table"),
+        (lambda a: a.__setitem__("0.1.v.codes.head", a["0.1.v.codes.head"] * 1000), "header shape"),
+        (lambda a: a.pop("0.1.k.codes.freq"), "missing k.codes.freq"),
+    ],
+)
 def test_corrupt_coded_stream_is_a_clear_error(tmp_path, damage, message):
     caches = _filled(_plan(), _smooth(100, 0), _smooth(100, 3))
     path = tmp_path / "ok.safetensors"
@@ -162,12 +171,15 @@ def test_corrupt_coded_stream_is_a_clear_error(tmp_path, damage, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("pipeline,message", [
-    ("affine(bits=4) | delta", "no coder follows it"),
-    ("affine(bits=4) | rans | delta", "follows the coder 'rans'"),
-    ("affine(bits=4) | rans | residual(affine(bits=2))", "follows the entropy stage 'rans'"),
-    ("fp16 | rans", "yields codes"),
-])
+@pytest.mark.parametrize(
+    "pipeline,message",
+    [
+        ("affine(bits=4) | delta", "no coder follows it"),
+        ("affine(bits=4) | rans | delta", "follows the coder 'rans'"),
+        ("affine(bits=4) | rans | residual(affine(bits=2))", "follows the entropy stage 'rans'"),
+        ("fp16 | rans", "yields codes"),
+    ],
+)
 def test_entropy_stage_order_errors(tmp_path, pipeline, message):
     path = tmp_path / "r.yaml"
     path.write_text(f"veloxquant: 1\nname: r\npipeline: {pipeline}\n")

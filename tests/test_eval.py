@@ -1,4 +1,5 @@
 """veloxquant.eval: the mechanics on a tiny random Llama (fast), one short real-model run (slow)."""
+
 import json
 import math
 import struct
@@ -14,12 +15,15 @@ from veloxquant.eval import EvalConfig, evaluate, expand, fidelity, parse_row, p
 
 from conftest import tiny_llama
 
-SENTENCES = " ".join(f"Sentence number {i} is about the {w} garden." for i, w in
-                     enumerate(["green", "old", "quiet", "large", "wet", "bright"] * 40))
+SENTENCES = " ".join(
+    f"Sentence number {i} is about the {w} garden."
+    for i, w in enumerate(["green", "old", "quiet", "large", "wet", "bright"] * 40)
+)
 
 
 class CharTokenizer:
     """Characters as tokens (code points clipped to the tiny model's 500-token vocabulary)."""
+
     eos_token_id = None
     bos_token = None
     chat_template = None
@@ -44,6 +48,7 @@ def random_windows(n, length, seed=3):
 
 # --- rows -------------------------------------------------------------------
 
+
 def test_rows_parse_and_expand():
     r = parse_row("kivi[bits=4, window=16]")
     assert (r.kind, r.ref, r.sets) == ("recipe", "kivi", ("bits=4", "window=16"))
@@ -60,6 +65,7 @@ def test_rows_parse_and_expand():
 
 
 # --- perplexity ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_fp16_recipe_ppl_equals_mlx_kvcache(dtype):
@@ -97,10 +103,12 @@ def test_score_chunk_is_exact_for_fp16(llama_model):
 
 # --- attention fidelity -------------------------------------------------------
 
+
 def test_fidelity_fp16_vs_itself_is_one(llama_model):
     rows = [parse_row("fp16"), parse_row("kivi[window=16,group=16]"), parse_row("mlx-q8"), parse_row("mlx-q2")]
-    per_layer = fidelity.measure(llama_model, rows[0], rows, random_windows(1, 129), prefix=96,
-                                 prefill_chunk=32, score_chunk=8)
+    per_layer = fidelity.measure(
+        llama_model, rows[0], rows, random_windows(1, 129), prefix=96, prefill_chunk=32, score_chunk=8
+    )
     assert len(per_layer["fp16"]) == len(llama_model.layers)
     assert all(abs(c - 1) < 1e-6 for c in per_layer["fp16"])
     assert all(0.99 < c <= 1 + 1e-6 for c in per_layer["mlx-q8"])
@@ -113,10 +121,14 @@ def test_fidelity_fp16_vs_itself_is_one(llama_model):
 def test_fidelity_feeds_attention_to_caches_that_learn_from_it(llama_model):
     """Saliency routing (zipcache) and per-head bit allocation (adakv_bits) need the
     prefill's attention: the fidelity pass must route it to them, not refuse."""
-    rows = [parse_row("fp16"), parse_row("adakv_bits[window=16,group=16,sinks=0]"),
-            parse_row("zipcache[window=64,chunk=64,sinks=0]")]
-    per_layer = fidelity.measure(llama_model, rows[0], rows, random_windows(1, 129), prefix=96,
-                                 prefill_chunk=32, score_chunk=8)
+    rows = [
+        parse_row("fp16"),
+        parse_row("adakv_bits[window=16,group=16,sinks=0]"),
+        parse_row("zipcache[window=64,chunk=64,sinks=0]"),
+    ]
+    per_layer = fidelity.measure(
+        llama_model, rows[0], rows, random_windows(1, 129), prefix=96, prefill_chunk=32, score_chunk=8
+    )
     for name in ("adakv_bits[window=16,group=16,sinks=0]", "zipcache[window=64,chunk=64,sinks=0]"):
         assert len(per_layer[name]) == len(llama_model.layers)
         assert all(0.5 < c < 1 - 1e-6 for c in per_layer[name])
@@ -124,19 +136,20 @@ def test_fidelity_feeds_attention_to_caches_that_learn_from_it(llama_model):
 
 # --- passkey --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
 def test_passkey_prompt_puts_key_at_depth(depth):
     tok = CharTokenizer()
     hay = tok.encode(SENTENCES)
     p = passkey.build_prompt(tok, hay, 1200, depth, "48213", passkey.sentence_ends(tok, hay))
     assert len(p.tokens) == 1200
-    assert tok.decode(p.tokens[p.needle_at:p.needle_at + p.needle_len]) == passkey.NEEDLE.format(key="48213")
-    assert tok.decode(p.tokens[:p.hay_start]) == passkey.INTRO
+    assert tok.decode(p.tokens[p.needle_at : p.needle_at + p.needle_len]) == passkey.NEEDLE.format(key="48213")
+    assert tok.decode(p.tokens[: p.hay_start]) == passkey.INTRO
     assert tok.decode(p.tokens).endswith(passkey.QUESTION)
     # Snapped back to a sentence end, never more than 64 tokens before the asked depth.
     assert depth - 64 / p.hay_tokens <= p.actual_depth <= depth + 1e-9
     if 0 < p.needle_at - p.hay_start < p.hay_tokens:
-        assert tok.decode(p.tokens[p.needle_at - 1:p.needle_at]) == "."
+        assert tok.decode(p.tokens[p.needle_at - 1 : p.needle_at]) == "."
     assert tok.decode(p.tokens).count("48213") == 2
 
 
@@ -154,14 +167,33 @@ def test_passkey_prompts_are_seeded_and_answers_checked():
 
 # --- the whole evaluation, and compare -----------------------------------------------
 
+
 def test_evaluate_then_compare(llama_model, tmp_path):
     tok = TokenizerWrapper(CharTokenizer())
-    cfg = EvalConfig(windows=2, prefix=96, score_tokens=32, prefill_chunk=32, score_chunk=8, fidelity_windows=1,
-                     passkey_lengths=(400,), passkey_depths=(0.2, 0.7), passkey_trials=1, passkey_max_tokens=3)
+    cfg = EvalConfig(
+        windows=2,
+        prefix=96,
+        score_tokens=32,
+        prefill_chunk=32,
+        score_chunk=8,
+        fidelity_windows=1,
+        passkey_lengths=(400,),
+        passkey_depths=(0.2, 0.7),
+        passkey_trials=1,
+        passkey_max_tokens=3,
+    )
     rows = expand(["kivi[window=32]", "streaming_llm[window=60]"], [4])
     seen = []  # partial results: the rows so far, after each row
-    result = evaluate(llama_model, tok, rows, SENTENCES * 4, cfg, {"model": "tiny-llama"}, progress=False,
-                      on_row=lambda done: seen.append([r["name"] for r in done]))
+    result = evaluate(
+        llama_model,
+        tok,
+        rows,
+        SENTENCES * 4,
+        cfg,
+        {"model": "tiny-llama"},
+        progress=False,
+        on_row=lambda done: seen.append([r["name"] for r in done]),
+    )
     names = [r["name"] for r in result["rows"]]
     assert seen == [names[:i] for i in range(1, len(names) + 1)]
     assert names == ["fp16", "kivi[window=32]", "streaming_llm[window=60]", "mlx-q4"]
@@ -174,8 +206,10 @@ def test_evaluate_then_compare(llama_model, tmp_path):
     assert stream["cost"]["cache_bytes"] == (4 + 60) * 4 * 2 * 3 * 64 * 2
     assert q4["cost"]["cache_bytes"] > 0 and q4["attention"] == "mlx-lm quantized SDPA"
     for r in result["rows"]:
-        assert r["passkey"]["cells"] == [{"length": 400, "depth": 0.2, "correct": r["passkey"]["cells"][0]["correct"],
-                                          "trials": 1}, r["passkey"]["cells"][1]]
+        assert r["passkey"]["cells"] == [
+            {"length": 400, "depth": 0.2, "correct": r["passkey"]["cells"][0]["correct"], "trials": 1},
+            r["passkey"]["cells"][1],
+        ]
         assert r["cost"]["prefill_tok_s"] > 0 and r["cost"]["peak_memory_bytes"] > 0
         assert len(r["window_ppl"]) == 2 and r["scored_tokens"] == 64
     # Everything is JSON, and compare renders every row and a PNG.
@@ -206,6 +240,7 @@ def test_compare_rejects_other_json(tmp_path):
 
 def test_eval_limits_from_the_command_line():
     from veloxquant.eval.cli import config
+
     args = _parser().parse_args(["eval", "kivi", "--quick", "--windows", "2", "--passkey-depths", "0.3,0.6"])
     cfg = config(args)
     assert (cfg.windows, cfg.prefix, cfg.passkey_depths) == (2, 448, (0.3, 0.6))
@@ -218,11 +253,27 @@ def test_eval_limits_from_the_command_line():
 
 # --- a real model ---------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_eval_on_smollm2(tmp_path, capsys):
     out = tmp_path / "smol.json"
-    assert main(["eval", "kivi", "--quick", "--windows", "1", "--passkey-lengths", "320", "--json", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "kivi",
+                "--quick",
+                "--windows",
+                "1",
+                "--passkey-lengths",
+                "320",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     fp16, kivi, q4 = result["rows"]
     assert 5 < fp16["ppl"] < 40 and fp16["passkey"]["accuracy"] == 1
@@ -237,11 +288,29 @@ def test_mlx_rows_fail_where_mlx_lm_cannot_quantize():
     whole evaluation runs and records the row with mlx-lm's own error (no traceback, no
     emulation over every layer)."""
     from conftest import tiny_gemma3
+
     tok = TokenizerWrapper(CharTokenizer())
-    cfg = EvalConfig(windows=1, prefix=48, score_tokens=16, prefill_chunk=16, score_chunk=8, fidelity_windows=1,
-                     passkey_lengths=(300,), passkey_depths=(0.5,), passkey_trials=1, passkey_max_tokens=2)
-    result = evaluate(tiny_gemma3(), tok, expand(["kivi[window=16,group=16]"], [4]), SENTENCES * 2, cfg,
-                      {"model": "tiny-gemma3"}, progress=False)
+    cfg = EvalConfig(
+        windows=1,
+        prefix=48,
+        score_tokens=16,
+        prefill_chunk=16,
+        score_chunk=8,
+        fidelity_windows=1,
+        passkey_lengths=(300,),
+        passkey_depths=(0.5,),
+        passkey_trials=1,
+        passkey_max_tokens=2,
+    )
+    result = evaluate(
+        tiny_gemma3(),
+        tok,
+        expand(["kivi[window=16,group=16]"], [4]),
+        SENTENCES * 2,
+        cfg,
+        {"model": "tiny-gemma3"},
+        progress=False,
+    )
     fp16, kivi, q4 = result["rows"]
     assert q4["name"] == "mlx-q4" and q4["error"].startswith("NotImplementedError")
     assert "RotatingKVCache" in q4["error"] and q4["ppl"] is None

@@ -4,6 +4,7 @@ Each cache is driven block by block and compared with a slow NumPy model of
 the published method written independently here (per head sets of kept
 positions, scores from explicit softmax).
 """
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from conftest import feed
 
 B, HQ, HKV, D = 1, 6, 2, 16
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def recipe(tmp_path, pipeline, name="t"):
@@ -96,14 +97,25 @@ class Reference:
         return out
 
 
-@pytest.mark.parametrize("score, recent, score_block, slack", [
-    ("mass", 0, 128, 0), ("current", 0, 128, 0), ("proxy", 0, 128, 0), ("mass", 3, 128, 0), ("mass", 0, 5, 0),
-    ("current", 2, 5, 0), ("mass", 0, 128, 3), ("current", 2, 5, 4)])
+@pytest.mark.parametrize(
+    "score, recent, score_block, slack",
+    [
+        ("mass", 0, 128, 0),
+        ("current", 0, 128, 0),
+        ("proxy", 0, 128, 0),
+        ("mass", 3, 128, 0),
+        ("mass", 0, 5, 0),
+        ("current", 2, 5, 0),
+        ("mass", 0, 128, 3),
+        ("current", 2, 5, 4),
+    ],
+)
 def test_eviction_matches_reference(llama_model, tmp_path, monkeypatch, score, recent, score_block, slack):
     # score_block 5: blocks of 12 queries take the prefill path (output and weights 5 queries at a time)
     monkeypatch.setattr(veloxquant.runtime.eviction.per_head, "SCORE_BLOCK", score_block)
-    cache = layer_cache(llama_model, tmp_path,
-                        f"evict(budget=8, sinks=2, score={score}, recent={recent}, slack={slack}) | identity")
+    cache = layer_cache(
+        llama_model, tmp_path, f"evict(budget=8, sinks=2, score={score}, recent={recent}, slack={slack}) | identity"
+    )
     ref = Reference(8, 2, score, recent, slack)
     for step, (q, k, v) in enumerate(blocks(0, [12, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1])):
         cache.update_and_fetch(mx.array(k), mx.array(v))
@@ -164,8 +176,9 @@ def test_real_and_proxy_scores_keep_different_tokens(llama_model):
 
 def test_snapkv_decides_once_at_prompt_end(llama_model, tmp_path):
     budget, window, pool, sinks = 16, 8, 3, 1
-    cache = layer_cache(llama_model, tmp_path, f"snap(budget={budget}, window={window}, pool={pool}, "
-                                                f"sinks={sinks}) | identity")
+    cache = layer_cache(
+        llama_model, tmp_path, f"snap(budget={budget}, window={window}, pool={pool}, sinks={sinks}) | identity"
+    )
     data = blocks(4, [16, 16, 8, 1, 1])
     for q, k, v in data[:3]:  # the prompt, in chunks: nothing is evicted yet
         cache.update_and_fetch(mx.array(k), mx.array(v))
@@ -187,7 +200,7 @@ def test_snapkv_decides_once_at_prompt_end(llama_model, tmp_path):
                 logits[np.arange(40) > 32 + j] = -np.inf
                 w = np.exp(logits - logits.max())
                 votes += w / w.sum()
-        pooled = np.array([votes[max(0, i - 1):i + 2].max() for i in range(40)])
+        pooled = np.array([votes[max(0, i - 1) : i + 2].max() for i in range(40)])
         pooled[32:] = np.inf
         pooled[:sinks] = np.inf
         want = sorted(np.argsort(-pooled, kind="stable")[:budget])
@@ -238,15 +251,18 @@ def test_trim_rewinds_exactly_until_the_first_eviction_then_refuses(llama_model,
     assert np.array_equal(np.array(cache.tiers[0].positions), pos)
 
 
-@pytest.mark.parametrize("pipeline, message", [
-    ("evict(budget=8) >> drop", "must be the last tier"),
-    ("evict(budget=8, sinks=8)", "sinks=8 must be smaller than budget=8"),
-    ("evict(budget=32) | affine(bits=2, axis=channel)", "per-token codec"),
-    ("snap(budget=8, window=8, sinks=1)", "exceed budget"),
-    ("evict(budget=8, sinks=4, recent=4)", "leave no room"),
-    ("evict(budget=8, score=attention)", "must be one of"),
-    ("evict(budget=8, once=true, slack=4)", "slack=4 needs once=false"),
-])
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        ("evict(budget=8) >> drop", "must be the last tier"),
+        ("evict(budget=8, sinks=8)", "sinks=8 must be smaller than budget=8"),
+        ("evict(budget=32) | affine(bits=2, axis=channel)", "per-token codec"),
+        ("snap(budget=8, window=8, sinks=1)", "exceed budget"),
+        ("evict(budget=8, sinks=4, recent=4)", "leave no room"),
+        ("evict(budget=8, score=attention)", "must be one of"),
+        ("evict(budget=8, once=true, slack=4)", "slack=4 needs once=false"),
+    ],
+)
 def test_bad_eviction_recipes(llama_model, tmp_path, pipeline, message):
     with pytest.raises(RecipeError, match=message):
         veloxquant.make_prompt_cache(llama_model, recipe(tmp_path, pipeline))
@@ -261,6 +277,7 @@ def test_eviction_needs_the_hook(llama_model):
 def test_sliding_window_layers_mask_by_position(name):
     """Gemma-style local layers: with nothing evicted, eviction recipes see what fp16 sees."""
     from conftest import tiny_gemma3
+
     model = tiny_gemma3(window=32)
     tokens = mx.array(np.random.default_rng(8).integers(0, 500, (1, 100)))
     want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 16)
@@ -274,8 +291,12 @@ def test_recent_window_before_eviction_tier_masks_by_position(llama_model, tmp_p
     model = llama_model
     tokens = mx.array(np.arange(60)[None] % 500)
     want = feed(model, tokens, veloxquant.make_prompt_cache(model, "fp16"), 7)
-    got = feed(model, tokens, veloxquant.make_prompt_cache(
-        model, recipe(tmp_path, "recent(16) >> evict(budget=64, sinks=2, score=proxy)")), 7)
+    got = feed(
+        model,
+        tokens,
+        veloxquant.make_prompt_cache(model, recipe(tmp_path, "recent(16) >> evict(budget=64, sinks=2, score=proxy)")),
+        7,
+    )
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
 
 
@@ -284,6 +305,7 @@ def test_sliding_window_layers_never_hold_more_than_the_window(name, slack):
     """A budget above a local layer's window keeps only what a query can still see:
     such a layer holds at most the window (plus a route's slack), and what it holds matches fp16's output."""
     from conftest import tiny_gemma3
+
     model = tiny_gemma3(window=32)
     tokens = mx.array(np.random.default_rng(9).integers(0, 500, (1, 120)))
     fp16 = veloxquant.make_prompt_cache(model, "fp16")
@@ -309,8 +331,10 @@ def test_shared_heads_keep_one_token_set_per_layer(llama_model, tmp_path):
     tokens = mx.array(np.random.default_rng(4).integers(0, 500, (1, 90)))
     held = {}
     for shared in (False, True):
-        cache = veloxquant.make_prompt_cache(llama_model, recipe(
-            tmp_path, f"evict(budget=24, sinks=2, score=current, shared_heads={str(shared).lower()})"))
+        cache = veloxquant.make_prompt_cache(
+            llama_model,
+            recipe(tmp_path, f"evict(budget=24, sinks=2, score=current, shared_heads={str(shared).lower()})"),
+        )
         feed(llama_model, tokens, cache, 8)
         cache[0].state  # settle
         tier = next(t for t in cache[0].tiers if getattr(t, "per_head", False))

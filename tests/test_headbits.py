@@ -1,4 +1,5 @@
 """headbits / adakv_bits: a code width per kv head from real attention; pinned reductions to kivi."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,9 +21,17 @@ def test_allocation_meets_the_target_highest_entropy_first():
     assert bits.mean() <= 2.5 and bits[1] == 4 and bits[0] == 2
 
 
-@pytest.mark.parametrize("entropy,target,width", [([1.0, 1.0, 1.0], 3.0, 3), ([1.0, 1.0, 1.0], 3.5, 3),
-                                                  ([0.1, 0.5, 0.9], 2.0, 2), ([0.1, 0.5, 0.9], 4.0, 4),
-                                                  ([0.1, 0.5, 0.9], 9.0, 4), ([0.1, 0.5, 0.9], 1.0, 2)])
+@pytest.mark.parametrize(
+    "entropy,target,width",
+    [
+        ([1.0, 1.0, 1.0], 3.0, 3),
+        ([1.0, 1.0, 1.0], 3.5, 3),
+        ([0.1, 0.5, 0.9], 2.0, 2),
+        ([0.1, 0.5, 0.9], 4.0, 4),
+        ([0.1, 0.5, 0.9], 9.0, 4),
+        ([0.1, 0.5, 0.9], 1.0, 2),
+    ],
+)
 def test_tied_heads_or_a_target_out_of_range_give_one_width(entropy, target, width):
     assert list(allocate(np.array(entropy), [2, 3, 4], target)) == [width] * 3
 
@@ -46,7 +55,7 @@ def test_mixed_widths_round_trip_per_head():
     got = hb.decode(hb.encode(x, fitted), mx.float32, fitted)
     for h, bits in enumerate([2, 4, 3]):
         ref = Affine(bits=bits, group=32, axis="channel")
-        assert mx.array_equal(got[:, h:h + 1], ref.decode(ref.encode(x[:, h:h + 1]), mx.float32))
+        assert mx.array_equal(got[:, h : h + 1], ref.decode(ref.encode(x[:, h : h + 1]), mx.float32))
 
 
 @pytest.mark.parametrize("sets", [["target=2"], ["target=3", "lo=3", "mid=3", "hi=3"]])

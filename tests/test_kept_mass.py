@@ -1,4 +1,5 @@
 """bench.kept_mass: the share of fp16's attention on held positions, ragged (padded) heads included."""
+
 import mlx.core as mx
 import numpy as np
 

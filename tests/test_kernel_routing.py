@@ -7,6 +7,7 @@ every plain affine tier of these recipes must be answered by the kernel path
 (runtime/fused.py), and the tiers it reads should hold exact (row-contiguous)
 buffers, else MLX copies the whole tier before every launch.
 """
+
 import mlx.core as mx
 import pytest
 
@@ -33,7 +34,9 @@ def kernel_on_cpu(monkeypatch):
             if tail is None:
                 return reference.affine_partial_attention(q, ke, ve, ks, vs, scale, hidden)
             return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail, hidden)
+
         return run
+
     monkeypatch.setattr(cuda, "launcher", launcher)
     served = []
     real = fused.kernel_answer
@@ -43,6 +46,7 @@ def kernel_on_cpu(monkeypatch):
         if queries.shape[2] == 1:
             served.append((id(tier), answer is not None))
         return answer
+
     monkeypatch.setattr(fused, "kernel_answer", counted)
     return served
 
@@ -94,6 +98,7 @@ def test_the_table_routes_each_call_to_its_default_attend_kernel(monkeypatch):
     at D = 128 from MMA_MIN_TOKENS where tc refuses, v1 else; a named kernel where its scope
     takes the call, else v1; v1 alone for a chunk size or a hidden front."""
     from veloxquant.kernels import table
+
     monkeypatch.delenv("VELOXQUANT_CUDA_IMPL", raising=False)
     kivi, tok = ((4, 32, "channel"), (4, 32, "token")), ((4, 32, "token"), (4, 32, "token"))
     route = lambda B, Hq, Lq, D, Hkv, L, specs, **kw: table.attend_route((B, Hq, Lq, D, Hkv, L), *specs, **kw)

@@ -2,6 +2,7 @@
 reference on the backend present, and (gpu-marked) the CUDA kernel vs the
 reference. Run the CUDA part with `pytest -m gpu tests/test_kernels.py` on a
 machine whose MLX has the CUDA backend; elsewhere it is skipped."""
+
 import json
 import os
 
@@ -57,12 +58,13 @@ CASES = [  # (B, Hq, Hkv, Lq, D, L, kspec, vspec)
 ]
 
 
-@pytest.mark.parametrize("case", CASES,
-                         ids=lambda c: f"{c[6]['bits']}{c[6]['axis'][0]}-{c[7]['bits']}{c[7]['axis'][0]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[6]['bits']}{c[6]['axis'][0]}-{c[7]['bits']}{c[7]['axis'][0]}"
+)
 def test_reference_matches_attention_on_decoded_tensors(case):
     B, Hq, Hkv, Lq, D, L, ks, vs = case
     q, ke, ve = make(*case)
-    scale = D ** -0.5
+    scale = D**-0.5
     assert maxerr(on_cpu(reference, q, ke, ve, ks, vs, scale), on_cpu(decoded, q, ke, ve, ks, vs, scale)) <= TOL
 
 
@@ -84,10 +86,11 @@ def test_dispatch_matches_reference_on_present_backend(case):
 def test_reference_merges_with_other_tiers_exactly():
     # The lse makes a tier's partial mergeable: two halves merge to the whole.
     from veloxquant.kernels.partials import merge_partials
+
     ks, vs = KIVI2
     q, ke, ve = make(1, 4, 2, 1, 64, 128, ks, vs)
     half = lambda enc, n, g: {k: a[:, :, : n // (g if k != "codes" else 1)] for k, a in enc.items()}
-    rest = lambda enc, n, g: {k: a[:, :, n // (g if k != "codes" else 1):] for k, a in enc.items()}
+    rest = lambda enc, n, g: {k: a[:, :, n // (g if k != "codes" else 1) :] for k, a in enc.items()}
     a = on_cpu(reference, q, half(ke, 64, 32), half(ve, 64, 1), ks, vs, 0.125)
     b = on_cpu(reference, q, rest(ke, 64, 32), rest(ve, 64, 1), ks, vs, 0.125)
     whole = on_cpu(reference, q, ke, ve, ks, vs, 0.125)
@@ -108,6 +111,7 @@ def test_dispatch_never_selects_a_kernel_off_cuda():
 
 def test_unsupported_calls_are_named():
     from veloxquant.kernels import cuda
+
     q, ke, ve = make(1, 6, 3, 1, 64, 33, spec(3, 32, "token"), spec(5, 64, "token"))
     assert "bits" in cuda.unsupported(q, ke, ve, spec(3, 32, "token"), spec(5, 64, "token"))
     q, ke, ve = make(1, 4, 1, 9, 64, 32, *KIVI2)
@@ -118,6 +122,7 @@ def test_unsupported_calls_are_named():
 
 def test_kernel_layout_fits_every_supported_config():
     from veloxquant.kernels import cuda
+
     for D in (64, 128, 256):
         for bits in (2, 4, 8):
             for g in (32, 64, 128):
@@ -137,6 +142,7 @@ def test_kernel_layout_fits_every_supported_config():
 
 def test_mma_kernel_scope_and_default():
     from veloxquant.kernels import cuda
+
     kivi = ((4, 32, "channel"), (4, 32, "token"))
     assert cuda.mma_supported(32, 1, 128, 8, 32768, *kivi) == ""
     assert "rows" in cuda.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
@@ -145,6 +151,7 @@ def test_mma_kernel_scope_and_default():
 
 def test_bank_model_pads_rows_that_lanes_read_on_one_bank():
     from veloxquant.kernels import tc
+
     # 128/4-bit values: lanes (g, tig) read 8 bytes at row 2*tig, column 8*g; with
     # 64-byte rows four rows of a half-warp share banks (4 wavefronts per half).
     rows = lambda rs: [(2 * (lane % 4)) * rs + (lane // 4) * 8 for lane in range(32)]
@@ -183,6 +190,7 @@ def _kernel(impl, monkeypatch) -> str:
     """The cuda impl to ask for: "tc" is attend_tc with its merge in the launch, "tc2" in a reduce launch."""
     if impl in ("tc", "tc2"):
         from veloxquant.kernels import tc
+
         monkeypatch.setattr(tc, "_FOLD", "1" if impl == "tc" else "0")
         return "tc"
     return impl
@@ -191,6 +199,7 @@ def _kernel(impl, monkeypatch) -> str:
 def _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs):
     from veloxquant.kernels import cuda, tc
     from veloxquant.kernels.reference import spec_fields
+
     why = tc.supported if impl in ("tc", "tc2") else cuda.mma_supported if impl == "mma" else None
     if why and why(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
         pytest.skip(f"not a call the {impl} kernel takes")
@@ -207,16 +216,23 @@ def _record(name, err):
 
 
 @pytest.mark.parametrize("impl", ["v1", "mma", "tc", "tc2"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
-                         f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}")
+@pytest.mark.parametrize(
+    "case",
+    GPU_CASES,
+    ids=lambda c: (
+        f"B{c[0]}-H{c[1]}/{c[2]}-Lq{c[3]}-D{c[4]}-L{c[5]}-"
+        f"{c[6]['bits']}{c[6]['axis'][0]}{c[6]['group']}-{c[7]['bits']}{c[7]['axis'][0]}{c[7]['group']}"
+    ),
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_cuda_kernel_matches_reference(case, impl, monkeypatch):
     from veloxquant.kernels import cuda
+
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt = case
     _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
-    scale = D ** -0.5
+    scale = D**-0.5
     assert cuda.unsupported(q, ke, ve, ks, vs) == ""
     got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, impl=_kernel(impl, monkeypatch))
     key = (B, Hq, Hkv, Lq, D, L, str(ks), str(vs), str(qdt))
@@ -224,8 +240,11 @@ def test_cuda_kernel_matches_reference(case, impl, monkeypatch):
         _WANT.clear()
         _WANT[key] = on_cpu(reference, q, ke, ve, ks, vs, scale)
     err = maxerr(got, _WANT[key])
-    _record(f"[{impl}] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
-            f"V{vs['bits']}{vs['axis'][0]}{vs['group']} q{qdt}", err)
+    _record(
+        f"[{impl}] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} K{ks['bits']}{ks['axis'][0]}{ks['group']} "
+        f"V{vs['bits']}{vs['axis'][0]}{vs['group']} q{qdt}",
+        err,
+    )
     assert err <= TOL
 
 
@@ -238,11 +257,12 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup, monkeypatch):
     # breaks 16-byte (vgroup 64) or 4-byte (vgroup 128) alignment of the value
     # metadata; the kernel's staging must still be exact.
     from veloxquant.kernels import cuda
+
     ks, vs = S(4, 32, "channel"), S(4, vgroup, "token")
     L = 2080
     q, ke, _ = make(1, 4, 1, 1, 128, L + 96, ks, vs)
     _, _, ve = make(1, 4, 1, 1, 128, L + 97, vs, vs, seed=1)
-    ke = {n: a[:, :, (96 if n == "codes" else 3):] for n, a in ke.items()}
+    ke = {n: a[:, :, (96 if n == "codes" else 3) :] for n, a in ke.items()}
     ve = {n: a[:, :, 97:] for n, a in ve.items()}
     want = on_cpu(reference, q, ke, ve, ks, vs, 0.09)
     for ch in (64, 128, 256):
@@ -259,6 +279,7 @@ def test_cuda_kernel_reads_sliced_views_and_every_chunk(vgroup, monkeypatch):
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_dispatch_on_cuda_uses_the_kernel_once_verified():
     from veloxquant.kernels import table
+
     q, ke, ve = make(1, 8, 2, 1, 128, 256, *KIVI2)
     impl, why = choice(q, ke, ve, *KIVI2, scale=0.1)
     assert impl == ("cuda" if table.verified("v1", "cuda") else "reference"), why
@@ -291,20 +312,22 @@ def test_cuda_reduce_folds_dense_tiers(case, impl, monkeypatch):
     exact attention over 16-bit tiers (contiguous or strided views), written in q's dtype."""
     from veloxquant.kernels import cuda
     from veloxquant.kernels.partials import merge_partials
+
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
     _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
-    scale = D ** -0.5
+    scale = D**-0.5
     assert cuda.tail_unsupported(tuple(q.shape), tail) == ""
-    got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale,
-                        impl=_kernel(impl, monkeypatch))(q, ke, ve, tail)
+    got = cuda.launcher(
+        tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, impl=_kernel(impl, monkeypatch)
+    )(q, ke, ve, tail)
     assert got.dtype == qdt and got.shape == q.shape
     k = mx.concatenate([k for k, _ in tail], axis=2)
     v = mx.concatenate([v for _, v in tail], axis=2)
     want = on_cpu(lambda: merge_partials([reference(q, ke, ve, ks, vs, scale), partial_attention(q, k, v, scale)]))
     got = got.astype(mx.float32)
-    rounding = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8, mx.float32: 0.0}[qdt]  # half an ulp, relative
+    rounding = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 0.0}[qdt]  # half an ulp, relative
     err = float(mx.abs(got - want).max())
     _record(f"[{impl}+tail] B{B} Hq{Hq}/Hkv{Hkv} Lq{Lq} D{D} L{L} tail {dense} q{qdt}", err)
     assert bool(mx.all(mx.abs(got - want) <= TOL + rounding * mx.abs(want)))
@@ -319,13 +342,15 @@ DEQUANT_CASES = [  # (spec, D, L, output dtype, view): view = a token slice of a
 ]
 
 
-@pytest.mark.parametrize("case", DEQUANT_CASES,
-                         ids=lambda c: f"{c[0]['bits']}{c[0]['axis'][0]}{c[0]['group']}-D{c[1]}-L{c[2]}-{c[3]}")
+@pytest.mark.parametrize(
+    "case", DEQUANT_CASES, ids=lambda c: f"{c[0]['bits']}{c[0]['axis'][0]}{c[0]['group']}-D{c[1]}-L{c[2]}-{c[3]}"
+)
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
 def test_cuda_dequant_matches_affine_decode(case):
     """The dequant kernel (prefill's decode of a coded tier) against Affine.decode on the CPU."""
     from veloxquant.kernels import dequant
+
     sp, D, L, dtype, view = case
     x = 2.0 * mx.random.normal((2, 3, L + (5 if view else 0), D), key=mx.random.key(7)) + 0.5
     enc = Affine(**sp).encode(x)
@@ -336,17 +361,18 @@ def test_cuda_dequant_matches_affine_decode(case):
     want = on_cpu(Affine(**sp).decode, enc, dtype)
     assert got.dtype == dtype and got.shape == want.shape
     diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
-    ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7, mx.float32: 2.0 ** -23}[dtype]
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-23}[dtype]
     _record(f"[dequant] {sp} D{D} L{L} {dtype}{' view' if view else ''}", float(diff.max()))
     assert bool(mx.all(diff <= ulp * mx.abs(want.astype(mx.float32)) + 1e-7))  # at most one rounding step
     # Placed at an offset of a longer buffer (prefill writes the other tiers around it): same values.
     placed = dequant.dequantize(enc, sp, dtype, L + 7, 3)
     assert placed.shape == (2, 3, L + 7, D)
-    assert bool(mx.array_equal(placed[:, :, 3:3 + L], got))
+    assert bool(mx.array_equal(placed[:, :, 3 : 3 + L], got))
 
 
 def test_dequant_kernel_only_on_cuda():
     from veloxquant.kernels import dispatch
+
     if backend() != "cuda":
         assert dispatch.dequantizer() is None
     os.environ["VELOXQUANT_KERNELS"] = "off"
@@ -358,6 +384,7 @@ def test_dequant_kernel_only_on_cuda():
 
 def test_dequant_refuses_a_place_outside_the_buffer():
     from veloxquant.kernels import dequant
+
     sp = S(4, 32, "token")
     enc = Affine(**sp).encode(mx.zeros((1, 2, 8, 64)))
     with pytest.raises(ValueError, match="do not fit at 5 of 10"):
@@ -379,18 +406,20 @@ def test_cuda_kernel_hides_the_tiers_front(case):
     """`hidden`: a sliding window's expired tokens at the coded tier's front are left out by count."""
     from veloxquant.kernels import cuda
     from veloxquant.kernels.partials import merge_partials
+
     Hq, Hkv, D, L, hidden, chunk, W = case
     ks, vs = KIVI2
     q, ke, ve = make(1, Hq, Hkv, 1, D, L, ks, vs)
-    scale = D ** -0.5
+    scale = D**-0.5
     part = on_cpu(reference, q, ke, ve, ks, vs, scale, hidden)
     if W:
         tail = [_dense_tier(1, Hkv, W, D, mx.float16, 0)]
         got = cuda.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, hides=True)(
-            q, ke, ve, tail, hidden).astype(mx.float32)
+            q, ke, ve, tail, hidden
+        ).astype(mx.float32)
         want = on_cpu(lambda: merge_partials([part, partial_attention(q, *tail[0], scale)]))
         err = float(mx.abs(got - want).max())
-        ok = bool(mx.all(mx.abs(got - want) <= TOL + 2.0 ** -11 * mx.abs(want)))
+        ok = bool(mx.all(mx.abs(got - want) <= TOL + 2.0**-11 * mx.abs(want)))
     else:
         got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, chunk=chunk or None, hidden=hidden)
         err = maxerr(got, part)

@@ -2,6 +2,7 @@
 through the model (runtime/eviction/model_pass.py), checked against a NumPy model over plain mlx-lm
 caches; the pass leaves every cache array as it was apart from the scores; probe=latest is
 TOVA bit for bit; generate, save/load, Gemma-3 sliding layers, blocked memory, clear errors."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -53,8 +54,12 @@ def test_the_pass_changes_nothing_but_the_scores(llama_model):
     assert all(np.array_equal(w, np.array(x)) for w, (_, x) in zip(weights, tree_flatten(llama_model.parameters())))
     assert caches[0].coordinator.model_pass.fed == []  # the recorded prompt ids are dropped
     fed = 3 * len(SUFFIX) + 40 + len(FIRST) + 2 * (len(LATER) + 8)
-    assert caches[0].coordinator.model_pass.ran == {"scorer": "reconstruct", "context_tokens": 40, "chunks": 3,
-                                                    "tokens_fed": fed}
+    assert caches[0].coordinator.model_pass.ran == {
+        "scorer": "reconstruct",
+        "context_tokens": 40,
+        "chunks": 3,
+        "tokens_fed": fed,
+    }
 
 
 def test_repeat_prompt_follows_the_paper(llama_model):
@@ -73,9 +78,13 @@ def reference_scores(model, context, passes, sinks, monkeypatch):
     repeat queries' softmax over sinks + chunk + own tokens, max over queries and GQA group (float64)."""
     seen = []
     original = llama.scaled_dot_product_attention
-    monkeypatch.setattr(llama, "scaled_dot_product_attention",
-                        lambda q, k, v, cache, scale, mask, **kw: seen.append((q, k, scale)) or
-                        original(q, k, v, cache=cache, scale=scale, mask=mask, **kw))
+    monkeypatch.setattr(
+        llama,
+        "scaled_dot_product_attention",
+        lambda q, k, v, cache, scale, mask, **kw: (
+            seen.append((q, k, scale)) or original(q, k, v, cache=cache, scale=scale, mask=mask, **kw)
+        ),
+    )
     caches = [KVCache() for _ in model.layers]
     model(context, cache=caches)
     L = context.shape[1]
@@ -139,7 +148,7 @@ def test_recent_keeps_the_prompts_end_whatever_its_score(llama_model):
             kept = set(held[h].tolist())
             # decided on the 40 prompt tokens held when the last one arrives: sinks, the newest 6, 2 by score;
             # the last token is appended after the decision
-            best = sorted(range(4, 34), key=lambda p: -s[h][p])[:12 - 4 - 6]
+            best = sorted(range(4, 34), key=lambda p: -s[h][p])[: 12 - 4 - 6]
             assert kept == set(range(4)) | set(best) | set(range(34, 41))
     with pytest.raises(VeloxError, match="leave no room"):
         veloxquant.make_prompt_cache(llama_model, "kvzip", ["budget=12", "recent=8"], tokenizer=Tok())
@@ -217,6 +226,7 @@ def test_eval_fidelity_feeds_the_pass_through_its_tee(llama_model):
     """The eval's fidelity probe wraps each layer's caches in a tee: the prompt's ids still reach the pass."""
     from veloxquant.eval import fidelity
     from veloxquant.eval.rows import parse_row
+
     rows = [parse_row("fp16"), parse_row("kvzip[budget=24,chunk=32]")]
     windows = np.random.default_rng(5).integers(0, 500, (1, 129)).tolist()
     per_layer = fidelity.measure(llama_model, rows[0], rows, windows, prefix=96, prefill_chunk=32, score_chunk=8)
@@ -238,6 +248,7 @@ def test_heads_compete_on_the_repeat_scores(llama_model, tmp_path):
 def test_kvpress_bench_fork_after_the_pass_decides_like_a_fresh_cache(llama_model):
     """bench kvpress runs the pass once on the wide cache, then forks per budget: same as a fresh run."""
     from veloxquant.bench.kvpress import fork
+
     wide = prefilled(llama_model, sets=["budget=30", "chunk=16"])
     model_pass.run(wide[0].coordinator)
     forked, fresh = fork(wide, 12), prefilled(llama_model, sets=SETS)

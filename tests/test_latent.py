@@ -1,4 +1,5 @@
 """Latent tiers (svdq, palu, kvtc): basis fitted at the end of the prompt, attention in latent space."""
+
 import tempfile
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def from_text(text):
 
 
 def recipe_text(keys, values="fp16", window=32):
-    return from_text(f"veloxquant: 1\nname: t\npipeline: |\n  recent({window})\n  >> keys: {keys}\n"
-                     f"     values: {values}\n")
+    return from_text(
+        f"veloxquant: 1\nname: t\npipeline: |\n  recent({window})\n  >> keys: {keys}\n     values: {values}\n"
+    )
 
 
 def lowrank(L, rank, seed):
@@ -52,6 +54,7 @@ def filled(keys, values="fp16", L=160, sets=()):
 
 
 # --- the bit allocator (KVTC's DP) --------------------------------------------------------------
+
 
 def test_equal_variances_get_floor_of_budget_and_the_remainder_goes_first():
     assert allocate([1.0] * 4, 10, range(9)).tolist() == [3, 3, 2, 2]
@@ -83,11 +86,15 @@ def test_allocator_drops_weak_components_and_keeps_the_budget():
 
 # --- the tier: attention from latents equals the reference path ------------------------------------
 
-@pytest.mark.parametrize("keys,values", [
-    ("latent(rank=16)", "fp16"),
-    ("latent(rank=12, heads=3, hi_bits=8, lo_bits=4)", "latent(rank=24, heads=0, lo_bits=3)"),
-    ("latent(budget=96, center=true)", "latent(budget=128, center=true, group=64)"),
-])
+
+@pytest.mark.parametrize(
+    "keys,values",
+    [
+        ("latent(rank=16)", "fp16"),
+        ("latent(rank=12, heads=3, hi_bits=8, lo_bits=4)", "latent(rank=24, heads=0, lo_bits=3)"),
+        ("latent(budget=96, center=true)", "latent(budget=128, center=true, group=64)"),
+    ],
+)
 def test_latent_partial_equals_attention_over_the_rebuilt_kv(keys, values):
     cache = filled(keys, values, L=192)
     tier = cache.tiers[1]
@@ -102,9 +109,10 @@ def test_latent_partial_equals_attention_over_the_rebuilt_kv(keys, values):
 def test_full_rank_float_latents_match_fp16_in_a_model():
     model = tiny_llama()
     ref = feed(model, TOKENS, vq.make_prompt_cache(model, "fp16"), 200)
-    caches = vq.make_prompt_cache(model, recipe_text("latent(rank=64, hi_bits=16, lo_bits=16)",
-                                                     "latent(rank=64, hi_bits=16, lo_bits=16)"))
-    out = [model(TOKENS[:, :150], cache=caches)] + [model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 200)]
+    caches = vq.make_prompt_cache(
+        model, recipe_text("latent(rank=64, hi_bits=16, lo_bits=16)", "latent(rank=64, hi_bits=16, lo_bits=16)")
+    )
+    out = [model(TOKENS[:, :150], cache=caches)] + [model(TOKENS[:, s : s + 1], cache=caches) for s in range(150, 200)]
     assert caches[0].tiers[1].sides["k"].widths is not None  # fitted at the first single-token step
     assert float(mx.abs(mx.concatenate(out, axis=1) - ref).max()) < 5e-3
 
@@ -117,16 +125,20 @@ def test_decode_never_rebuilds_kv_from_latents(monkeypatch):
 
     def refuse(self, dtype):
         raise AssertionError("decode rebuilt K/V from latents")
+
     monkeypatch.setattr(latent_side.LatentSide, "decoded", refuse)
-    logits = mx.concatenate([model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 190)], axis=1)
+    logits = mx.concatenate([model(TOKENS[:, s : s + 1], cache=caches) for s in range(150, 190)], axis=1)
     mx.eval(logits)
     assert caches[0].attended and caches[0].tiers[-1].count >= 96
 
 
 def test_decode_peak_stays_below_one_fp16_copy_of_the_keys():
     shape = ModelShape.uniform("big", 1, 8, 256)
-    cache = caches_for(compile_recipe(recipe_text("latent(rank=8, hi_bits=4, lo_bits=4)",
-                                                  "latent(rank=8, hi_bits=4, lo_bits=4)"), shape))[0]
+    cache = caches_for(
+        compile_recipe(
+            recipe_text("latent(rank=8, hi_bits=4, lo_bits=4)", "latent(rank=8, hi_bits=4, lo_bits=4)"), shape
+        )
+    )[0]
     L = 8192
     x = mx.random.normal((1, 8, L, 256), key=mx.random.key(0)).astype(mx.float16)
     cache.update_and_fetch(x, x)
@@ -142,6 +154,7 @@ def test_decode_peak_stays_below_one_fp16_copy_of_the_keys():
 
 
 # --- bytes, persistence, models ---------------------------------------------------------------------
+
 
 def test_bytes_are_basis_plus_latents_and_no_fp16_copy():
     cache = filled("latent(rank=16)", "latent(rank=32, lo_bits=3)", L=192)
@@ -160,8 +173,7 @@ def test_energy_mode_picks_the_rank_the_spectrum_needs():
     assert cache.tiers[1].arrays()["k.basis"].shape[-1] in range(12, 16)  # 12 true dimensions + noise
 
 
-@pytest.mark.parametrize("name,sets", [("svdq", ["window=32"]), ("palu", ["window=32"]),
-                                       ("kvtc", ["window=64"])])
+@pytest.mark.parametrize("name,sets", [("svdq", ["window=32"]), ("palu", ["window=32"]), ("kvtc", ["window=64"])])
 def test_saved_cache_continues_identically(tmp_path, name, sets):
     model = tiny_llama()
     caches = vq.make_prompt_cache(model, name, sets)
@@ -192,8 +204,11 @@ def test_sliding_window_layers_run_and_forget_old_latents(name):
     caches = vq.make_prompt_cache(model, name, ["window=32"])
     # The window expires staged tokens during the prompt (not a whole group: 150 - 80 + 1 = 71),
     # then the single-token steps end the prompt and the sliding layers fit on what is left.
-    out = mx.concatenate([feed(model, TOKENS[:, :150], caches, 50)]
-                         + [model(TOKENS[:, s:s + 1], cache=caches) for s in range(150, 200)], axis=1)
+    out = mx.concatenate(
+        [feed(model, TOKENS[:, :150], caches, 50)]
+        + [model(TOKENS[:, s : s + 1], cache=caches) for s in range(150, 200)],
+        axis=1,
+    )
     assert not bool(mx.isnan(out).any())
     sliding = caches[0]
     assert sliding.plan.window == 80 and sliding.tiers[-1].sides["k"].widths is not None
@@ -202,13 +217,17 @@ def test_sliding_window_layers_run_and_forget_old_latents(name):
 
 # --- recipe errors ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keys,match", [
-    ("latent(heads=2, rank=8)", "heads=2 does not divide the 3 kv heads"),
-    ("latent(rank=80)", "rank=80 exceeds the 64 channels"),
-    ("latent(hi_bits=4)", "give rank=, energy= or budget="),
-    ("latent(rank=8, group=48)", "multiple of 32"),
-    ('latent(rank=8, choices="1,x")', "comma-separated integers"),
-])
+
+@pytest.mark.parametrize(
+    "keys,match",
+    [
+        ("latent(heads=2, rank=8)", "heads=2 does not divide the 3 kv heads"),
+        ("latent(rank=80)", "rank=80 exceeds the 64 channels"),
+        ("latent(hi_bits=4)", "give rank=, energy= or budget="),
+        ("latent(rank=8, group=48)", "multiple of 32"),
+        ('latent(rank=8, choices="1,x")', "comma-separated integers"),
+    ],
+)
 def test_bad_latent_parameters_are_located_errors(keys, match):
     with pytest.raises(RecipeError, match=match) as e:
         compile_recipe(recipe_text(keys), SHAPE)
@@ -216,8 +235,9 @@ def test_bad_latent_parameters_are_located_errors(keys, match):
 
 
 def test_latent_must_stand_in_the_last_tier():
-    bad = from_text("veloxquant: 1\nname: t\npipeline: |\n  recent(32) >> keys: latent(rank=8) values: fp16\n"
-                      "  >> drop\n")
+    bad = from_text(
+        "veloxquant: 1\nname: t\npipeline: |\n  recent(32) >> keys: latent(rank=8) values: fp16\n  >> drop\n"
+    )
     with pytest.raises(RecipeError, match="must stand in the last tier"):
         compile_recipe(bad, SHAPE)
 
@@ -239,6 +259,7 @@ def test_stage_arithmetic_round_trips_codes():
 
 def test_saved_ppl_scores_the_live_and_the_loaded_cache_alike(tmp_path):
     from benchmarks.saved_ppl import saved_then_scored
+
     model = tiny_llama()
     window = np.random.default_rng(0).integers(0, 500, 230).tolist()
     size, live, loaded = saved_then_scored(model, "kvtc", ["window=32"], window, 192, tmp_path)

@@ -1,5 +1,6 @@
 """`latent(calibrated=true)`: KVTC's global basis from `veloxquant calibrate`, widths still per prompt,
 and saved caches that name the artifact instead of holding a basis (tiny random Llama)."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -22,10 +23,12 @@ class Tokens:
 
 def recipe(tmp_path, corpus, k_budget=192, calibrated="true"):
     path = tmp_path / f"kvtc{k_budget}{calibrated}.yaml"
-    opts = f"center=true, quant=gauss, calibrated={calibrated}, corpus=\"{corpus}\", tokens=256"
-    path.write_text("veloxquant: 1\nname: kvtc_cal\npipeline: |\n  sink(4) >> recent(32)\n"
-                    f"  >> keys: latent(budget={k_budget}, queries=true, {opts}) | rans(table=tensor)\n"
-                    f"     values: latent(budget=160, {opts}) | rans(table=tensor)\n")
+    opts = f'center=true, quant=gauss, calibrated={calibrated}, corpus="{corpus}", tokens=256'
+    path.write_text(
+        "veloxquant: 1\nname: kvtc_cal\npipeline: |\n  sink(4) >> recent(32)\n"
+        f"  >> keys: latent(budget={k_budget}, queries=true, {opts}) | rans(table=tensor)\n"
+        f"     values: latent(budget=160, {opts}) | rans(table=tensor)\n"
+    )
     return str(path)
 
 
@@ -97,17 +100,18 @@ def test_a_cache_naming_axes_the_artifact_lacks_is_refused(llama_model, setup):
     arrays = {n: a for n, a in tier.arrays().items()}
     arrays["k.keep"] = mx.full(arrays["k.keep"].shape, 999, mx.uint16)
     assert "keep does not name" in vq.make_prompt_cache(llama_model, path)[0].tiers[2].restore(
-        tier.start, tier.count, arrays)
+        tier.start, tier.count, arrays
+    )
 
 
 def test_gemma3_sliding_layers_calibrate_save_and_load(tmp_path, monkeypatch):
     from conftest import tiny_gemma3
+
     monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(chr(1000 + int(i)) for i in np.random.default_rng(1).integers(0, 500, 600)))
     model, path = tiny_gemma3(), recipe(tmp_path, corpus)
-    calibrate(vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(model)), model, Tokens(),
-                      progress=False)
+    calibrate(vq.compile_recipe(vq.load_recipe(path), ModelShape.from_model(model)), model, Tokens(), progress=False)
     caches = vq.make_prompt_cache(model, path)
     feed(model, TOKENS[:, :150], caches, 50)  # past the sliding window (32): old latents expire
     save_prompt_cache(tmp_path / "g.safetensors", caches)

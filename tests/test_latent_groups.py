@@ -1,4 +1,5 @@
 """xKV: one latent basis shared by a group of adjacent layers through the cross-layer coordinator."""
+
 import mlx.core as mx
 
 import veloxquant as vq

@@ -1,4 +1,5 @@
 """latent(queries=true): the key allocation weighs components by the prompt's queries along them."""
+
 import mlx.core as mx
 import numpy as np
 
@@ -27,8 +28,10 @@ def test_a_quiet_direction_the_queries_look_along_gets_the_bits():
     quiet = int(np.argmax(basis[15]))  # the kept component that is channel 15
     assert basis[15, quiet] > 0.9 and widths[quiet] == 4
     assert plain.sum() == widths.sum() <= 24  # the same budget, spent elsewhere
-    assert Latent(budget=24, choices="0,1,2,3,4", center=True).fit(x, mx.array(moment))["widths"].tolist() == \
-        plain.tolist()  # queries=false ignores them
+    assert (
+        Latent(budget=24, choices="0,1,2,3,4", center=True).fit(x, mx.array(moment))["widths"].tolist()
+        == plain.tolist()
+    )  # queries=false ignores them
 
 
 def test_the_tier_gathers_the_prompts_queries_then_frees_them():

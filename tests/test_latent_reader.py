@@ -1,4 +1,5 @@
 """The one-gather latent read (stages/latent_reader.py) equals Latent.decode bit for bit."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ def test_float16_latents_are_not_readable():
 def test_one_reader_serves_every_length():
     """The shift kernel is compiled shapeless: a reader built once reads latents of any length."""
     from veloxquant.stages.latent_reader import LatentReader
+
     store, w = Latent(rank=8, quant="gauss", group=32), np.array([4, 3, 3, 6, 2, 5, 7, 1])
     reader = LatentReader(store, w)
     for L in (32, 160, 64):

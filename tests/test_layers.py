@@ -3,6 +3,7 @@
 `lint-imports` reads every module's imports, function-level ones included, so
 an import hidden inside a function breaks the contract as one at the top does.
 """
+
 import shutil
 import subprocess
 import sys
@@ -17,9 +18,14 @@ pytestmark = pytest.mark.skipif(not Path(lint_imports).exists(), reason="import-
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
     """lint-imports on the package under `root`, with the contract of the pyproject.toml there."""
-    return subprocess.run([lint_imports, "--no-cache"],
-                          cwd=root, env={"PYTHONPATH": str(root), "PATH": ""}, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [lint_imports, "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -35,14 +41,17 @@ def test_the_package_keeps_its_layers():
     assert "0 broken" in done.stdout
 
 
-@pytest.mark.parametrize("module, line, broken", [
-    # a stage reaching up into the runtime, hidden in a function
-    ("stages/_upward.py", "def f():\n    from ..runtime import cache\n", "layers: entry points"),
-    # the recipe language importing its sibling, the stage vocabulary
-    ("recipe/_sideways.py", "from ..stages import REGISTRY\n", "layers: entry points"),
-    # the artifact store loading a model
-    ("artifacts_model.py", "import mlx_lm\n", None),
-])
+@pytest.mark.parametrize(
+    "module, line, broken",
+    [
+        # a stage reaching up into the runtime, hidden in a function
+        ("stages/_upward.py", "def f():\n    from ..runtime import cache\n", "layers: entry points"),
+        # the recipe language importing its sibling, the stage vocabulary
+        ("recipe/_sideways.py", "from ..stages import REGISTRY\n", "layers: entry points"),
+        # the artifact store loading a model
+        ("artifacts_model.py", "import mlx_lm\n", None),
+    ],
+)
 def test_a_violation_breaks_the_contract(tmp_path, module, line, broken):
     root = _copy(tmp_path)
     if module == "artifacts_model.py":  # the store is a module: the violation goes into it

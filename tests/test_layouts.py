@@ -1,6 +1,7 @@
 """Models whose cache list is not one attention cache per layer: Gemma 4 (KV-shared last layers,
 sliding and full attention), hybrids whose non-attention layers keep mlx-lm's ArraysCache (Qwen3-Next,
 Qwen3.5, Jamba), and a model whose make_cache was replaced by veloxquant's. Tiny random-init models."""
+
 import copy
 
 import mlx.core as mx
@@ -20,10 +21,22 @@ KIVI = ["window=16", "group=16"]  # 96 tokens: most of them in the 2-bit tier
 
 def gemma4(dtype=mx.float32, types=("sliding_attention", "full_attention") * 2, shared=2):
     """4 layers, the last `shared` attending over earlier layers' caches (previous_kvs), window 32."""
-    args = gemma4_text.ModelArgs(model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                                 num_attention_heads=2, head_dim=32, global_head_dim=32, num_key_value_heads=1,
-                                 num_kv_shared_layers=shared, vocab_size=500, vocab_size_per_layer_input=500,
-                                 hidden_size_per_layer_input=8, sliding_window=32, layer_types=list(types))
+    args = gemma4_text.ModelArgs(
+        model_type="gemma4_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=2,
+        head_dim=32,
+        global_head_dim=32,
+        num_key_value_heads=1,
+        num_kv_shared_layers=shared,
+        vocab_size=500,
+        vocab_size_per_layer_input=500,
+        hidden_size_per_layer_input=8,
+        sliding_window=32,
+        layer_types=list(types),
+    )
     mx.random.seed(2)
     model = gemma4_text.Model(args)
     model.set_dtype(dtype)
@@ -32,31 +45,76 @@ def gemma4(dtype=mx.float32, types=("sliding_attention", "full_attention") * 2, 
 
 def tiny_qwen3_next():
     args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
-        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-        linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1,
-        shared_expert_intermediate_size=0, mlp_only_layers=[0, 1, 2, 3], moe_intermediate_size=0, rms_norm_eps=1e-6,
-        vocab_size=500, num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.25,
-        max_position_embeddings=4096, head_dim=32, full_attention_interval=2)
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=2,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        mlp_only_layers=[0, 1, 2, 3],
+        moe_intermediate_size=0,
+        rms_norm_eps=1e-6,
+        vocab_size=500,
+        num_key_value_heads=1,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        head_dim=32,
+        full_attention_interval=2,
+    )
     mx.random.seed(3)
     return qwen3_next.Model(args)
 
 
 def tiny_qwen3_5():
-    text = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=500, linear_num_value_heads=2,
-                linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32,
-                full_attention_interval=2)
+    text = dict(
+        model_type="qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=500,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        head_dim=32,
+        full_attention_interval=2,
+    )
     mx.random.seed(3)
     return qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
 
 
 def tiny_jamba():
-    args = jamba.ModelArgs(model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=2, num_key_value_heads=1, attn_layer_offset=1, attn_layer_period=2,
-                           expert_layer_offset=1, expert_layer_period=100, mamba_d_conv=4, mamba_d_state=8,
-                           mamba_expand=2, num_experts=1, num_experts_per_tok=1, rms_norm_eps=1e-6,
-                           max_position_embeddings=4096, vocab_size=500)
+    args = jamba.ModelArgs(
+        model_type="jamba",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_layer_offset=1,
+        attn_layer_period=2,
+        expert_layer_offset=1,
+        expert_layer_period=100,
+        mamba_d_conv=4,
+        mamba_d_state=8,
+        mamba_expand=2,
+        num_experts=1,
+        num_experts_per_tok=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        vocab_size=500,
+    )
     mx.random.seed(3)
     return jamba.Model(args)
 
@@ -74,6 +132,7 @@ def maxdiff(a, b) -> float:
 
 
 # --- Gemma 4: KV-shared layers, sliding and full attention ----------------------------------------------
+
 
 def test_gemma4_layout_follows_its_own_make_cache():
     model = gemma4()
@@ -109,7 +168,7 @@ def test_gemma4_lossy_recipes_run_and_shared_layers_read_their_owners_codes():
         caches = vq.make_prompt_cache(model, recipe, ["budget=48"] if recipe in ("h2o", "tova", "snapkv") else [])
         model(TOKENS[:, :80], cache=caches)
         for t in range(80, 84):
-            assert mx.isfinite(model(TOKENS[:, t:t + 1], cache=caches)).all()
+            assert mx.isfinite(model(TOKENS[:, t : t + 1], cache=caches)).all()
     exact = vq.make_prompt_cache(model, "h2o", ["budget=200"])  # keeps everything: fp16's logits
     assert maxdiff(feed(model, exact), feed(model, vq.make_prompt_cache(model, "fp16"))) < 1e-3
 
@@ -154,6 +213,7 @@ def test_gemma4_save_load_trim_and_copy(tmp_path):
 
 
 # --- hybrid models: non-attention layers keep mlx-lm's own caches ---------------------------------------
+
 
 @pytest.mark.parametrize("make", HYBRIDS)
 def test_hybrid_fp16_equals_mlx_lm_and_kivi_compresses_the_attention_layers(make):
@@ -226,6 +286,7 @@ def test_explain_shows_gemma4_shared_layers():
     from veloxquant.compiler import compile_recipe
     from veloxquant.compiler.explain import render
     from veloxquant.recipe import load_recipe
+
     text = render(compile_recipe(load_recipe("kivi"), ModelShape.from_model(gemma4())))
     assert "KV-shared layers 2 (reads 0's), 3 (reads 1's)" in text and "layer 0 (model layers 0, 2; sliding" in text
 
@@ -233,28 +294,35 @@ def test_explain_shows_gemma4_shared_layers():
 @pytest.mark.parametrize("make", [lambda: gemma4(mx.float16), tiny_qwen3_next])
 def test_mlx_lm_generate_step_gives_the_same_tokens_with_the_fp16_recipe(make):
     from mlx_lm.generate import generate_step
+
     model = make()
     model.set_dtype(mx.float16)
 
     def tokens(caches):
         return [t for t, _ in generate_step(TOKENS[0], model, prompt_cache=caches, max_tokens=8)]
+
     assert tokens(vq.make_prompt_cache(model, "fp16")) == tokens(None)  # None: mlx-lm's own make_cache
 
 
 # --- layouts that are refused, never run --------------------------------------------------------------
 
+
 class _Chunked(KVCache):  # a KVCache subclass with other semantics (llama4's ChunkedKVCache is one)
     pass
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda m: [KVCache(), _Chunked(), KVCache(), KVCache()], "layer 1 of model uses .*_Chunked"),
-    (lambda m: [KVCache()] * 5, "5 caches for 4 layers"),
-    (lambda m: [KVCache()] * 3, "3 caches for 4 layers, and veloxquant cannot read which cache layer 3"),
-    (lambda m: [ArraysCache(2)] * 4, "nothing for a recipe to compress"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda m: [KVCache(), _Chunked(), KVCache(), KVCache()], "layer 1 of model uses .*_Chunked"),
+        (lambda m: [KVCache()] * 5, "5 caches for 4 layers"),
+        (lambda m: [KVCache()] * 3, "3 caches for 4 layers, and veloxquant cannot read which cache layer 3"),
+        (lambda m: [ArraysCache(2)] * 4, "nothing for a recipe to compress"),
+    ],
+)
 def test_a_cache_list_veloxquant_cannot_read_is_refused(bad, match, monkeypatch):
     from conftest import tiny_llama
+
     model = tiny_llama()
     monkeypatch.setattr(type(model), "make_cache", bad)  # a model class whose own make_cache says so
     with pytest.raises(VeloxError, match=match):
@@ -275,8 +343,10 @@ def test_gemma4_with_mismatched_wiring_is_refused():
 
 # --- issue 36: model.make_cache replaced by veloxquant's -------------------------------------------------
 
+
 def test_replaced_make_cache_reads_the_class_layout_instead_of_recursing():
     from conftest import tiny_gemma3
+
     model = tiny_gemma3(window=32)
     model.make_cache = lambda: vq.make_prompt_cache(model, "kivi", KIVI)
     caches = model.make_cache()  # was: RecursionError inside lark's VisitError
@@ -289,6 +359,7 @@ def test_replaced_make_cache_reads_the_class_layout_instead_of_recursing():
 
 def test_make_cache_replaced_on_the_class_is_refused_with_its_location(monkeypatch):
     from conftest import tiny_llama
+
     model = tiny_llama()
     monkeypatch.setattr(type(model), "make_cache", lambda self: vq.make_prompt_cache(self, "kivi"))
     with pytest.raises(VeloxError, match=r"Model.make_cache \(.*test_layouts.py:\d+\) calls veloxquant"):

@@ -1,4 +1,5 @@
 """veloxquant leaderboard (veloxquant/board/): rows, resumable JSON, columns; on a tiny random Llama."""
+
 import json
 
 import pytest
@@ -10,12 +11,23 @@ from veloxquant.eval import EvalConfig
 
 from test_eval import SENTENCES, CharTokenizer
 
-TINY = EvalConfig(windows=1, prefix=96, score_tokens=32, prefill_chunk=32, score_chunk=8, fidelity_windows=0,
-                  passkey_lengths=(400,), passkey_depths=(0.5,), passkey_trials=1, passkey_max_tokens=3)
+TINY = EvalConfig(
+    windows=1,
+    prefix=96,
+    score_tokens=32,
+    prefill_chunk=32,
+    score_chunk=8,
+    fidelity_windows=0,
+    passkey_lengths=(400,),
+    passkey_depths=(0.5,),
+    passkey_trials=1,
+    passkey_max_tokens=3,
+)
 
 
 def test_rows_cover_every_builtin_with_byte_matched_settings():
     from veloxquant.recipe import builtin_names
+
     rows = protocol.rows(1152)
     specs = [r[0] for r in rows]
     assert set(builtin_names()) - {"fp16"} <= set(specs) and len(specs) == len(set(specs))
@@ -34,13 +46,20 @@ def test_leaderboard_resumes_and_reports_columns(llama_model, tmp_path, monkeypa
     args = (llama_model, tok, "tiny-llama", SENTENCES * 4, "sentences", "tiny", out, ["streaming_llm"])
     first = leaderboard.run(*args, limit=2, progress=False)
     assert first["partial"] and [r["spec"] for r in first["rows"]] == [
-        "fp16", "streaming_llm", "streaming_llm[window=28]"]
+        "fp16",
+        "streaming_llm",
+        "streaming_llm[window=28]",
+    ]
     saved = json.loads(out.read_text())
     assert saved["partial"] and saved["versions"]["mlx"] and saved["context"] == 128
     board = leaderboard.run(*args, progress=False)  # resumes: only the missing row runs
     specs = [r["spec"] for r in board["rows"]]
-    assert not board["partial"] and specs == ["fp16", "streaming_llm", "streaming_llm[window=28]",
-                                              "streaming_llm[window=12]"]
+    assert not board["partial"] and specs == [
+        "fp16",
+        "streaming_llm",
+        "streaming_llm[window=28]",
+        "streaming_llm[window=12]",
+    ]
     by = {r["spec"]: r for r in board["rows"]}
     assert by["fp16"]["held_ratio"] > 1 and by["fp16"]["divergence"]["kld_mean"] <= 1e-6  # 256-token slack
     quarter, eighth = by["streaming_llm[window=28]"], by["streaming_llm[window=12]"]

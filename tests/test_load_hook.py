@@ -1,5 +1,6 @@
 """A saved cache whose scorers need the attention hook, loaded where no hook is installed:
 load_prompt_cache installs it given the model, or refuses; a step without it is refused."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -36,14 +37,19 @@ def run_fresh(tmp_path, path, rest, mode):
     np.save(tmp_path / "rest.npy", np.array(rest))
     out = tmp_path / f"out-{mode}.npy"
     tests = Path(__file__).parent
-    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(path), str(tmp_path / "rest.npy"), mode, str(out)],
-                          capture_output=True, text=True, cwd=tests.parent,
-                          env={**__import__("os").environ, "PYTHONPATH": f"{tests.parent}:{tests}"})
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(path), str(tmp_path / "rest.npy"), mode, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tests.parent,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tests.parent}:{tests}"},
+    )
     return proc, (np.load(out) if out.exists() else None)
 
 
-@pytest.mark.parametrize("recipe, sets", [("h2o", ["budget=48"]), ("tova", ["budget=48"]),
-                                          ("pyramidkv", ["budget=pyramid(from=64, to=32)"])])
+@pytest.mark.parametrize(
+    "recipe, sets", [("h2o", ["budget=48"]), ("tova", ["budget=48"]), ("pyramidkv", ["budget=pyramid(from=64, to=32)"])]
+)
 def test_fresh_process_installs_the_hook_and_continues_identically(llama_model, tmp_path, recipe, sets):
     caches = vq.make_prompt_cache(llama_model, recipe, sets)
     feed(llama_model, TOKENS[:, :100], caches, 50)

@@ -1,5 +1,6 @@
 """Bounded recipes hold flat bytes over a long generation (nbytes: the arrays really held).
 Speed is measured by python -m veloxquant.bench.long_generation, not here."""
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step

@@ -1,5 +1,6 @@
 """The Lloyd-Max look-up decode kernel (kernels/cuda/lut_attention.cu, kernels/lut.py): which calls it
 takes, that the others get the MLX-ops reference's answer, that it compiles, and (CUDA) its parity."""
+
 import shutil
 
 import mlx.core as mx
@@ -45,6 +46,7 @@ def test_the_kernel_takes_turboquant_rvq_decode_steps_and_nothing_it_cannot_read
 def test_calls_the_kernel_does_not_take_get_the_reference_answer(monkeypatch):
     from veloxquant.kernels import dispatch, table
     from veloxquant.runtime.code_attention import tier_partial
+
     tier = coded_tier("turboquant_rvq", 3, 64, 100)
     q = mx.random.normal((1, 9, 1, 64))
     mask = position_mask(mx.arange(100), 99, 1, 50)
@@ -69,9 +71,11 @@ def test_blocks_along_the_sequence_cover_it_with_whole_steps():
 @pytest.mark.parametrize("D,rows,bits", [(64, 3, (2, 2, 2, 2)), (256, 4, (2, 2, 2, 2)), (128, 1, (4, 0, 4, 0))])
 def test_lut_kernels_compile_for_sm90_without_spills(D, rows, bits):
     from veloxquant.kernels import nvcc_check
+
     for section in ("lut_attend", "lut_reduce", "lloyd_encode"):
-        report = nvcc_check.compile_unit(nvcc_check.lut_unit(D, rows, bits if section != "lloyd_encode"
-                                                             else bits[:2], section))
+        report = nvcc_check.compile_unit(
+            nvcc_check.lut_unit(D, rows, bits if section != "lloyd_encode" else bits[:2], section)
+        )
         assert " 0 bytes spill stores" in report
 
 
@@ -93,17 +97,23 @@ def test_the_encode_launch_fits_a_long_prefill_chunk_in_cudas_grid(monkeypatch):
     def launch(inputs, grid, threadgroup, output_shapes, output_dtypes, **kw):
         seen.update(grid=grid, threadgroup=threadgroup)
         return [mx.zeros(s, dtype=t) for s, t in zip(output_shapes, output_dtypes)]
+
     monkeypatch.setattr(lut, "_encoder", lambda: launch)
     lut.encode(codec, mx.zeros((1, 8, 8200, 64), dtype=mx.float16))
     blocks = [g // t for g, t in zip(seen["grid"], seen["threadgroup"])]
     assert blocks[0] * blocks[1] * blocks[2] == 8 * 8200
-    assert blocks[0] < 2 ** 31 and blocks[1] <= 65535 and blocks[2] <= 65535
+    assert blocks[0] < 2**31 and blocks[1] <= 65535 and blocks[2] <= 65535
 
 
 # ---------------------------------------------------------------- CUDA only
 GPU_CASES = [  # (Hq, Hkv, D, L, Lq, recipe params)
-    (9, 3, 64, 1000, 1, ()), (9, 3, 64, 8192, 1, ()), (4, 1, 256, 700, 1, ()), (32, 8, 128, 4096, 1, ()),
-    (4, 2, 64, 77, 2, ()), (9, 3, 64, 513, 1, ("bits=1",)), (9, 3, 64, 300, 1, ("bits=4",)),
+    (9, 3, 64, 1000, 1, ()),
+    (9, 3, 64, 8192, 1, ()),
+    (4, 1, 256, 700, 1, ()),
+    (32, 8, 128, 4096, 1, ()),
+    (4, 2, 64, 77, 2, ()),
+    (9, 3, 64, 513, 1, ("bits=1",)),
+    (9, 3, 64, 300, 1, ("bits=4",)),
 ]
 
 
@@ -114,10 +124,11 @@ def test_lut_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case):
     """Issue 18's parity bar: against the float32 reference (CPU), the kernel's output differs by
     <= 1e-3 and by no more than fp16 SDPA over the decoded cache; lse within 1e-3."""
     from test_kernels import TOL, _record, maxerr, on_cpu
+
     Hq, Hkv, D, L, Lq, sets = case
     tier = coded_tier("turboquant_rvq", Hkv, D, L, sets)
     q = mx.random.normal((1, Hq, Lq, D), key=mx.random.key(3)).astype(mx.float16)
-    scale = D ** -0.5
+    scale = D**-0.5
     assert lut.unsupported(q, *call(tier)) == ""
     want = on_cpu(codes_partial_attention, q, *call(tier), scale)
     got = lut.partial_attention(q, *call(tier), scale)
@@ -125,13 +136,22 @@ def test_lut_kernel_is_no_worse_than_fp16_sdpa_over_the_decoded_cache(case):
     sdpa = mx.fast.scaled_dot_product_attention(q, k16, v16, scale=scale)
     e_kernel, e_sdpa = maxerr((got[0],), (want[0],)), maxerr((sdpa,), (want[0],))
     e_lse = maxerr((got[1],), (want[1],))
-    _record(f"[lut vs sdpa] {Hq}/{Hkv}/{D} L{L} Lq{Lq} {sets}: kernel {e_kernel:.2e}, fp16 sdpa {e_sdpa:.2e}, "
-            f"lse {e_lse:.2e}", e_kernel)
+    _record(
+        f"[lut vs sdpa] {Hq}/{Hkv}/{D} L{L} Lq{Lq} {sets}: kernel {e_kernel:.2e}, fp16 sdpa {e_sdpa:.2e}, "
+        f"lse {e_lse:.2e}",
+        e_kernel,
+    )
     assert e_kernel <= TOL and e_kernel <= e_sdpa and e_lse <= TOL
 
 
-ENCODE_CASES = [(3, 64, 1, ()), (3, 64, 2048, ()), (1, 256, 7, ()), (8, 128, 33, ("bits=4",)), (3, 64, 16, ("bits=1",)),
-                (8, 128, 8200, ())]  # 65,600 rows: past a grid's 65,535 blocks along y
+ENCODE_CASES = [
+    (3, 64, 1, ()),
+    (3, 64, 2048, ()),
+    (1, 256, 7, ()),
+    (8, 128, 33, ("bits=4",)),
+    (3, 64, 16, ("bits=1",)),
+    (8, 128, 8200, ()),
+]  # 65,600 rows: past a grid's 65,535 blocks along y
 
 
 @pytest.mark.gpu
@@ -141,6 +161,7 @@ def test_encode_kernel_codes_as_the_mlx_ops_do(case):
     """Same codes but where a component lies within float rounding of a level boundary (the
     rotation and the norms' sums run in another order), norms within one float16 step."""
     from test_kernels import _record, on_cpu
+
     Hkv, D, n, sets = case
     codec = coded_tier("turboquant_rvq", Hkv, D, 32, sets).codecs["k"]
     assert codec.kernel_encode is lut.encode
@@ -153,6 +174,7 @@ def test_encode_kernel_codes_as_the_mlx_ops_do(case):
         if name.endswith("codes"):
             bits = codec.store.bits if name == "codes" else codec.residuals[0].bits
             from veloxquant.kernels.bitpack import unpack
+
             a, b = unpack(got[name], bits, D), unpack(want[name], bits, D)
             flipped = float(mx.mean((a != b).astype(mx.float32)))
             worst = max(worst, flipped)
@@ -171,6 +193,7 @@ def test_turboquant_rvq_decode_step_on_the_cuda_path_is_four_launches_per_layer(
     from veloxquant.bench.decode_ops import stand_in_for_cuda, step
     from veloxquant.bench.e2e import random_llama
     from veloxquant.runtime import make_prompt_cache, uninstall
+
     mx.random.seed(0)
     model = random_llama(2, 9, 3, 64, 500, mx.float16)
     with stand_in_for_cuda():

@@ -1,4 +1,5 @@
 """CaM: evicted values merged into survivors (runtime/eviction/merging.py), as an evict option."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -44,6 +45,7 @@ def test_several_targets_share_the_merge_as_weighted_averages():
 
 def test_blocked_similarity_gives_the_same_merge(monkeypatch):
     from veloxquant.runtime.eviction import merging
+
     rng = np.random.default_rng(2)
     keys, values = (mx.array(rng.standard_normal((1, 2, 50, 8)).astype(np.float32)) for _ in range(2))
     scores = mx.array(rng.random((1, 2, 50)).astype(np.float32))
@@ -56,8 +58,9 @@ def test_blocked_similarity_gives_the_same_merge(monkeypatch):
 def run(model, tmp_path, pipeline, name, n=80):
     caches = veloxquant.make_prompt_cache(model, pipeline_recipe(tmp_path, pipeline, name))
     toks = mx.array(np.random.default_rng(4).integers(0, 500, (1, n)))
-    outs = [model(toks[:, :n - 8], cache=caches)[:, -1]] + [model(toks[:, i:i + 1], cache=caches)[:, -1]
-                                                            for i in range(n - 8, n)]
+    outs = [model(toks[:, : n - 8], cache=caches)[:, -1]] + [
+        model(toks[:, i : i + 1], cache=caches)[:, -1] for i in range(n - 8, n)
+    ]
     veloxquant.uninstall(model)
     return caches, mx.stack(outs, axis=1)
 
@@ -79,8 +82,9 @@ def test_merge_drop_is_h2o_bit_for_bit_and_merging_holds_the_same_bytes(tmp_path
 
 def test_merge_into_ragged_heads_is_refused(tmp_path):
     with pytest.raises(RecipeError, match="merge=prominence needs heads=equal"):
-        veloxquant.make_prompt_cache(tiny_llama(layers=1), pipeline_recipe(
-            tmp_path, "evict(budget=32, merge=prominence, heads=adakv)", "bad"))
+        veloxquant.make_prompt_cache(
+            tiny_llama(layers=1), pipeline_recipe(tmp_path, "evict(budget=32, merge=prominence, heads=adakv)", "bad")
+        )
 
 
 def test_many_merges_into_one_survivor_stay_in_the_hull_of_the_merged_values():

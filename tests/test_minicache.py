@@ -1,4 +1,5 @@
 """MiniCache: pairs of layers share one SLERP direction per token through the cross-layer coordinator."""
+
 import mlx.core as mx
 import pytest
 
@@ -123,9 +124,19 @@ def test_explain_shows_the_pairs_from_the_start_depth():
 def gemma_with_sliding_pairs():
     """Layers 0-2 slide (a window of 64), layer 3 is global: one sliding pair, 0-1."""
     from mlx_lm.models import gemma3_text
-    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4,
-                                 intermediate_size=256, num_attention_heads=2, head_dim=64, num_key_value_heads=1,
-                                 vocab_size=500, sliding_window=64, sliding_window_pattern=4)
+
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=2,
+        head_dim=64,
+        num_key_value_heads=1,
+        vocab_size=500,
+        sliding_window=64,
+        sliding_window_pattern=4,
+    )
     mx.random.seed(1)
     return gemma3_text.Model(args)
 

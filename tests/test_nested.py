@@ -1,5 +1,6 @@
 """NestedKV's key anomaly scores (three scales, head-adaptive blend, surprise gate) and its
 head-wise budget competition held in ragged per-head tiers."""
+
 import mlx.core as mx
 import numpy as np
 
@@ -48,8 +49,9 @@ def test_gate_sends_disagreeing_tokens_to_their_strongest_scale():
 
 def test_nestedkv_heads_compete_and_hold_ragged_budgets(tmp_path):
     model = tiny_llama(layers=2)
-    recipe = pipeline_recipe(tmp_path, "evict(budget=24, sinks=2, score=nested, once=true, window=16, tau=0.6, "
-                                       "heads=score, alpha=0.2)")
+    recipe = pipeline_recipe(
+        tmp_path, "evict(budget=24, sinks=2, score=nested, once=true, window=16, tau=0.6, heads=score, alpha=0.2)"
+    )
     caches = veloxquant.make_prompt_cache(model, recipe)
     toks = mx.array(np.random.default_rng(2).integers(0, 500, (1, 100)))
     model(toks[:, :99], cache=caches)

@@ -1,5 +1,6 @@
 """NSNQuant (`nsn` store, `nsnquant` recipe): the universal codebook, offset-invariance of the
 double normalization, scores from codes, one-block prefill == token-by-token, models, save/load."""
+
 import mlx.core as mx
 import pytest
 
@@ -16,7 +17,7 @@ from conftest import feed, pipeline_recipe, tiny_gemma3
 
 def _rel(stage, x):
     centred = x - mx.mean(x, axis=2, keepdims=True)
-    return float(mx.sum((stage.decode(stage.encode(x), mx.float32) - x) ** 2) / mx.sum(centred ** 2))
+    return float(mx.sum((stage.decode(stage.encode(x), mx.float32) - x) ** 2) / mx.sum(centred**2))
 
 
 def test_two_bits_beat_one_and_a_channel_offset_costs_nothing():
@@ -56,7 +57,7 @@ def test_one_block_prefill_equals_token_by_token(llama_model):
     block, steps = (vq.make_prompt_cache(llama_model, "nsnquant")[0] for _ in range(2))
     block.update_and_fetch(k, v)
     for i in range(300):
-        steps.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        steps.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
     a, b = block.tiers[-1], steps.tiers[-1]
     block.size(), steps.size()  # settle
     assert a.start == b.start == 4 and min(a.count, b.count) >= 192
@@ -84,6 +85,7 @@ def test_runs_close_to_fp16_and_a_saved_cache_continues(llama_model, model, tmp_
 def test_a_width_nsn_cannot_code_is_a_clear_error_naming_the_choices():
     from veloxquant.errors import RecipeError
     from veloxquant.recipe import load_recipe
+
     # was "sequence item 0: expected str instance, int found": the int choices were joined as str
     with pytest.raises(RecipeError, match=r"parameter 'bits' must be one of 1, 2, got 4"):
         compile_recipe(load_recipe("nsnquant"), SMOLLM2_135M, ["bits=4"])

@@ -4,6 +4,7 @@ Offline: the hook repository is a local git repository holding our
 .pre-commit-hooks.yaml, and the hooks are `language: system`, so pre-commit
 installs nothing; `veloxquant` on PATH is a shim that runs this checkout.
 """
+
 import os
 import shutil
 import stat
@@ -20,8 +21,12 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the g
 
 
 def git(repo, *args):
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
-                   cwd=repo, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
 
 
 @pytest.fixture
@@ -29,10 +34,15 @@ def env(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shim = bin_dir / "veloxquant"
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m veloxquant.cli \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m veloxquant.cli "$@"\n')
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
-    e = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT),
-             PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"), VELOXQUANT_NO_OPENBLAS="1")
+    e = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        PYTHONPATH=str(ROOT),
+        PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"),
+        VELOXQUANT_NO_OPENBLAS="1",
+    )
     return e
 
 
@@ -52,7 +62,8 @@ def user_repo(tmp_path, files: dict) -> Path:
     repo = tmp_path / "user"
     (repo / "recipes").mkdir(parents=True)
     (repo / ".pre-commit-config.yaml").write_text(
-        f"repos:\n- repo: {hooks}\n  rev: {rev}\n  hooks:\n  - id: veloxquant-fmt\n  - id: veloxquant-check\n")
+        f"repos:\n- repo: {hooks}\n  rev: {rev}\n  hooks:\n  - id: veloxquant-fmt\n  - id: veloxquant-check\n"
+    )
     for name, text in files.items():
         (repo / name).write_text(text)
     git(repo, "init", "-q")
@@ -61,22 +72,34 @@ def user_repo(tmp_path, files: dict) -> Path:
 
 
 def pre_commit(repo, env):
-    return subprocess.run([sys.executable, "-m", "pre_commit", "run", "--all-files"], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pre_commit", "run", "--all-files"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_hooks_pass_on_canonical_recipes(tmp_path, env):
     kivi = (ROOT / "recipes" / "kivi.yaml").read_text()
-    repo = user_repo(tmp_path, {"recipes/mine.yaml": kivi.replace("name: kivi", "name: mine"),
-                                "notes.yaml": "not: a recipe\n"})  # outside recipes/: not checked
+    repo = user_repo(
+        tmp_path, {"recipes/mine.yaml": kivi.replace("name: kivi", "name: mine"), "notes.yaml": "not: a recipe\n"}
+    )  # outside recipes/: not checked
     out = pre_commit(repo, env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "veloxquant fmt --check" in out.stdout and "Passed" in out.stdout
 
 
 def test_hooks_fail_on_unformatted_and_broken_recipes(tmp_path, env):
-    repo = user_repo(tmp_path, {"recipes/messy.yaml": (GOOD / "messy.yaml").read_text(),
-                                "recipes/broken.yaml": "veloxquant: 1\nname: b\npipeline: recnt(8) >> fp16\n"})
+    repo = user_repo(
+        tmp_path,
+        {
+            "recipes/messy.yaml": (GOOD / "messy.yaml").read_text(),
+            "recipes/broken.yaml": "veloxquant: 1\nname: b\npipeline: recnt(8) >> fp16\n",
+        },
+    )
     out = pre_commit(repo, env)
     assert out.returncode == 1
     assert "would reformat recipes/messy.yaml" in out.stdout

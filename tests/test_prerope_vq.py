@@ -1,4 +1,5 @@
 """commvq and a2ats: codebooks of pre-RoPE keys, RoPE re-applied in the scores (tiny random models)."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -29,9 +30,12 @@ def recipes(tmp_path, monkeypatch):
 
     def make(name, keys, values="rotation | lloydmax(bits=4)"):
         path = tmp_path / f"{name}.yaml"
-        path.write_text(f"veloxquant: 1\nname: {name}\npipeline: |\n  keys: unrope | {keys[:-1]}, corpus=\"{corpus}\", "
-                        f"tokens=256)\n  values: {values}\n")
+        path.write_text(
+            f'veloxquant: 1\nname: {name}\npipeline: |\n  keys: unrope | {keys[:-1]}, corpus="{corpus}", '
+            f"tokens=256)\n  values: {values}\n"
+        )
         return str(path)
+
     return make
 
 
@@ -51,13 +55,27 @@ def _filled_tier(plan, start=0, n=40, layer=2):
 def _both(tier, q, start, first_q):
     kd, vd = tier.decoded(mx.float32)  # decode-then-attend: codes -> pre-RoPE keys -> RoPE by position
     ref = partial_attention(q, kd, vd, 0.125)
-    got = codes_partial_attention(q, tier.encoded("k"), tier.encoded("v"), tier.codecs["k"], tier.codecs["v"],
-                                  0.125, key_start=start, first_q=first_q)
+    got = codes_partial_attention(
+        q,
+        tier.encoded("k"),
+        tier.encoded("v"),
+        tier.codecs["k"],
+        tier.codecs["v"],
+        0.125,
+        key_start=start,
+        first_q=first_q,
+    )
     return ref, got
 
 
-@pytest.mark.parametrize("spec", [(64, False, 100000.0, 1.0, None), (64, True, 10000.0, 0.25, None),
-                                  (64, False, None, 1.0, tuple(float(1.5 ** i) for i in range(32)))])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        (64, False, 100000.0, 1.0, None),
+        (64, True, 10000.0, 0.25, None),
+        (64, False, None, 1.0, tuple(float(1.5**i) for i in range(32))),
+    ],
+)
 def test_rope_at_any_positions_equals_the_models_rope(spec):
     x = mx.random.normal((1, 2, 9, 64), key=mx.random.key(3))
     assert float(mx.abs(rotate(x, spec, 1000) - rp.rotate_at(x, spec, mx.arange(1000, 1009))).max()) < 1e-3
@@ -90,6 +108,7 @@ def test_commvq_codewords_commute_with_rope(llama_model, recipes):
     enc = store.encode(mx.random.normal((1, 3, 5, 64), key=mx.random.key(4)))
     direct = rp.rotate_at(store.decode(enc, mx.float32), spec, mx.full((5,), 77))  # each key at position 77
     from veloxquant import artifacts as artifact
+
     slot = (store._artifact, store._slot)
     books = artifact._SLOTS[slot]
     artifact._SLOTS[slot] = rotated
@@ -115,6 +134,7 @@ def test_a2ats_beta_one_is_plain_vq(llama_model, recipes):
     plain = kmeans((samples[1] * np.linspace(0.5, 2, 64)).reshape(200, 8, 8)[:, 3].astype(np.float64), 16, seed=8 + 3)
     assert np.allclose(fitted["codebook"][1, 3], plain, atol=1e-5)  # beta=1: plain k-means, the queries unused
 
+
 def test_a2ats_windowed_rope_reductions(llama_model, recipes):
     exact_plan = _calibrated(llama_model, recipes("aw", "qavq(beta=0.5, centroids=16, window=1000)"))
     tier, _ = _filled_tier(exact_plan, start=100)
@@ -138,6 +158,7 @@ def test_a2ats_windowed_rope_reductions(llama_model, recipes):
 
 def attrs_evolve(store, **kw):
     import attrs
+
     return attrs.evolve(store, **kw)
 
 
@@ -162,6 +183,7 @@ def test_a2ats_assigns_by_the_queries_it_answered_and_keeps_them(llama_model, re
 @pytest.mark.parametrize("keys", ["commvq(bits=2, iters=2)", "qavq(centroids=16, window=8)"])
 def test_generate_and_save_load_on_llama_and_gemma(llama_model, recipes, tmp_path, keys):
     from mlx_lm.generate import generate_step
+
     name = keys.split("(")[0]
     recipe = recipes(name, keys)
     for model in (llama_model, tiny_gemma3()):
@@ -180,6 +202,7 @@ def test_commvq_m_step_is_the_commutative_least_squares_solution():
     """The constrained M-step (one complex system for all pairs) equals a brute-force real lstsq over
     codewords built as c_A + i c_B."""
     from veloxquant.stages.commvq import _m_step
+
     rng = np.random.default_rng(0)
     N, P, C = 300, 4, 8
     x = rng.normal(size=(N, P)) + 1j * rng.normal(size=(N, P))

@@ -1,5 +1,6 @@
 """kvpress's LagKV (score=lagkv) and ThinK (the `think` store): formulas against NumPy models of
 kvpress's code, properties that follow from them, and the recipes on the tiny Llama."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ TOKENS = mx.random.randint(0, 500, (1, 600), key=mx.random.key(3))
 # --- LagKV --------------------------------------------------------------------------
 class Held:
     """What the scorer reads of a tier: its keys and values."""
+
     def __init__(self, k, v):
         self.k, self.v = mx.array(k), mx.array(v)
 
@@ -26,8 +28,9 @@ class Held:
 
 
 def lag_priority(k, v, sinks=4, lag=8):
-    return np.array(LagKV(Evict(budget=64, sinks=sinks, score="lagkv", chunk=lag, once=True))
-                    .priority(Held(k, v), k.shape[2], None))
+    return np.array(
+        LagKV(Evict(budget=64, sinks=sinks, score="lagkv", chunk=lag, once=True)).priority(Held(k, v), k.shape[2], None)
+    )
 
 
 def kvpress_lagkv(k, v, sinks, lag):
@@ -50,8 +53,9 @@ def kvpress_lagkv(k, v, sinks, lag):
 
 def kv(seed, L=61, H=2, D=16):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((1, H, L, D)) * np.exp(rng.standard_normal((1, H, L, 1)))).astype(np.float32), \
-        rng.standard_normal((1, H, L, D)).astype(np.float32)
+    return (rng.standard_normal((1, H, L, D)) * np.exp(rng.standard_normal((1, H, L, 1)))).astype(
+        np.float32
+    ), rng.standard_normal((1, H, L, D)).astype(np.float32)
 
 
 def test_lagkv_scores_are_kvpress_formula():
@@ -70,17 +74,17 @@ def test_a_partition_is_scored_against_the_next_one_only():
     k, v = kv(3)
     base = lag_priority(k, v)
     k2 = k.copy()
-    k2[:, :, 4 + 16:4 + 24] *= np.linspace(0.1, 9, 16, dtype=np.float32)  # partition 2 (its range) changes
+    k2[:, :, 4 + 16 : 4 + 24] *= np.linspace(0.1, 9, 16, dtype=np.float32)  # partition 2 (its range) changes
     moved = lag_priority(k2, v)
-    np.testing.assert_array_equal(moved[..., :4 + 8], base[..., :4 + 8])  # sinks and partition 0
-    assert not np.array_equal(moved[..., 4 + 8:4 + 16], base[..., 4 + 8:4 + 16])  # partition 1 reads 2's range
+    np.testing.assert_array_equal(moved[..., : 4 + 8], base[..., : 4 + 8])  # sinks and partition 0
+    assert not np.array_equal(moved[..., 4 + 8 : 4 + 16], base[..., 4 + 8 : 4 + 16])  # partition 1 reads 2's range
 
 
 def test_lagkv_ranks_within_each_partition_and_keeps_sinks_and_tail():
     k, v = kv(4)
     p = lag_priority(k, v)
-    assert (p[..., :4] == 1).all() and (p[..., 4 + 48:] == 1).all()  # 6 partitions of 8 scored: 5, tail 8 + 9
-    ranks = np.sort(p[..., 4:4 + 40].reshape(1, 2, 5, 8), axis=-1) * 8
+    assert (p[..., :4] == 1).all() and (p[..., 4 + 48 :] == 1).all()  # 6 partitions of 8 scored: 5, tail 8 + 9
+    ranks = np.sort(p[..., 4 : 4 + 40].reshape(1, 2, 5, 8), axis=-1) * 8
     np.testing.assert_array_equal(ranks, np.broadcast_to(np.arange(8), ranks.shape))
     short = lag_priority(k[:, :, :19], v[:, :, :19])  # fewer than sinks + 2 partitions: the newest first
     assert (np.diff(short[..., 4:]) > 0).all()
@@ -157,8 +161,9 @@ def test_think_scores_are_exact_for_queries_on_the_kept_channels(llama_model):
     mask = np.zeros((3, 1, 64), np.float32)
     mask[np.arange(3)[:, None], 0, kept(side.fitted)] = 1
     q = mx.random.normal((1, 3, 5, 64), key=mx.random.key(2)) * mx.array(mask)
-    np.testing.assert_allclose(np.array(side.scores(q)), np.array(q @ x.astype(mx.float32).swapaxes(-1, -2)),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(side.scores(q)), np.array(q @ x.astype(mx.float32).swapaxes(-1, -2)), rtol=1e-5, atol=1e-4
+    )
     assert side.latents().shape == (1, 3, 96, 16)  # only the kept channels are held
 
 
@@ -188,8 +193,10 @@ def test_think_recipes_hold_only_the_kept_channels(llama_model, tmp_path, name, 
     path = str(tmp_path / "c.safetensors")
     save_prompt_cache(path, caches)
     step = TOKENS[:, 512:513]
-    np.testing.assert_array_equal(np.array(llama_model(step, cache=caches)),
-                                  np.array(llama_model(step, cache=load_prompt_cache(path, model=llama_model)[0])))
+    np.testing.assert_array_equal(
+        np.array(llama_model(step, cache=caches)),
+        np.array(llama_model(step, cache=load_prompt_cache(path, model=llama_model)[0])),
+    )
 
 
 def test_pruning_kivis_keys_holds_fewer_bytes_than_kivi(llama_model):

@@ -1,5 +1,6 @@
 """RateQuant's per-layer widths (`ratebits`): the allocation across layers from measured
 attention-output errors, calibration on a tiny random Llama, and the recipe end to end."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -36,8 +37,11 @@ def recipe(tmp_path, monkeypatch, llama_model):
     monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_text(0))
-    plan = vq.compile_recipe(vq.load_recipe("ratequant"), ModelShape.from_model(llama_model),
-                             [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"])
+    plan = vq.compile_recipe(
+        vq.load_recipe("ratequant"),
+        ModelShape.from_model(llama_model),
+        [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"],
+    )
     meta = calibrate(plan, llama_model, Tokens(), progress=False)
     return [f"corpus={corpus}", "tokens=256", "bits=2.5", "window=16"], meta
 
@@ -68,6 +72,7 @@ def test_ratebits_scores_equal_decode_then_attend_and_a_saved_cache_continues(ll
     sets, _ = recipe
     caches = vq.make_prompt_cache(llama_model, "ratequant", sets)
     from veloxquant.stages import ratebits
+
     ratebits._WIDTHS.clear()  # the first read of a width may come inside the compiled encode of a 64-token block
     tier = Tier(caches[1].plan.tiers[-1])
     tier.append(mx.random.normal((1, 3, 64, 64)), mx.random.normal((1, 3, 64, 64)), 0)
@@ -86,6 +91,7 @@ def test_ratebits_scores_equal_decode_then_attend_and_a_saved_cache_continues(ll
 
 def test_keys_and_values_share_one_budget():
     from veloxquant.stages.ratebits import RateBits
+
     st = RateBits(target=3.0)
     curve = np.array([1.0, 0.3, 0.08])
     fits = {(i, 2, side, st): {"errors": curve * (10 if side == "k" else 1)} for i in range(3) for side in "kv"}
@@ -96,6 +102,7 @@ def test_keys_and_values_share_one_budget():
 
 def test_a_sliding_window_limits_the_keys_the_errors_are_measured_over():
     from veloxquant.stages.ratebits import RateBits
+
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((1, 256, 64)).astype(np.float32), rng.standard_normal((1, 256, 64)).astype(np.float32)
     q = rng.standard_normal((3, 64, 64)).astype(np.float32)  # every 4th position's query, 3 query heads
@@ -107,6 +114,7 @@ def test_a_sliding_window_limits_the_keys_the_errors_are_measured_over():
 
 # --- byte-weighted allocation and min/max codes (recipe `ratekivi`) ---------------
 
+
 def test_unit_weights_are_the_unweighted_allocation_bit_for_bit():
     rng = np.random.default_rng(1)
     errors = np.sort(rng.random((12, 5)), axis=1)[:, ::-1]  # convex-ish decreasing curves
@@ -116,6 +124,7 @@ def test_unit_weights_are_the_unweighted_allocation_bit_for_bit():
 
 def test_a_site_that_holds_more_tokens_pays_more_for_its_bits():
     from veloxquant.stages.ratebits import site_weights
+
     assert site_weights(np.array([512, 0]), 0) is None  # context 0: every layer alike
     w = site_weights(np.array([512, 512, 0, 0]), 4096)  # two 512-token sliding layers, two full ones
     assert list(w) == [1, 1, 8, 8] and list(site_weights(np.array([512, 0]), 256)) == [1, 1]
@@ -131,6 +140,7 @@ def test_a_site_that_holds_more_tokens_pays_more_for_its_bits():
 def test_affine_ratebits_at_a_width_is_affine_bit_for_bit_and_holds_its_group():
     from veloxquant.stages.ratebits import _WIDTHS, RateBits
     from veloxquant.stages.store import Affine
+
     st = RateBits(codec="affine", group=32, axis="channel", lo=2, hi=5, artifact="t", slot="0.1.k")
     _WIDTHS[("t", "0.1.k")] = 3
     try:
@@ -151,9 +161,9 @@ def test_affine_ratebits_at_a_width_is_affine_bit_for_bit_and_holds_its_group():
 
 def test_affine_fit_measures_whole_groups_and_more_bits_cut_the_error():
     from veloxquant.stages.ratebits import RateBits
+
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((1, 250, 64)).astype(np.float32), rng.standard_normal((1, 250, 64)).astype(np.float32)
     q = rng.standard_normal((3, 63, 64)).astype(np.float32)
     fit = RateBits(codec="affine", axis="channel", group=64, lo=2, hi=5).fit(k, q, {"k": k, "v": v, "q": q}, "k", 128)
     assert np.all(np.diff(fit["errors"]) < 0) and int(fit["held"][0]) == 128
-

@@ -5,6 +5,7 @@ missing: a missing Ray is a broken test environment. The one exception is a
 Python that Ray publishes no wheels for (pyproject's marker), where it is not
 installed.
 """
+
 import os
 import sys
 from pathlib import Path
@@ -42,8 +43,13 @@ class TinyModel:
 @pytest.fixture(scope="module")
 def cluster():
     tests = Path(__file__).resolve().parent  # workers import this module, conftest and test_eval by name
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}},
+    )
     yield
     ray.shutdown()
 
@@ -61,8 +67,18 @@ def strip(result):
 
 
 def test_eval_rows_as_ray_tasks_equal_serial(cluster):
-    cfg = EvalConfig(windows=1, prefix=64, score_tokens=16, prefill_chunk=32, score_chunk=8, fidelity_windows=1,
-                     passkey_lengths=(), passkey_depths=(0.5,), passkey_trials=1, passkey_max_tokens=2)
+    cfg = EvalConfig(
+        windows=1,
+        prefix=64,
+        score_tokens=16,
+        prefill_chunk=32,
+        score_chunk=8,
+        fidelity_windows=1,
+        passkey_lengths=(),
+        passkey_depths=(0.5,),
+        passkey_trials=1,
+        passkey_max_tokens=2,
+    )
     rows = expand(["kivi[window=16]", "kivi_sink[window=16,bits=4]"], [])
     model, tok = TinyModel()()
     serial = evaluate(model, tok, rows, SENTENCES * 2, cfg, {"model": "tiny"}, progress=False)
@@ -83,6 +99,7 @@ def test_tune_measurements_as_ray_tasks_equal_serial(cluster):
 
 def test_a_failing_task_is_a_clear_error(cluster):
     from veloxquant.errors import RecipeError
+
     sl = Slice("calibration", (tuple(range(3, 84)),), 64, 32, 8)
     with pytest.raises(RecipeError, match="missing schema version"):
         list(run_all(measure_task, [(TinyModel(), "name: x\npipeline: fp16\n", sl)], ray=""))

@@ -1,4 +1,5 @@
 """The default model (SmolLM2-135M-Instruct) under the built-in recipes."""
+
 import json
 import subprocess
 import sys
@@ -17,12 +18,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smollm2():
     from veloxquant.models import load_model
+
     return load_model()
 
 
 @pytest.fixture(scope="module")
 def austen_ids(smollm2):
     from veloxquant.data import load_text
+
     return smollm2[1].encode(load_text("austen"))
 
 
@@ -50,13 +53,39 @@ def test_kivi_holds_under_a_quarter_of_fp16_on_2048_austen_tokens(smollm2, auste
 
 def test_run_command_prints_one_json_object(tmp_path):
     saved = tmp_path / "c.safetensors"
-    out = subprocess.run([sys.executable, "-m", "veloxquant.cli", "run", "kivi_sink", "--prompt", "Name three fruits.",
-                          "--max-tokens", "12", "--json", "--save-cache", str(saved)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "veloxquant.cli",
+            "run",
+            "kivi_sink",
+            "--prompt",
+            "Name three fruits.",
+            "--max-tokens",
+            "12",
+            "--json",
+            "--save-cache",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    for key in ("text", "tokens", "cache_bytes", "fp16_bytes", "ratio", "prefill_tok_s", "decode_tok_s",
-                "peak_memory_bytes", "recipe", "fingerprint"):
+    for key in (
+        "text",
+        "tokens",
+        "cache_bytes",
+        "fp16_bytes",
+        "ratio",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "peak_memory_bytes",
+        "recipe",
+        "fingerprint",
+    ):
         assert key in report
     assert report["text"].strip() and report["recipe"] == "kivi_sink"
     caches, meta = vq.load_prompt_cache(str(saved), expect_fingerprint=report["fingerprint"])
@@ -64,13 +93,33 @@ def test_run_command_prints_one_json_object(tmp_path):
 
 
 def test_run_command_puts_recipes_side_by_side():
-    out = subprocess.run([sys.executable, "-m", "veloxquant.cli", "run", "fp16", "kivi", "--corpus", "austen",
-                          "--prompt-tokens", "600", "--max-tokens", "6", "--warmup"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "veloxquant.cli",
+            "run",
+            "fp16",
+            "kivi",
+            "--corpus",
+            "austen",
+            "--prompt-tokens",
+            "600",
+            "--max-tokens",
+            "6",
+            "--warmup",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("== kivi ==") == 1  # the warm-up generations print nothing
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.stdout.splitlines()
-            if line.startswith("| fp16 ") or line.startswith("| kivi ")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in out.stdout.splitlines()
+        if line.startswith("| fp16 ") or line.startswith("| kivi ")
+    }
     assert set(rows) == {"fp16", "kivi"}, out.stdout
     assert float(rows["kivi"][0]) < 0.4 * float(rows["fp16"][0])  # cache MiB: 600 tokens, most of them 2-bit
 
@@ -79,6 +128,7 @@ def test_gemma3_identity_recipe_is_exact_across_sliding_windows():
     """Gemma-3-270M: 15 sliding-window layers (512) + 3 global, prompt > window."""
     from veloxquant.data import load_text
     from veloxquant.models import load_model
+
     model, tokenizer = load_model("gemma3")
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:700])[None]
     ref = chunked_logits(model, tokens, mlx_prompt_cache(model), 256)
@@ -91,6 +141,7 @@ def test_gemma3_identity_recipe_is_exact_across_sliding_windows():
 
 def _raw_recipe() -> str:
     import tempfile
+
     path = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
     path.write("veloxquant: 1\nname: raw\npipeline: identity\n")
     path.close()
@@ -101,6 +152,7 @@ def _raw_recipe() -> str:
 def test_builtin_runs_in_mlx_lm_generate_with_honest_bytes(smollm2, austen_ids, name):
     """mlx-lm's own generate loop drives the caches; bytes are those of the arrays held."""
     from mlx_lm.generate import generate_step
+
     model, _ = smollm2
     caches = vq.make_prompt_cache(model, name, ["budget=128"] if name in ("h2o", "tova", "snapkv") else [])
     prompt = mx.array(austen_ids[:384])
@@ -109,6 +161,7 @@ def test_builtin_runs_in_mlx_lm_generate_with_honest_bytes(smollm2, austen_ids, 
     report = cache_report(caches)
     assert report["attention"] == "by tiers (hook)"
     from veloxquant.runtime.kinds.tier import UNBOUNDED_STEP
+
     for c in caches:  # nbytes is the allocation: what state shows plus growth slack (< one step per array)
         shown = sum(a.nbytes for a in c.state)
         slack = sum(a.nbytes // a.shape[2] * UNBOUNDED_STEP for a in c.state if a.ndim >= 3)

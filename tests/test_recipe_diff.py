@@ -1,4 +1,5 @@
 """`veloxquant diff`: plans, not text; git revisions read through `git show`; exit codes."""
+
 import shutil
 import subprocess
 from pathlib import Path
@@ -83,8 +84,9 @@ def test_bad_reference_is_an_error(capsys):
 
 
 def git(repo, *args):
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True, capture_output=True
+    )
 
 
 @pytest.fixture
@@ -99,8 +101,9 @@ def repo(tmp_path, monkeypatch):
     git(root, "commit", "-q", "-m", "first")
     (root / "recipes" / "my.yaml").write_text(KIVI_REFORMATTED.replace("extends: kivi", "extends: base.yaml"))
     git(root, "commit", "-q", "-am", "reformat")
-    (root / "recipes" / "my.yaml").write_text(KIVI.replace("extends: kivi", "extends: base.yaml")
-                                              .replace("bits: 2", "bits: 3"))
+    (root / "recipes" / "my.yaml").write_text(
+        KIVI.replace("extends: kivi", "extends: base.yaml").replace("bits: 2", "bits: 3")
+    )
     git(root, "commit", "-q", "-am", "three bits")
     monkeypatch.chdir(root)
     return root

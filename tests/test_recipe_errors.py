@@ -10,6 +10,7 @@ Python with mlx-lm takes seconds, so not once per file); each file is also
 checked in-process through the CLI's main() and through load_recipe +
 compile_recipe.
 """
+
 import re
 import subprocess
 import sys
@@ -64,8 +65,13 @@ def test_cli_main(path, capsys):
 @pytest.fixture(scope="module")
 def corpus_run():
     """One `python -m veloxquant.cli check` over every file of the corpus."""
-    proc = subprocess.run([sys.executable, "-m", "veloxquant.cli", "check", *map(str, FILES)],
-                          capture_output=True, text=True, timeout=300, cwd=BAD.parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "veloxquant.cli", "check", *map(str, FILES)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BAD.parent.parent,
+    )
     blocks = re.split(r"^(?=error: )", proc.stderr, flags=re.M)
     return proc, [b for b in blocks if b.strip()]
 
@@ -88,6 +94,7 @@ def test_subprocess_message(corpus_run, index):
 
 
 # --set: errors that belong to the command line, not to a file.
+
 
 def test_set_wrong_type_names_the_param():
     with pytest.raises(RecipeError) as info:
@@ -130,8 +137,10 @@ def test_set_error_through_cli(capsys):
 
 def test_run_checks_every_recipe_before_loading_the_model(capsys, monkeypatch):
     import veloxquant.models as models
-    monkeypatch.setattr(models, "load_model",
-                        lambda *a, **k: pytest.fail("model loaded before the recipes were checked"))
+
+    monkeypatch.setattr(
+        models, "load_model", lambda *a, **k: pytest.fail("model loaded before the recipes were checked")
+    )
     assert cli.main(["run", "fp16", "no_such_recipe"]) == 2
     assert "no_such_recipe" in capsys.readouterr().err
     assert cli.main(["run", "fp16", "kivi", "--save-cache", "c.safetensors"]) == 2
@@ -139,6 +148,7 @@ def test_run_checks_every_recipe_before_loading_the_model(capsys, monkeypatch):
 
 
 # Hostile files that cannot live in the corpus (encodings, chains of files).
+
 
 def test_utf16_and_bom_recipes_load(tmp_path):
     text = "veloxquant: 1\nname: enc\npipeline: recent(8) >> affine(bits=2)\n"
@@ -158,6 +168,7 @@ def test_utf16_error_is_placed_like_utf8(tmp_path):
 
 def test_extends_chain_is_bounded(tmp_path):
     from veloxquant.recipe.limits import MAX_EXTENDS
+
     for i in range(MAX_EXTENDS + 2):
         (tmp_path / f"r{i}.yaml").write_text(f"veloxquant: 1\nname: r{i}\nextends: r{i + 1}.yaml\n")
     (tmp_path / f"r{MAX_EXTENDS + 2}.yaml").write_text("veloxquant: 1\nname: end\npipeline: fp16\n")
@@ -169,8 +180,13 @@ def test_extends_chain_is_bounded(tmp_path):
 
 def test_set_value_with_recursive_alias_or_bomb_is_a_type_error():
     recipe = load_recipe("kivi")
-    bomb = "[" + ", ".join(["&a [1,1,1,1,1,1,1,1,1]"] + [f"&{c} [{', '.join([f'*{p}'] * 9)}]"
-                                                        for p, c in zip("abcdefgh", "bcdefghi")]) + "]"
+    bomb = (
+        "["
+        + ", ".join(
+            ["&a [1,1,1,1,1,1,1,1,1]"] + [f"&{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+        )
+        + "]"
+    )
     for value in ("&a [*a]", bomb, "!!python/object/apply:os.system [x]", "!!binary x"):
         with pytest.raises(RecipeError, match="parameter 'bits' is int"):
             apply_sets(recipe, [f"bits={value}"])
@@ -178,9 +194,11 @@ def test_set_value_with_recursive_alias_or_bomb_is_a_type_error():
 
 def test_alias_within_limits_still_works(tmp_path):
     path = tmp_path / "alias.yaml"
-    path.write_text("veloxquant: 1\nname: alias\nparams: {bits: 2, group: 32, window: 64}\n"
-                    "pipeline: recent($window) >> affine(bits=$bits)\n"
-                    "layers:\n  0: &low {params: {bits: 4}}\n  1: *low\n")
+    path.write_text(
+        "veloxquant: 1\nname: alias\nparams: {bits: 2, group: 32, window: 64}\n"
+        "pipeline: recent($window) >> affine(bits=$bits)\n"
+        "layers:\n  0: &low {params: {bits: 4}}\n  1: *low\n"
+    )
     plan = compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
     assert plan.layers[1].tiers[1].keys.store.bits == 4 and plan.layers[2].tiers[1].keys.store.bits == 2
 

@@ -3,6 +3,7 @@ schedules, layer selectors, fmt, fingerprints, and the examples in docs/recipe-l
 
 Nothing here loads a model: recipes compile against a ModelShape.
 """
+
 import re
 import shutil
 from pathlib import Path
@@ -50,6 +51,7 @@ def store(layer, tier=-1, side="keys"):
 
 # --- built-ins -------------------------------------------------------------------------
 
+
 def test_builtins_exist():
     assert {"fp16", "kivi", "kivi_sink", "streaming_llm"} <= set(BUILTINS)
 
@@ -89,6 +91,7 @@ def test_load_by_name_and_by_path_agree():
 
 
 # --- the pipeline language -------------------------------------------------------------
+
 
 def _parse(text):
     return parse_pipeline(text, lambda line, col: None)
@@ -133,6 +136,7 @@ def test_string_value_for_enum():
 
 def plan_of_text(body, tmp=None, shape=SMOLLM2_135M, sets=()):
     import tempfile
+
     d = Path(tmp or tempfile.mkdtemp())
     f = d / "r.yaml"
     f.write_text("veloxquant: 1\nname: r\n" + body + "\n")
@@ -140,6 +144,7 @@ def plan_of_text(body, tmp=None, shape=SMOLLM2_135M, sets=()):
 
 
 # --- extends ---------------------------------------------------------------------------
+
 
 def test_extends_inherits_params_and_overrides_pipeline():
     kivi, sink = load_recipe("kivi"), load_recipe("kivi_sink")
@@ -172,14 +177,16 @@ def test_extends_relative_path():
 
 
 def test_extends_without_pipeline_in_parent_chain(tmp_path):
-    (tmp_path / "base.yaml").write_text("veloxquant: 1\nname: base\nparams: {w: 16}\n"
-                                        "pipeline: recent($w) >> affine(bits=8)\n")
+    (tmp_path / "base.yaml").write_text(
+        "veloxquant: 1\nname: base\nparams: {w: 16}\npipeline: recent($w) >> affine(bits=8)\n"
+    )
     (tmp_path / "mid.yaml").write_text("veloxquant: 1\nname: mid\nextends: base.yaml\nparams: {w: 32}\n")
     (tmp_path / "leaf.yaml").write_text("veloxquant: 1\nname: leaf\nextends: mid.yaml\n")
     assert plan_of(tmp_path / "leaf.yaml").layers[0].tiers[0].route.n == 32
 
 
 # --- --set -----------------------------------------------------------------------------
+
 
 def test_apply_sets():
     r = load_recipe("kivi")
@@ -199,13 +206,16 @@ def test_set_schedule_and_list():
     assert plan.layers[0].tiers[0].route.n == 256 and plan.layers[-1].tiers[0].route.n == 64
 
 
-@pytest.mark.parametrize("text,message", [
-    ("bits=two", "parameter 'bits' is int, got 'two'"),
-    ("bits=true", "parameter 'bits' is int, got True"),
-    ("bits=[a, b]", "parameter 'bits' is int, got a list"),
-    ("window={n: 1}", "parameter 'window' is int, got a map"),
-    ("nope=1", "has no parameter 'nope'"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("bits=two", "parameter 'bits' is int, got 'two'"),
+        ("bits=true", "parameter 'bits' is int, got True"),
+        ("bits=[a, b]", "parameter 'bits' is int, got a list"),
+        ("window={n: 1}", "parameter 'window' is int, got a map"),
+        ("nope=1", "has no parameter 'nope'"),
+    ],
+)
 def test_set_type_errors_name_the_param(text, message):
     with pytest.raises(RecipeError) as info:
         apply_sets(load_recipe("kivi"), [text])
@@ -228,6 +238,7 @@ def test_cli_check_and_explain_with_set(capsys):
 
 # --- per-layer overrides and selectors ---------------------------------------------------
 
+
 def test_layer_overrides_change_only_their_layers():
     plan = plan_of(GOOD / "overrides.yaml")
     base = plan_of("kivi", sets=["bits=4"])
@@ -235,33 +246,51 @@ def test_layer_overrides_change_only_their_layers():
     assert changed == {0, 2, 3, 4, 10, 12, 29}
     assert tiers(plan.layers[0]) == ["fp16"]
     assert {store(plan.layers[i], side="keys").bits for i in (2, 3, 4)} == {8}
-    assert tiers(plan.layers[10]) == tiers(plan.layers[12]) == \
-        ["recent(32) fp16", "affine(bits=8, group=32, axis=token)"]
+    assert (
+        tiers(plan.layers[10]) == tiers(plan.layers[12]) == ["recent(32) fp16", "affine(bits=8, group=32, axis=token)"]
+    )
     assert plan.layers[29].tiers[0].route.n == 256
     assert plan.layers[28].tiers[0].route.n == 128
 
 
-@pytest.mark.parametrize("selector,layers", [
-    ("0", [0]), ("-1", [29]), ("0-3", [0, 1, 2, 3]), ("0..3", [0, 1, 2, 3]), ("0,2", [0, 2]),
-    ("-3..-1", [27, 28, 29]), ("1, 5-6, -1", [1, 5, 6, 29]), ("all", list(range(30))),
-    ("sliding", []), ("full", list(range(30))),
-])
+@pytest.mark.parametrize(
+    "selector,layers",
+    [
+        ("0", [0]),
+        ("-1", [29]),
+        ("0-3", [0, 1, 2, 3]),
+        ("0..3", [0, 1, 2, 3]),
+        ("0,2", [0, 2]),
+        ("-3..-1", [27, 28, 29]),
+        ("1, 5-6, -1", [1, 5, 6, 29]),
+        ("all", list(range(30))),
+        ("sliding", []),
+        ("full", list(range(30))),
+    ],
+)
 def test_selectors(selector, layers, tmp_path):
-    plan = plan_of_text(f'params: {{w: 128}}\npipeline: recent($w) >> affine(bits=4)\n'
-                        f'layers:\n  "{selector}": {{params: {{w: 16}}}}', tmp_path)
+    plan = plan_of_text(
+        f'params: {{w: 128}}\npipeline: recent($w) >> affine(bits=4)\nlayers:\n  "{selector}": {{params: {{w: 16}}}}',
+        tmp_path,
+    )
     assert [l.index for l in plan.layers if l.tiers[0].route.n == 16] == layers
 
 
 def test_later_override_wins(tmp_path):
-    plan = plan_of_text('params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n'
-                        '  "0-9": {params: {w: 64}}\n  "5": {params: {w: 8}}', tmp_path)
+    plan = plan_of_text(
+        'params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n  "0-9": {params: {w: 64}}\n  "5": {params: {w: 8}}',
+        tmp_path,
+    )
     assert [l.tiers[0].route.n for l in plan.layers[:11]] == [64] * 5 + [8] + [64] * 4 + [128]
 
 
 def test_layer_pipeline_and_params_together(tmp_path):
-    plan = plan_of_text('params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n'
-                        '  "-1":\n    pipeline: sink(4) >> recent($w) >> affine(bits=8)\n'
-                        '    params: {w: 32}', tmp_path)
+    plan = plan_of_text(
+        "params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n"
+        '  "-1":\n    pipeline: sink(4) >> recent($w) >> affine(bits=8)\n'
+        "    params: {w: 32}",
+        tmp_path,
+    )
     assert tiers(plan.layers[-1]) == ["sink(4) fp16", "recent(32) fp16", "affine(bits=8, group=32, axis=token)"]
     assert tiers(plan.layers[0]) == ["recent(128) fp16", "drop"]
 
@@ -290,6 +319,7 @@ def test_sliding_selects_nothing_on_a_model_without_windows():
 
 # --- schedules -------------------------------------------------------------------------
 
+
 def test_linear_schedule():
     plan = plan_of(GOOD / "pyramid.yaml")
     ns = [l.tiers[0].route.n for l in plan.layers]
@@ -317,19 +347,31 @@ def test_list_schedule_on_another_shape_is_an_error():
 
 
 def test_schedule_in_layer_override(tmp_path):
-    plan = plan_of_text('params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n'
-                        '  all: {params: {w: "linear(from=100, to=10)"}}', tmp_path)
+    plan = plan_of_text(
+        'params: {w: 128}\npipeline: recent($w) >> drop\nlayers:\n  all: {params: {w: "linear(from=100, to=10)"}}',
+        tmp_path,
+    )
     assert plan.layers[0].tiers[0].route.n == 100 and plan.layers[-1].tiers[0].route.n == 10
 
 
 def test_param_declarations(tmp_path):
     r = tmp_path / "p.yaml"
-    r.write_text("veloxquant: 1\nname: p\nparams:\n  a: 2\n  b: 0.5\n  c: true\n  d: hi\n"
-                 "  e: {default: 3, type: float, doc: a float given as an int}\n"
-                 "  f: [1, 2.5]\n  g: 'linear(from=1, to=2)'\n  h: 'linear(from=1, to=2.5)'\npipeline: fp16\n")
+    r.write_text(
+        "veloxquant: 1\nname: p\nparams:\n  a: 2\n  b: 0.5\n  c: true\n  d: hi\n"
+        "  e: {default: 3, type: float, doc: a float given as an int}\n"
+        "  f: [1, 2.5]\n  g: 'linear(from=1, to=2)'\n  h: 'linear(from=1, to=2.5)'\npipeline: fp16\n"
+    )
     p = load_recipe(str(r)).params
-    assert {k: v.type for k, v in p.items()} == {"a": "int", "b": "float", "c": "bool", "d": "str",
-                                                 "e": "float", "f": "float", "g": "int", "h": "float"}
+    assert {k: v.type for k, v in p.items()} == {
+        "a": "int",
+        "b": "float",
+        "c": "bool",
+        "d": "str",
+        "e": "float",
+        "f": "float",
+        "g": "int",
+        "h": "float",
+    }
     assert p["e"].default == 3.0 and isinstance(p["e"].default, float) and p["e"].doc.startswith("a float")
 
 
@@ -377,8 +419,10 @@ def test_fmt_canonical_form():
     assert changed
     keys = [l.split(":")[0] for l in out.splitlines() if re.match(r"[a-z]", l)]
     assert keys == ["veloxquant", "name", "params", "pipeline", "layers"]
-    assert "pipeline: |\n  recent($window)\n  >> keys:   affine(bits=$bits, group=32, axis=channel)\n" \
-           "     values: affine(bits=$bits, axis=token)\n" in out
+    assert (
+        "pipeline: |\n  recent($window)\n  >> keys:   affine(bits=$bits, group=32, axis=channel)\n"
+        "     values: affine(bits=$bits, axis=token)\n" in out
+    )
 
 
 def test_fmt_refuses_trailing_comments(tmp_path):
@@ -412,8 +456,9 @@ def test_fingerprint_ignores_formatting_comments_summary_and_name(tmp_path):
         "# a comment\n" + KIVI_TEXT.replace("params:", "# params\nparams:"),
         KIVI_TEXT.replace("summary: Tuning-free", "summary: Something else entirely, tuning-free"),
         KIVI_TEXT.replace("name: kivi", "name: renamed"),
-        KIVI_TEXT.replace("pipeline: |\n  recent($window)\n  >> keys:   ",
-                          "pipeline: |\n  recent( $window )>>\n  keys: "),
+        KIVI_TEXT.replace(
+            "pipeline: |\n  recent($window)\n  >> keys:   ", "pipeline: |\n  recent( $window )>>\n  keys: "
+        ),
         KIVI_TEXT.replace("paper: Liu", "paper: Someone, after Liu"),
     ]
     for i, text in enumerate(variants):
@@ -428,8 +473,10 @@ def test_fingerprint_changes_with_params(tmp_path):
     assert _fp(tmp_path, KIVI_TEXT.replace("default: 32", "default: 64")) != base
     assert _fp(tmp_path, KIVI_TEXT.replace("axis=token", "axis=channel"), "b.yaml") != base
     # the same value written as a default or through --set gives the same plan
-    assert _fp(tmp_path, KIVI_TEXT.replace("default: 2,", "default: 4,"), "c.yaml") == \
-        plan_of("kivi", sets=["bits=4"]).fingerprint
+    assert (
+        _fp(tmp_path, KIVI_TEXT.replace("default: 2,", "default: 4,"), "c.yaml")
+        == plan_of("kivi", sets=["bits=4"]).fingerprint
+    )
 
 
 def test_fingerprint_depends_on_the_model_shape():
@@ -438,6 +485,7 @@ def test_fingerprint_depends_on_the_model_shape():
 
 
 # --- docs/recipe-language.md -------------------------------------------------------------
+
 
 def doc_examples():
     if not DOC.is_file():

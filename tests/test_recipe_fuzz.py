@@ -8,6 +8,7 @@ CI runs a bounded, derandomized number of examples (seconds). The long run:
 runs that many examples per fuzz test (4 tests) and prints a summary; add
 VELOXQUANT_FUZZ_MEMORY=1 to trace each example's memory (several times slower).
 """
+
 import io
 import os
 import re
@@ -36,8 +37,14 @@ TRACED_SLOWDOWN = 3.0  # tracemalloc hooks every allocation: PyYAML's pure-Pytho
 
 
 def fuzz(ci_examples: int):
-    return settings(max_examples=LONG or ci_examples, derandomize=not LONG, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
+    return settings(
+        max_examples=LONG or ci_examples,
+        derandomize=not LONG,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
 
 
 DIR = Path(tempfile.mkdtemp(prefix="vq-fuzz-"))
@@ -137,6 +144,7 @@ def test_fuzz_raw_bytes(data):
 
 def test_valid_recipes_still_pass():
     from veloxquant.paths import recipes_dir
+
     for path in sorted(recipes_dir().glob("*.yaml")):
         assert check(path.read_bytes()) == 0, path.name
     assert check(b"veloxquant: 1\nname: x\npipeline: fp16\n", ["bits=2"]) != 0  # fp16 takes no parameters
@@ -145,15 +153,18 @@ def test_valid_recipes_still_pass():
 def test_zz_report():
     """Prints what the fuzz tests above ran (visible with -s); in CI it only checks they ran."""
     assert STATS["examples"] > 0
-    print(f"\nfuzz examples: {STATS['examples']} (ok {STATS['ok']}, located errors {STATS['error']}); "
-          f"slowest {STATS['max_s']:.2f} s CPU ({STATS['max_wall']:.2f} s wall at most); peak traced memory "
-          f"{STATS['max_peak'] / 2 ** 20:.1f} MiB{'' if TRACE else ' (not traced)'}\n  slowest: {STATS['slowest']!r}")
+    print(
+        f"\nfuzz examples: {STATS['examples']} (ok {STATS['ok']}, located errors {STATS['error']}); "
+        f"slowest {STATS['max_s']:.2f} s CPU ({STATS['max_wall']:.2f} s wall at most); peak traced memory "
+        f"{STATS['max_peak'] / 2**20:.1f} MiB{'' if TRACE else ' (not traced)'}\n  slowest: {STATS['slowest']!r}"
+    )
 
 
 def test_real_subprocess_on_hostile_files():
     """A few of the worst inputs through a real `python -m veloxquant.cli check` process."""
     bomb = "lol: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(
-        f"l{i}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for i, (p, c) in enumerate(zip("abcdefgh", "bcdefghi")))
+        f"l{i}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for i, (p, c) in enumerate(zip("abcdefgh", "bcdefghi"))
+    )
     cases = {
         "utf16.yaml": "veloxquant: 1\nname: u\npipeline: fp16\n".encode("utf-16"),  # valid
         "bom.yaml": b"\xef\xbb\xbfveloxquant: 1\nname: b\npipeline: fp16\n",  # valid
@@ -166,8 +177,12 @@ def test_real_subprocess_on_hostile_files():
     for name, data in cases.items():
         (DIR / name).write_bytes(data)
     files = [str(DIR / n) for n in cases]
-    proc = subprocess.run([sys.executable, "-m", "veloxquant.cli", "check", *files, "--set=x=&a [*a]"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "veloxquant.cli", "check", *files, "--set=x=&a [*a]"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in proc.stdout + proc.stderr and proc.returncode == 1
     blocks = [b for b in re.split(r"^(?=error: )", proc.stderr, flags=re.M) if b.strip()]
     assert len(blocks) == len(cases), proc.stderr  # every file fails: the recipes take no parameter 'x'
@@ -186,7 +201,8 @@ def test_file_size_limit(size):
 def test_worst_inputs_stay_in_bounded_memory():
     """The inputs that would grow without the limits, traced: each peaks far below PEAK_BYTES."""
     bomb = "lol:\n  a: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(
-        f"  {c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+        f"  {c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")
+    )
     worst = [
         b"veloxquant: 1\nname: b\npipeline: fp16\n" + bomb.encode(),
         b"veloxquant: 1\nname: d\npipeline: " + b"residual(" * 100_000 + b"fp16" + b")" * 100_000 + b"\n",
@@ -199,5 +215,5 @@ def test_worst_inputs_stay_in_bounded_memory():
     for data in worst:
         check(data, trace=True)
         peaks.append(STATS["last_peak"])
-    print(f"\nworst inputs, traced peak MiB: {[round(p / 2 ** 20, 1) for p in peaks]}")
+    print(f"\nworst inputs, traced peak MiB: {[round(p / 2**20, 1) for p in peaks]}")
     assert max(peaks) < 64 << 20, [p >> 20 for p in peaks]

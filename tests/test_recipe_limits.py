@@ -1,6 +1,7 @@
 """What a recipe may ask for: past the limits a located error at load/compile time;
 within them, sizes that are lazily safe -- a cache holds what it was fed, never
 the window or budget the recipe names (docs/recipe-language.md, "Limits")."""
+
 import mlx.core as mx
 import pytest
 
@@ -43,14 +44,17 @@ def test_largest_legal_sizes_hold_only_what_was_fed(name, llama_model, tmp_path)
     assert 0 < held <= bound, (held, bound)
 
 
-@pytest.mark.parametrize("pipeline, value, message", [
-    ("recent(16777217) >> drop", "16777217", "must be between 0 and 16777216"),
-    ("recent(1000000000000) >> drop", "1000000000000", "must be between 0 and 16777216"),
-    ("sink(1048577) >> drop", "1048577", "must be between 0 and 1048576"),
-    ("evict(budget=16777217)", "16777217", "must be between 1 and 16777216"),
-    ("recent(8) >> affine(bits=1000000000)", "1000000000", "must be between 1 and 8"),
-    ("recent(8) >> affine(bits=2, group=65537, axis=channel)", "65537", "must be between 1 and 65536"),
-])
+@pytest.mark.parametrize(
+    "pipeline, value, message",
+    [
+        ("recent(16777217) >> drop", "16777217", "must be between 0 and 16777216"),
+        ("recent(1000000000000) >> drop", "1000000000000", "must be between 0 and 16777216"),
+        ("sink(1048577) >> drop", "1048577", "must be between 0 and 1048576"),
+        ("evict(budget=16777217)", "16777217", "must be between 1 and 16777216"),
+        ("recent(8) >> affine(bits=1000000000)", "1000000000", "must be between 1 and 8"),
+        ("recent(8) >> affine(bits=2, group=65537, axis=channel)", "65537", "must be between 1 and 65536"),
+    ],
+)
 def test_sizes_past_the_ranges_are_refused_at_the_value(pipeline, value, message, tmp_path):
     with pytest.raises(RecipeError, match=message) as info:
         compile_recipe(load_recipe(_write(tmp_path, "big", pipeline)), SMOLLM2_135M)
@@ -60,12 +64,18 @@ def test_sizes_past_the_ranges_are_refused_at_the_value(pipeline, value, message
 
 def test_a_million_entry_schedule_is_refused_while_reading(tmp_path):
     path = tmp_path / "million.yaml"
-    path.write_text("veloxquant: 1\nname: m\nparams:\n  window: [" + ", ".join(["128"] * 1_000_000)
-                    + "]\npipeline: recent($window) >> drop\n")
+    path.write_text(
+        "veloxquant: 1\nname: m\nparams:\n  window: ["
+        + ", ".join(["128"] * 1_000_000)
+        + "]\npipeline: recent($window) >> drop\n"
+    )
     with pytest.raises(RecipeError, match="larger than 1 MiB"):
         load_recipe(str(path))
-    path.write_text("veloxquant: 1\nname: m\nparams:\n  window: [" + ", ".join(["128"] * 20_000)
-                    + "]\npipeline: recent($window) >> drop\n")
+    path.write_text(
+        "veloxquant: 1\nname: m\nparams:\n  window: ["
+        + ", ".join(["128"] * 20_000)
+        + "]\npipeline: recent($window) >> drop\n"
+    )
     with pytest.raises(RecipeError, match=f"more than {MAX_YAML_NODES} YAML values") as info:
         load_recipe(str(path))
     assert info.value.location.line == 4
@@ -73,8 +83,11 @@ def test_a_million_entry_schedule_is_refused_while_reading(tmp_path):
 
 def test_a_schedule_for_more_layers_than_the_model_is_refused_at_compile(tmp_path):
     path = tmp_path / "long.yaml"
-    path.write_text("veloxquant: 1\nname: m\nparams:\n  window: [" + ", ".join(["128"] * 5000)
-                    + "]\npipeline: recent($window) >> drop\n")
+    path.write_text(
+        "veloxquant: 1\nname: m\nparams:\n  window: ["
+        + ", ".join(["128"] * 5000)
+        + "]\npipeline: recent($window) >> drop\n"
+    )
     with pytest.raises(RecipeError, match="the list has 5000 values but the model has 30 layers") as info:
         compile_recipe(load_recipe(str(path)), SMOLLM2_135M)
     assert (info.value.location.line, info.value.location.column) == (4, 11)

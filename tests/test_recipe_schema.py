@@ -1,4 +1,5 @@
 """`veloxquant schema`: generated from the stage registry; every good recipe validates, wrong types do not."""
+
 import json
 import re
 from pathlib import Path
@@ -19,8 +20,11 @@ from veloxquant.stages.registry import in_range, stage
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = sorted((Path(__file__).parent / "recipes_good").glob("*.yaml"))
 BUILTINS = [ROOT / "recipes" / f"{n}.yaml" for n in builtin_names()]
-DOC_EXAMPLES = [m for m in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "recipe-language.md").read_text(), re.S)
-                if m.startswith("veloxquant: 1")]
+DOC_EXAMPLES = [
+    m
+    for m in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "recipe-language.md").read_text(), re.S)
+    if m.startswith("veloxquant: 1")
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +45,21 @@ def test_doc_examples_validate(validator):
         validator.validate(yaml.safe_load(text))
 
 
-@pytest.mark.parametrize("patch, where", [
-    ({"veloxquant": "1"}, "veloxquant"),
-    ({"name": 3}, "name"),
-    ({"pipline": "fp16"}, ""),  # unknown field
-    ({"pipeline": ["recent(8)"]}, "pipeline"),
-    ({"params": {"bits": {"default": 2, "type": "integer"}}}, "params"),
-    ({"params": {"bits": {"default": 2, "dok": "x"}}}, "params"),
-    ({"params": {"bits": {"x": 1}}}, "params"),
-    ({"layers": {"0": {"pipeline": 3}}}, "layers"),
-    ({"layers": {"1-": {"pipeline": "fp16"}}}, "layers"),
-    ({"layers": {"0": {"bits": 4}}}, "layers"),
-])
+@pytest.mark.parametrize(
+    "patch, where",
+    [
+        ({"veloxquant": "1"}, "veloxquant"),
+        ({"name": 3}, "name"),
+        ({"pipline": "fp16"}, ""),  # unknown field
+        ({"pipeline": ["recent(8)"]}, "pipeline"),
+        ({"params": {"bits": {"default": 2, "type": "integer"}}}, "params"),
+        ({"params": {"bits": {"default": 2, "dok": "x"}}}, "params"),
+        ({"params": {"bits": {"x": 1}}}, "params"),
+        ({"layers": {"0": {"pipeline": 3}}}, "layers"),
+        ({"layers": {"1-": {"pipeline": "fp16"}}}, "layers"),
+        ({"layers": {"0": {"bits": 4}}}, "layers"),
+    ],
+)
 def test_wrong_types_are_rejected(validator, patch, where):
     doc = {**yaml.safe_load((ROOT / "recipes" / "kivi.yaml").read_text()), **patch}
     errors = list(validator.iter_errors(doc))
@@ -75,7 +82,9 @@ def test_a_new_stage_appears_without_edits():
     @attrs.frozen
     class Zz:
         """A stage registered by a test. `k` is how much."""
+
         k: int = attrs.field(default=3, validator=in_range(1, 9))
+
     try:
         s = recipe_schema()["definitions"]["stages"]["zz_test_stage"]
         assert s["properties"]["k"]["maximum"] == 9 and "`k` is how much" in s["properties"]["k"]["description"]
@@ -100,8 +109,10 @@ def test_cli_writes_the_schema(tmp_path, capsys):
 
 def test_modeline_comment_loads_and_survives_fmt(tmp_path):
     f = tmp_path / "r.yaml"
-    f.write_text("# yaml-language-server: $schema=./recipe.schema.json\n"
-                 "veloxquant: 1\nname: r\nextends: kivi\nparams:\n  bits: 4\n")
+    f.write_text(
+        "# yaml-language-server: $schema=./recipe.schema.json\n"
+        "veloxquant: 1\nname: r\nextends: kivi\nparams:\n  bits: 4\n"
+    )
     load_recipe(str(f))
     text, _ = format_file(str(f))
     assert text.startswith("# yaml-language-server: $schema=./recipe.schema.json\nveloxquant: 1\n")

@@ -1,4 +1,5 @@
 """veloxquant recommend: predicted bytes vs measured, and the choice logic on three scenarios."""
+
 import mlx.core as mx
 import pytest
 
@@ -13,8 +14,9 @@ from veloxquant.eval.rows import parse_row
 from veloxquant.runtime import uninstall
 
 
-@pytest.mark.parametrize("spec", ["kivi[window=32]", "kivi[bits=4]", "streaming_llm[window=60]",
-                                  "h2o[budget=128]", "fp16"])
+@pytest.mark.parametrize(
+    "spec", ["kivi[window=32]", "kivi[bits=4]", "streaming_llm[window=60]", "h2o[budget=128]", "fp16"]
+)
 def test_predicted_bytes_match_what_the_cache_holds(llama_model, spec):
     context = 1100
     mx.random.seed(0)
@@ -31,22 +33,36 @@ def test_predicted_bytes_match_what_the_cache_holds(llama_model, spec):
 
 
 def _row(spec, family, dppl, kld):
-    return {"spec": spec, "family": family, "setting": "defaults", "held_ratio": 0.2, "delta_ppl_pct": dppl,
-            "divergence": {"kld_mean": kld, "top1_agreement": 0.9}, "passkey": {"accuracy": 1.0}}
+    return {
+        "spec": spec,
+        "family": family,
+        "setting": "defaults",
+        "held_ratio": 0.2,
+        "delta_ppl_pct": dppl,
+        "divergence": {"kld_mean": kld, "top1_agreement": 0.9},
+        "passkey": {"accuracy": 1.0},
+    }
 
 
-BOARD = {"veloxquant_leaderboard": 1, "model": "SmolLM2-135M-Instruct", "protocol_name": "cpu", "source": "x",
-         "rows": [_row("fp16", "baseline", 0, 0), _row("kivi[bits=4]", "compression", 0.5, 0.001),
-                  _row("kivi", "compression", 4.0, 0.02), _row("h2o[budget=1024]", "eviction", 12.0, 0.2),
-                  _row("streaming_llm[window=252]", "eviction", 30.0, 0.5)]}
-GEMMA3_270M = ModelShape("gemma-3-270m", (1,) * 18, (256,) * 18,
-                         tuple(None if i % 6 == 5 else 512 for i in range(18)))
+BOARD = {
+    "veloxquant_leaderboard": 1,
+    "model": "SmolLM2-135M-Instruct",
+    "protocol_name": "cpu",
+    "source": "x",
+    "rows": [
+        _row("fp16", "baseline", 0, 0),
+        _row("kivi[bits=4]", "compression", 0.5, 0.001),
+        _row("kivi", "compression", 4.0, 0.02),
+        _row("h2o[budget=1024]", "eviction", 12.0, 0.2),
+        _row("streaming_llm[window=252]", "eviction", 30.0, 0.5),
+    ],
+}
+GEMMA3_270M = ModelShape("gemma-3-270m", (1,) * 18, (256,) * 18, tuple(None if i % 6 == 5 else 512 for i in range(18)))
 LLAMA3_8B = ModelShape.uniform("llama-3-8b", 32, 8, 128)
 
 
 def test_smollm2_32k_in_1gb_takes_the_best_quality():
-    answer = rec.recommend([BOARD], SMOLLM2_135M, 32768, memory=rec.parse_size("1GB"),
-                           model="SmolLM2-135M-Instruct")
+    answer = rec.recommend([BOARD], SMOLLM2_135M, 32768, memory=rec.parse_size("1GB"), model="SmolLM2-135M-Instruct")
     # fp16 at 32k is 755 MB on SmolLM2: every measured recipe fits, the lowest ΔPPL wins (fp16 is no candidate).
     assert answer["fp16_bytes"] == 23040 * 32768
     assert answer["choice"]["spec"] == "kivi[bits=4]" and answer["fits"] == 4
@@ -85,10 +101,12 @@ def test_bad_input():
 
 def test_recommend_command(tmp_path, capsys):
     import json
+
     path = tmp_path / "leaderboard-x.json"
     path.write_text(json.dumps(BOARD))
-    assert main(["recommend", "--shape", "32x8x128", "--context", "131072", "--memory", "8GB",
-                 "--board", str(path)]) == 0
+    assert (
+        main(["recommend", "--shape", "32x8x128", "--context", "131072", "--memory", "8GB", "--board", str(path)]) == 0
+    )
     out = capsys.readouterr().out
     assert "recommended: kivi[bits=4]" in out and "from the recipe's plan" in out
     assert main(["recommend", "--context", "1000", "--ratio", "0.001", "--board", str(path)]) == 1

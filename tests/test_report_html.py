@@ -1,4 +1,5 @@
 """veloxquant report -o report.html: the page's structure, and its behaviour in headless Chromium when installed."""
+
 import json
 import os
 import re
@@ -15,10 +16,18 @@ from test_recommend import BOARD
 def _board(tmp_path):
     rows = []
     for i, r in enumerate(BOARD["rows"]):
-        sets = r["spec"][r["spec"].index("[") + 1:-1].split(",") if "[" in r["spec"] else []
-        rows.append(dict(r, name=r["spec"], kind="recipe", ref=r["spec"].split("[")[0], sets=sets,
-                         held_ratio=1.0 - 0.2 * i,
-                         cost={"ratio": 1.0 - 0.2 * i, "peak_memory_bytes": 2**28}))
+        sets = r["spec"][r["spec"].index("[") + 1 : -1].split(",") if "[" in r["spec"] else []
+        rows.append(
+            dict(
+                r,
+                name=r["spec"],
+                kind="recipe",
+                ref=r["spec"].split("[")[0],
+                sets=sets,
+                held_ratio=1.0 - 0.2 * i,
+                cost={"ratio": 1.0 - 0.2 * i, "peak_memory_bytes": 2**28},
+            )
+        )
     path = tmp_path / "leaderboard-x.json"
     path.write_text(json.dumps({**BOARD, "rows": rows}))
     return path
@@ -47,9 +56,23 @@ def test_report_rejects_other_json(tmp_path):
 def _chromium(*args):
     # Without the OpenBLAS LD_PRELOAD the tests run under: Chromium spins under it.
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    return subprocess.run([shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--in-process-gpu",
-                           "--enable-logging=stderr", "--v=0", *args], capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL, env=env)
+    return subprocess.run(
+        [
+            shutil.which("chromium"),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--in-process-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="needs Debian's chromium (apt-get install -y chromium)")

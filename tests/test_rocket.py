@@ -3,6 +3,7 @@
 Stage 2 is checked against a NumPy model of Hybrid Sparse Attention written
 here (page max/min bounds on the query's top channels, then partial dot
 products), and reduces to SnapKV with tokens=0 or with every survivor picked."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def _reference_pick(k, pos, q, tokens, page, channels):
     rep = HQ // HKV
     picked = []
     for h in range(HKV):
-        qg = q[0, h * rep:(h + 1) * rep, 0]  # [rep, D]
+        qg = q[0, h * rep : (h + 1) * rep, 0]  # [rep, D]
         ch = np.argsort(-np.abs(qg).sum(0), kind="stable")[:channels]
         K = k[0, h]
         n_pages = -(-2 * tokens // page) + 1
@@ -90,9 +91,10 @@ def test_summaries_are_held_and_current(llama_model, tmp_path):
     kmax, kmin = np.array(tier.summary["pages.kmax"]), np.array(tier.summary["pages.kmin"])
     assert kmax.shape[2] == P
     for p in range(P):
-        np.testing.assert_array_equal(kmax[:, :, p], keys[:, :, p * 8:(p + 1) * 8].max(axis=2))
-        np.testing.assert_array_equal(kmin[:, :, p], keys[:, :, p * 8:(p + 1) * 8].min(axis=2))
+        np.testing.assert_array_equal(kmax[:, :, p], keys[:, :, p * 8 : (p + 1) * 8].max(axis=2))
+        np.testing.assert_array_equal(kmin[:, :, p], keys[:, :, p * 8 : (p + 1) * 8].min(axis=2))
     from veloxquant.runtime.eviction.head_tier import HeadTier
+
     assert tier.nbytes == HeadTier.nbytes.fget(tier) + kmax.nbytes + kmin.nbytes  # summaries count in the bytes
     assert sum(a.shape == kmax.shape for a in cache.state) == 2  # and are in the state
 
@@ -109,8 +111,9 @@ def test_save_load_round_trip(llama_model, tmp_path):
     for a, b in zip(caches, loaded):
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
     step = tokens[:, 3:4]
-    np.testing.assert_allclose(np.array(llama_model(step, cache=caches)), np.array(llama_model(step, cache=loaded)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(llama_model(step, cache=caches)), np.array(llama_model(step, cache=loaded)), atol=1e-5
+    )
 
 
 def test_tokens_below_a_page_is_refused(llama_model, tmp_path):

@@ -174,10 +174,17 @@ def test_nbytes_is_the_memory_really_held():
     import os
     import subprocess
     import sys
+
     here = os.path.dirname(__file__)
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, "-c", _MEMORY_CHECK], capture_output=True, text=True,
-                         cwd=here, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHECK],
+        capture_output=True,
+        text=True,
+        cwd=here,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert out.returncode == 0, out.stderr
     held, freed, n = map(int, out.stdout.split())
     # Allowance: up to 2 KiB a buffer of MLX bookkeeping freed alongside (small
@@ -187,6 +194,7 @@ def test_nbytes_is_the_memory_really_held():
 
 def test_hook_install_is_reversible(llama_model):
     import mlx_lm.models.llama as llama_module
+
     original = llama_module.scaled_dot_product_attention
     assert vq.install(llama_model) >= 1 and hook.installed(llama_model)
     assert vq.install(llama_model) == 0  # idempotent
@@ -216,6 +224,7 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
     with the fp16 window gives the same logits as decoding everything into one SDPA."""
     from veloxquant.kernels import reference
     from veloxquant.runtime import fused
+
     sets = ["window=32", "bits=8"]
     dense = feed(llama_model, TOKENS[:, :160], vq.make_prompt_cache(llama_model, "kivi_sink", sets), 1)
 
@@ -226,6 +235,7 @@ def test_merged_tier_attention_matches_the_dense_path(llama_model, monkeypatch):
             if tail is None:
                 return reference.affine_partial_attention(q, k, v, *specs, scale, hidden)
             return reference.attention_with_tail(q, k, v, *specs, scale, tail, hidden)
+
         return run
 
     monkeypatch.setattr(fused, "_launcher", reference_launcher)

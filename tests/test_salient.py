@@ -1,4 +1,5 @@
 """salient + runtime/eviction/saliency: tokens routed by ZipCache's normalized attention from real queries."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -67,8 +68,10 @@ def test_salient_needs_the_hook_and_whole_branches(tmp_path):
     with pytest.raises(RecipeError, match="'salient' scores tokens by real attention, which needs the attention hook"):
         compile_recipe(load_recipe("zipcache"), SMOLLM2_135M, hook=False)
     with pytest.raises(RecipeError, match="its hi branch gets 8 tokens of each chunk, not whole groups of 16") as e:
-        compile_recipe(_recipe(tmp_path, "recent(32)\n>> salient(hi=affine(bits=4, group=16, axis=channel), "
-                                         "lo=fp16, chunk=32)"), SMOLLM2_135M)
+        compile_recipe(
+            _recipe(tmp_path, "recent(32)\n>> salient(hi=affine(bits=4, group=16, axis=channel), lo=fp16, chunk=32)"),
+            SMOLLM2_135M,
+        )
     assert "r.yaml:5:6" in str(e.value.location)
     with pytest.raises(RecipeError, match="chunk=48 is not a multiple of 32"):
         compile_recipe(_recipe(tmp_path, "recent(48)\n>> salient(hi=fp16, lo=fp16, chunk=48)"), SMOLLM2_135M)

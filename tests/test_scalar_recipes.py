@@ -1,5 +1,6 @@
 """The scalar-quantization family as built-in recipes: check, explain, generate, save/load, honest
 bytes; and mixed with other families' stages."""
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -59,16 +60,20 @@ def test_save_load_round_trip_continues_identically(tmp_path, name, llama_model)
     assert mx.array_equal(feed(llama_model, tokens[:, 300:], caches, 5), feed(llama_model, tokens[:, 300:], loaded, 5))
 
 
-@pytest.mark.parametrize("pipeline", [
-    # SnapKV's prompt-end eviction, the survivors coded with exact outliers (KVQuant's sparse list)
-    "snap(budget=96, window=16) | keys: affine(bits=3, axis=token) | sparse(0.02) values: affine(bits=4, axis=token)",
-    # sinks, a window, then score-routed codes whose salient branch is itself a channel split
-    "sink(4)\n>> recent(64)\n>> salient(hi=split(hi=affine(bits=8, group=32, axis=channel), lo=affine(bits=4, "
-    "group=32, axis=channel), by=range), lo=affine(bits=2, group=32, axis=token), chunk=128)",
-    # an age band coded kvquant-style, older tokens GEAR-style
-    "sink(4)\n>> recent(32)\n>> recent(128) | keys: unrope | nuq(bits=4) values: affine(bits=4, axis=token)\n"
-    ">> affine(bits=2, group=32, axis=token) | lowrank(rank=2, chunk=32) | sparse(0.02)",
-])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        # SnapKV's prompt-end eviction, the survivors coded with exact outliers (KVQuant's sparse list)
+        "snap(budget=96, window=16) | keys: affine(bits=3, axis=token) | sparse(0.02) "
+        "values: affine(bits=4, axis=token)",
+        # sinks, a window, then score-routed codes whose salient branch is itself a channel split
+        "sink(4)\n>> recent(64)\n>> salient(hi=split(hi=affine(bits=8, group=32, axis=channel), lo=affine(bits=4, "
+        "group=32, axis=channel), by=range), lo=affine(bits=2, group=32, axis=token), chunk=128)",
+        # an age band coded kvquant-style, older tokens GEAR-style
+        "sink(4)\n>> recent(32)\n>> recent(128) | keys: unrope | nuq(bits=4) values: affine(bits=4, axis=token)\n"
+        ">> affine(bits=2, group=32, axis=token) | lowrank(rank=2, chunk=32) | sparse(0.02)",
+    ],
+)
 def test_family_stages_mix_with_other_families(tmp_path, pipeline, llama_model):
     recipe = _recipe(tmp_path, pipeline)
     tokens = mx.random.randint(0, 500, (1, 300), key=mx.random.key(2))
@@ -91,6 +96,7 @@ def test_family_runs_on_the_real_models(which):
     """SmolLM2-135M and Gemma-3-270M (sliding-window layers): mlx-lm's generate drives every recipe."""
     from veloxquant.data import load_text
     from veloxquant.models import load_model
+
     model, tokenizer = load_model(None if which == "smollm2" else "gemma3")
     prompt = mx.array(tokenizer.encode(load_text("austen"))[:700])
     vocab = model.model.embed_tokens.weight.shape[0] if hasattr(model, "model") else 1 << 20
@@ -104,6 +110,7 @@ def test_family_runs_on_the_real_models(which):
 
 def test_per_tier_state_is_refused_in_per_head_tiers(tmp_path):
     from veloxquant.errors import RecipeError
+
     with pytest.raises(RecipeError, match="'nuq' keeps per-tier state") as e:
         compile_recipe(_recipe(tmp_path, "snap(budget=96) | keys: nuq(bits=4) values: fp16"), SMOLLM2_135M)
     assert "r.yaml:4:3" in str(e.value.location)

@@ -1,4 +1,5 @@
 """nuq store, sparse and lowrank residuals: round trips, honest bytes, pinned reductions."""
+
 import mlx.core as mx
 import pytest
 
@@ -83,8 +84,11 @@ def test_lowrank_fits_the_error_per_chunk_and_full_rank_is_exact():
 
 def test_pure_nuq_pinned_kvquant_outlier_fraction_zero_equals_a_recipe_without_sparse(tmp_path, llama_model):
     tokens = mx.random.randint(0, 500, (1, 80), key=mx.random.key(4))
-    pure = _recipe(tmp_path, "sink(1)\n>> recent(16)\n>> keys: unrope | nuq(bits=4)\n"
-                             "   values: affine(bits=3, group=64, axis=token)", "pure")
+    pure = _recipe(
+        tmp_path,
+        "sink(1)\n>> recent(16)\n>> keys: unrope | nuq(bits=4)\n   values: affine(bits=3, group=64, axis=token)",
+        "pure",
+    )
     a = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, "kvquant", ["outlier_fraction=0"]), 16)
     b = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, pure), 16)
     assert mx.array_equal(a, b)
@@ -93,8 +97,11 @@ def test_pure_nuq_pinned_kvquant_outlier_fraction_zero_equals_a_recipe_without_s
 def test_gear_rank_zero_without_sparse_is_its_base_quantizer(tmp_path, llama_model):
     tokens = mx.random.randint(0, 500, (1, 160), key=mx.random.key(5))
     caches = vq.make_prompt_cache(llama_model, "gear", ["rank=0", "sparse=0"])
-    base = _recipe(tmp_path, "recent(64)\n>> keys: affine(bits=3, group=64, axis=channel)\n"
-                             "   values: affine(bits=3, group=64, axis=token)", "base")
+    base = _recipe(
+        tmp_path,
+        "recent(64)\n>> keys: affine(bits=3, group=64, axis=channel)\n   values: affine(bits=3, group=64, axis=token)",
+        "base",
+    )
     a = feed(llama_model, tokens, caches, 16)
     b = feed(llama_model, tokens, vq.make_prompt_cache(llama_model, base), 16)
     assert mx.array_equal(a, b)

@@ -1,6 +1,7 @@
 """SnapKV's window votes as a share of any `once` score's budget (runtime/eviction/scorers/votes.py):
 the two pinned reductions bit for bit (votes=0 == observed_attention, votes=1 == snapkv), the
 union rule against a NumPy model, save/load, sliding-window layers and the clear error."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -29,13 +30,17 @@ def same(a, b):
 
 
 def test_votes_zero_is_observed_attention_bit_for_bit(llama_model):
-    same(run(llama_model, "observed_snap", ["budget=12", "votes=0"]),
-         run(llama_model, "observed_attention", ["budget=12"]))
+    same(
+        run(llama_model, "observed_snap", ["budget=12", "votes=0"]),
+        run(llama_model, "observed_attention", ["budget=12"]),
+    )
 
 
 def test_votes_one_is_snapkv_bit_for_bit(llama_model):
-    same(run(llama_model, "observed_snap", ["budget=12", "votes=1", "sinks=0", "window=4", "pool=3"]),
-         run(llama_model, "snapkv", ["budget=12", "window=4", "pool=3"]))
+    same(
+        run(llama_model, "observed_snap", ["budget=12", "votes=1", "sinks=0", "window=4", "pool=3"]),
+        run(llama_model, "snapkv", ["budget=12", "window=4", "pool=3"]),
+    )
 
 
 def test_a_share_changes_what_is_kept(llama_model):
@@ -47,15 +52,19 @@ def test_a_share_changes_what_is_kept(llama_model):
 def pool(x, size):
     left = size // 2
     padded = np.pad(x, ((0, 0), (left, size - 1 - left)), constant_values=-np.inf)
-    return np.max([padded[:, i:i + x.shape[1]] for i in range(size)], axis=0)
+    return np.max([padded[:, i : i + x.shape[1]] for i in range(size)], axis=0)
 
 
 def test_union_of_vote_share_and_score(llama_model, tmp_path):
     """Each head keeps its top round(votes x budget) pooled window votes (the window itself among
     them), then fills its budget with the highest mass per observing query; sinks always."""
     budget, sinks, share, window, width = 16, 2, 0.5, 4, 1  # no pooling: no tied votes to break
-    cache = layer_cache(llama_model, tmp_path, f"evict(budget={budget}, sinks={sinks}, score=mean, once=true, "
-                                               f"votes={share}, vote_window={window}, vote_pool={width})")
+    cache = layer_cache(
+        llama_model,
+        tmp_path,
+        f"evict(budget={budget}, sinks={sinks}, score=mean, once=true, "
+        f"votes={share}, vote_window={window}, vote_pool={width})",
+    )
     data = blocks(22, [16, 16, 8])
     drive(cache, data)
     cache.finish_prompt()
@@ -64,12 +73,12 @@ def test_union_of_vote_share_and_score(llama_model, tmp_path):
     L = K.shape[1]
     mean = causal_weights(Q, K) / (L - np.arange(L))
     votes = pool(causal_weights(Q[:, -window:], K), width)
-    votes[:, L - window:] = np.inf
+    votes[:, L - window :] = np.inf
     got = held(cache)[0]
     for h in range(HKV):
-        chosen = set(np.argsort(-votes[h], kind="stable")[:round(share * budget)].tolist())
+        chosen = set(np.argsort(-votes[h], kind="stable")[: round(share * budget)].tolist())
         rest = [int(i) for i in np.argsort(-mean[h], kind="stable") if i not in chosen and i >= sinks]
-        want = sorted(chosen | set(range(sinks)) | set(rest[:budget - len(chosen | set(range(sinks)))]))
+        want = sorted(chosen | set(range(sinks)) | set(rest[: budget - len(chosen | set(range(sinks)))]))
         assert list(got[h]) == want
 
 

@@ -1,6 +1,7 @@
 """Eviction scorers behind one protocol (runtime/eviction/scorers/): each checked against
 a NumPy model of its formula, the pinned reductions bit for bit, `once` mode,
 and every new recipe through generate-style feeding, save/load and bytes."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,8 +12,17 @@ from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from conftest import feed, tiny_gemma3
 from test_evict import HKV, HQ, SCALE, blocks, layer_cache
 
-NEW = ["knorm", "keydiff", "expected_attention", "keyformer", "morphkv", "chunkkv", "qfilters", "curdkv",
-       "observed_attention"]
+NEW = [
+    "knorm",
+    "keydiff",
+    "expected_attention",
+    "keyformer",
+    "morphkv",
+    "chunkkv",
+    "qfilters",
+    "curdkv",
+    "observed_attention",
+]
 
 
 def drive(cache, data):
@@ -74,9 +84,9 @@ def test_once_keeps_everything_until_the_end_then_appends(llama_model, tmp_path,
 
 def test_knorm_is_path_independent(llama_model, tmp_path):
     """recent=0: one-block arrival and token-by-token arrival keep the same set, the lowest norms."""
-    (q, k, v), = blocks(5, [30])
+    ((q, k, v),) = blocks(5, [30])
     one = drive(layer_cache(llama_model, tmp_path, "evict(budget=10, sinks=2, score=knorm)"), [(q, k, v)])
-    steps = [(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(30)]
+    steps = [(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(30)]
     each = drive(layer_cache(llama_model, tmp_path, "evict(budget=10, sinks=2, score=knorm)"), steps)
     want = top(-np.linalg.norm(k[0], axis=-1), 10, np.broadcast_to(np.arange(30) < 2, (HKV, 30)))
     for cache in (one, each):
@@ -98,8 +108,10 @@ def test_keydiff_keeps_keys_least_like_the_mean_direction(llama_model, tmp_path)
 def test_expected_attention_matches_its_formula(llama_model, tmp_path):
     window = 6
     data = blocks(7, [20, 10])
-    cache = drive(layer_cache(llama_model, tmp_path,
-                              f"evict(budget=9, sinks=1, score=expected, window={window}, once=true)"), data)
+    cache = drive(
+        layer_cache(llama_model, tmp_path, f"evict(budget=9, sinks=1, score=expected, window={window}, once=true)"),
+        data,
+    )
     cache.finish_prompt()
     Q = np.concatenate([d[0] for d in data], axis=2)[0, :, -window:].astype(np.float64)
     K = np.concatenate([d[1] for d in data], axis=2)[0].astype(np.float64)
@@ -109,7 +121,7 @@ def test_expected_attention_matches_its_formula(llama_model, tmp_path):
     for qh in range(HQ):
         mu, cov = Q[qh].mean(0), np.cov(Q[qh].T)
         k = K[qh // rep]
-        logits = SCALE * k @ mu + 0.5 * SCALE ** 2 * np.einsum("ld,de,le->l", k, cov, k)
+        logits = SCALE * k @ mu + 0.5 * SCALE**2 * np.einsum("ld,de,le->l", k, cov, k)
         e = np.exp(logits - logits.max())
         score[qh // rep] += e / e.sum() / rep
     score *= np.linalg.norm(V, axis=-1)
@@ -124,8 +136,9 @@ def test_qfilters_direction_is_the_queries_principal_axis_with_its_sign(llama_mo
     q = (rng.standard_normal((1, HQ, 24, 16)) * 0.3 + 4.0 * axis).astype(np.float32)  # queries point along +axis
     k = rng.standard_normal((1, HKV, 24, 16)).astype(np.float32)
     v = rng.standard_normal((1, HKV, 24, 16)).astype(np.float32)
-    cache = drive(layer_cache(llama_model, tmp_path, "evict(budget=8, sinks=0, score=qfilters, window=16)"),
-                  [(q, k, v)])
+    cache = drive(
+        layer_cache(llama_model, tmp_path, "evict(budget=8, sinks=0, score=qfilters, window=16)"), [(q, k, v)]
+    )
     u = np.array(cache.tiers[0].scorer.direction)[0]
     assert np.all(u @ axis > 0.99)  # the axis, and the end the queries point to
     want = top(k[0] @ axis, 8, np.zeros((HKV, 24), bool))
@@ -135,8 +148,9 @@ def test_qfilters_direction_is_the_queries_principal_axis_with_its_sign(llama_mo
 def test_curd_scores_are_energy_weighted_leverage(llama_model, tmp_path):
     rank = 3
     data = blocks(10, [20, 10])
-    cache = drive(layer_cache(llama_model, tmp_path, f"evict(budget=9, sinks=1, score=curd, rank={rank}, once=true)"),
-                  data)
+    cache = drive(
+        layer_cache(llama_model, tmp_path, f"evict(budget=9, sinks=1, score=curd, rank={rank}, once=true)"), data
+    )
     tier = cache.tiers[0]
     pri = np.array(tier.scorer.priority(tier, cache.offset, None))[0]
     Q = np.concatenate([d[0] for d in data], axis=2)[0]
@@ -145,7 +159,7 @@ def test_curd_scores_are_energy_weighted_leverage(llama_model, tmp_path):
     a = causal_weights(Q, K) / (30 - np.arange(30))
     for h in range(HKV):
         u, s, _ = np.linalg.svd(a[h][:, None] * V[h], full_matrices=False)
-        lev = (u[:, :rank] ** 2 * s[:rank] ** 2).sum(1) / (s ** 2).sum()
+        lev = (u[:, :rank] ** 2 * s[:rank] ** 2).sum(1) / (s**2).sum()
         np.testing.assert_allclose(pri[h], lev, rtol=2e-3, atol=1e-7)
 
 
@@ -159,12 +173,15 @@ def test_morph_relevance_is_the_mean_of_the_last_window_rows(llama_model, tmp_pa
     Q = np.concatenate([d[0] for d in data], axis=2)[0]
     K = np.concatenate([d[1] for d in data], axis=2)[0]
     # each of the last `window` queries: its weights over what it saw (positions up to its own)
-    want = sum(np.pad(causal_weights(Q[:, n - 1:n], K[:, :n]), ((0, 0), (0, 14 - n))) for n in (12, 13, 14)) / window
+    want = sum(np.pad(causal_weights(Q[:, n - 1 : n], K[:, :n]), ((0, 0), (0, 14 - n))) for n in (12, 13, 14)) / window
     np.testing.assert_allclose(pri, want, atol=1e-5)
 
 
-REDUCTIONS = [("keyformer", ["tau=0"], "h2o", []), ("chunkkv", ["chunk=1"], "h2o", []),
-              ("morphkv", ["window=1"], "tova", [])]
+REDUCTIONS = [
+    ("keyformer", ["tau=0"], "h2o", []),
+    ("chunkkv", ["chunk=1"], "h2o", []),
+    ("morphkv", ["window=1"], "tova", []),
+]
 
 
 @pytest.mark.parametrize("name, sets, target, tsets", REDUCTIONS)
@@ -222,6 +239,7 @@ def test_new_recipes_on_sliding_window_layers(name):
 def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
     """bench kvpress feeds the prompt once and decides at each budget on copies: same as a fresh run."""
     from veloxquant.bench.kvpress import fork
+
     tokens = mx.array(np.random.default_rng(18).integers(0, 500, (1, 48)))
     sets = {"knorm": ["once=true"], "snapkv": ["window=8"]}.get(name, [])
     wide = veloxquant.make_prompt_cache(llama_model, name, [*sets, "budget=30"])
@@ -234,8 +252,9 @@ def test_kvpress_bench_fork_decides_like_a_fresh_cache(llama_model, name):
             c.finish_prompt()
     a, b = (np.array(feed(llama_model, tokens[:, 40:], c, 4)) for c in (forked, fresh))
     assert np.array_equal(a, b)
-    assert all(np.array_equal(np.array(x.tiers[0].positions), np.array(y.tiers[0].positions))
-               for x, y in zip(forked, fresh))
+    assert all(
+        np.array_equal(np.array(x.tiers[0].positions), np.array(y.tiers[0].positions)) for x, y in zip(forked, fresh)
+    )
 
 
 def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
@@ -259,16 +278,19 @@ def test_a_new_scorer_is_one_registration(llama_model, tmp_path):
             return -tier.positions.astype(mx.float32)
 
     try:
-        cache = drive(layer_cache(llama_model, tmp_path, "evict(budget=6, sinks=0, score=test_oldest_first)"),
-                      blocks(19, [10, 1]))
+        cache = drive(
+            layer_cache(llama_model, tmp_path, "evict(budget=6, sinks=0, score=test_oldest_first)"), blocks(19, [10, 1])
+        )
         assert [list(h) for h in held(cache)[0]] == [list(range(6))] * HKV
         assert OldestFirst.seen[0] == ((1, HQ, 10, 16), (1, HKV, 10, 16), None)  # no weights asked, none computed
     finally:
         del SCORERS["test_oldest_first"], SPECS["test_oldest_first"]
 
 
-@pytest.mark.parametrize("pipeline", ["snap(budget=48, window=4) | identity",
-                                      "evict(budget=48, score=expected, window=4, once=true) | identity"])
+@pytest.mark.parametrize(
+    "pipeline",
+    ["snap(budget=48, window=4) | identity", "evict(budget=48, score=expected, window=4, once=true) | identity"],
+)
 def test_query_window_is_compact_and_in_the_state(llama_model, tmp_path, pipeline):
     """The kept queries are their own window-sized array, not a view of (or a lazy concatenation over)
     every prefill block's queries, and the cache's state lists them so generate's eval computes them."""
@@ -278,8 +300,9 @@ def test_query_window_is_compact_and_in_the_state(llama_model, tmp_path, pipelin
         cache.attend(mx.array(q), SCALE)
     scorer = cache.tiers[0].scorer
     assert scorer.queries.shape[2] == 4
-    np.testing.assert_array_equal(np.array(scorer.queries),
-                                  np.concatenate([b[0] for b in blocks(2, [20, 30, 2])], axis=2)[:, :, -4:])
+    np.testing.assert_array_equal(
+        np.array(scorer.queries), np.concatenate([b[0] for b in blocks(2, [20, 30, 2])], axis=2)[:, :, -4:]
+    )
     assert any(a is scorer.queries for a in cache.state)
 
 
@@ -297,8 +320,11 @@ def test_scorers_own_their_parameters(tmp_path):
 
     compiled("evict(budget=64, score=keyformer, tau=2.0)")
     compiled("evict(budget=64, score=mass, tau=1.0)")  # the default: nothing was set
-    with pytest.raises(RecipeError, match=r"r.yaml:3:.*tau=2.0 is a parameter of score=keyformer, nested, "
-                                          r"not of score=mass"):
+    with pytest.raises(
+        RecipeError,
+        match=r"r.yaml:3:.*tau=2.0 is a parameter of score=keyformer, nested, "
+        r"not of score=mass",
+    ):
         compiled("evict(budget=64, score=mass, tau=2.0)")
     with pytest.raises(RecipeError, match=r"window=16 is a parameter of score=expected, morph, nested, qfilters"):
         compiled("evict(budget=64, score=curd, window=16)")

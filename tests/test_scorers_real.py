@@ -1,4 +1,5 @@
 """The pinned reductions and knorm's path independence on SmolLM2 (slow): same kept sets, same logits."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,12 +15,15 @@ pytestmark = pytest.mark.slow
 def smollm2():
     from veloxquant.data import load_text
     from veloxquant.models import load_model
+
     model, tokenizer = load_model()
     return model, mx.array(tokenizer.encode(load_text("austen"))[:200])[None]
 
 
-@pytest.mark.parametrize("name, sets, target", [("keyformer", ["tau=0"], "h2o"), ("chunkkv", ["chunk=1"], "h2o"),
-                                                ("morphkv", ["window=1"], "tova")])
+@pytest.mark.parametrize(
+    "name, sets, target",
+    [("keyformer", ["tau=0"], "h2o"), ("chunkkv", ["chunk=1"], "h2o"), ("morphkv", ["window=1"], "tova")],
+)
 def test_reductions_on_smollm2(smollm2, name, sets, target):
     model, tokens = smollm2
     runs = []

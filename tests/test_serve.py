@@ -2,6 +2,7 @@
 
 The model is a random-init two-layer Llama saved as an mlx-lm model folder with SmolLM2's tokenizer (its
 context set to 512 tokens), so outputs are gibberish but deterministic (temperature 0)."""
+
 import http.client
 import json
 import os
@@ -28,11 +29,22 @@ def model_dir(tmp_path_factory):
     from mlx_lm.models import llama
 
     from veloxquant.models.default import default_model_path
+
     d = tmp_path_factory.mktemp("tiny_served")
-    cfg = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 128,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "rms_norm_eps": 1e-5,
-           "vocab_size": 49152, "rope_theta": 10000.0, "max_position_embeddings": CONTEXT,
-           "tie_word_embeddings": True}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": CONTEXT,
+        "tie_word_embeddings": True,
+    }
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(**cfg))
     mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())))
@@ -52,12 +64,25 @@ def _free_port() -> int:
 class Server:
     def __init__(self, model_dir: Path, recipe: str, *sets: str):
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "veloxquant.cli", "serve", recipe, "--model", str(model_dir),
-               "--port", str(self.port), "--max-tokens", "16", *[a for s in sets for a in ("--set", s)]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "veloxquant.cli",
+            "serve",
+            recipe,
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--max-tokens",
+            "16",
+            *[a for s in sets for a in ("--set", s)],
+        ]
         self.log = open(model_dir / f"{recipe}-{self.port}.log", "w+")  # noqa: SIM115 (open while it runs)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused",
-                                    timeout=30, max_retries=0)
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", timeout=30, max_retries=0
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:  # bounded: up until the model is loaded and the recipe compiled
             assert self.proc.poll() is None, self.text_log()
@@ -85,8 +110,9 @@ class Server:
         return json.loads(body)
 
     def chat(self, messages, **kw):
-        return self.client.chat.completions.create(model="default_model", messages=messages, temperature=0,
-                                                   **{"max_tokens": 8, **kw})
+        return self.client.chat.completions.create(
+            model="default_model", messages=messages, temperature=0, **{"max_tokens": 8, **kw}
+        )
 
     def text_log(self) -> str:
         self.log.flush()
@@ -132,8 +158,10 @@ def test_streaming_and_not(kivi):
 def test_two_turn_chat_reuses_the_prefix(kivi):
     first = [{"role": "user", "content": "Name three rivers of Europe, please."}]
     reply = kivi.chat(first)
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": "And which is longest?"}]
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And which is longest?"},
+    ]
     again = kivi.chat(second)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content
@@ -174,8 +202,10 @@ def test_bad_requests_leave_the_server_serving(kivi):
     # a client that leaves mid-stream: the server stops that sequence and goes on
     body = json.dumps({"messages": [{"role": "user", "content": "go on"}], "stream": True, "max_tokens": 400})
     with socket.create_connection(("127.0.0.1", kivi.port), timeout=30) as sock:
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         assert sock.recv(4096).startswith(b"HTTP/1.0 200")
     assert kivi.chat([{"role": "user", "content": "still there?"}]).usage.completion_tokens == 8
     code, _ = kivi.request("GET", "/health")
@@ -189,14 +219,16 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     from mlx_lm.models.cache import can_trim_prompt_cache
 
     import veloxquant
+
     sets = ["budget=8", "sinks=2"]
     server = Server(model_dir, "h2o", *sets)
     first = "The sea was calm and the boats were out"
     try:
         assert server.status()["batched"] is False  # h2o scores per sequence: served one at a time, logged
         assert "serving one sequence at a time: recipe 'h2o' does not batch: layer 0" in server.text_log()
-        complete = lambda p: server.client.completions.create(model="default_model", prompt=p, max_tokens=8,
-                                                                temperature=0)
+        complete = lambda p: server.client.completions.create(
+            model="default_model", prompt=p, max_tokens=8, temperature=0
+        )
         reply = complete(first)
         second = first + reply.choices[0].text + " More words here."
         again = complete(second)
@@ -214,9 +246,9 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     assert "".join(r.text for r in out1) == reply.choices[0].text  # the server's detokenizer, as here
     assert not can_trim_prompt_cache(caches)  # past the budget: evicted
     key = p1 + g1
-    assert p2[:len(key)] == key, "the second prompt must re-tokenize to the first turn's tokens (pick another)"
+    assert p2[: len(key)] == key, "the second prompt must re-tokenize to the first turn's tokens (pick another)"
     assert again.usage.prompt_tokens_details.cached_tokens == len(key)  # LRUPromptCache's shorter-prefix reuse
-    out2 = mlx_lm.stream_generate(model, tokenizer, p2[len(key):], max_tokens=8, prompt_cache=caches)
+    out2 = mlx_lm.stream_generate(model, tokenizer, p2[len(key) :], max_tokens=8, prompt_cache=caches)
     assert again.choices[0].text == "".join(r.text for r in out2)
     fresh = veloxquant.make_prompt_cache(model, "h2o", sets=sets)
     out3 = mlx_lm.stream_generate(model, tokenizer, key, max_tokens=8, prompt_cache=fresh)
@@ -225,8 +257,19 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
 
 
 def test_recipe_errors_exit_before_the_server_starts(model_dir):
-    cmd = [sys.executable, "-m", "veloxquant.cli", "serve", "kivi", "--model", str(model_dir),
-           "--port", str(_free_port()), "--set", "bitz=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "veloxquant.cli",
+        "serve",
+        "kivi",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(_free_port()),
+        "--set",
+        "bitz=3",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "recipe 'kivi' has no parameter 'bitz'" in done.stderr
     assert "Starting httpd" not in done.stderr + done.stdout
@@ -236,6 +279,7 @@ def test_the_batched_path_is_off_for_a_refused_recipe(model_dir):
     """mlx-lm's server takes its BatchGenerator path only when the provider's is_batchable is true."""
     from veloxquant.runtime import uninstall
     from veloxquant.serve.server import RecipeModelProvider, server_args
+
     provider = RecipeModelProvider(server_args(str(model_dir)), "h2o")
     model, _ = provider.load("default_model")
     try:
@@ -281,8 +325,10 @@ def test_fp16_two_turn_chat_merges_a_stored_prefix(fp16):
     """The second turn's cache comes from the prefix cache (a cache holding a prompt, merged into the batch)."""
     first = [{"role": "user", "content": "Name three rivers of Europe, please."}]
     reply = fp16.chat(first)
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": "And which is longest?"}]
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And which is longest?"},
+    ]
     with ThreadPoolExecutor(2) as pool:  # another sequence in the batch meanwhile
         other = pool.submit(fp16.chat, [{"role": "user", "content": "word " * 40}])
         again = pool.submit(fp16.chat, second)

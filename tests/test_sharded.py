@@ -1,4 +1,5 @@
 """A tiny Llama sharded over 2 ranks (mlx.launch, ring backend on loopback) against unsharded."""
+
 import json
 import shutil
 import sys

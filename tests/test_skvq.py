@@ -1,4 +1,5 @@
 """skvq: range-sorted channels (order frozen from the first chunk), clip searched per group."""
+
 import mlx.core as mx
 import numpy as np
 import pytest

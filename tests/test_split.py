@@ -1,4 +1,5 @@
 """split: mixed precision by channel, masks per chunk, scores that add exactly."""
+
 import mlx.core as mx
 import pytest
 
@@ -38,8 +39,12 @@ def test_split_sends_the_widest_channels_of_each_chunk_to_hi(by):
 def test_split_scores_add_exactly_across_branches():
     x = _x(2)
     q = mx.random.normal((1, 3, 1, 64), key=mx.random.key(9))
-    split = Split(hi=Affine(8, 32, "channel"), lo=Affine(2, 32, "channel"), by="list", channels="0,1,2,3,4,5,6,7,"
-                  "8,9,10,11,12,13,14,15")
+    split = Split(
+        hi=Affine(8, 32, "channel"),
+        lo=Affine(2, 32, "channel"),
+        by="list",
+        channels="0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+    )
     enc = split.encode(x)
     assert "mask" not in enc  # a listed split costs no mask
     k = split.decode(enc, mx.float32)
@@ -78,11 +83,13 @@ def test_split_misuse_is_located(tmp_path):
         compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=affine(bits=4))"), SMOLLM2_135M)
     assert "r.yaml:5:6" in str(e.value.location)
     with pytest.raises(RecipeError, match="channels must list channels 0..63"):
-        compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=fp16, lo=fp16, by=list, channels=\"3,99\")"),
-                       SMOLLM2_135M)
+        compile_recipe(
+            _recipe(tmp_path, 'recent(32)\n>> split(hi=fp16, lo=fp16, by=list, channels="3,99")'), SMOLLM2_135M
+        )
     with pytest.raises(RecipeError, match="branch gets 56 channels"):
-        compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=fp16, lo=affine(bits=2, group=8), "
-                                         "fraction=0.125)"), SMOLLM2_135M)
+        compile_recipe(
+            _recipe(tmp_path, "recent(32)\n>> split(hi=fp16, lo=affine(bits=2, group=8), fraction=0.125)"), SMOLLM2_135M
+        )
     with pytest.raises(RecipeError, match="'nuq' fits arrays per tier"):
         compile_recipe(_recipe(tmp_path, "recent(32)\n>> split(hi=nuq(bits=4), lo=fp16)"), SMOLLM2_135M)
     with pytest.raises(RecipeError, match="must be between 0 and 1"):
@@ -100,6 +107,7 @@ def test_split_by_queries_weighs_spread_by_the_queries_channels():
     split = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="queries")
     plain = Split(hi=Affine(4, 32, "channel"), lo=Affine(2, 32, "channel"), fraction=0.25, by="variance")
     from veloxquant.kernels.bitpack import unpack
+
     chosen = unpack(split.encode(x, q2)["mask"], 1, 64)[:, :, 0]
     before = unpack(plain.encode(x)["mask"], 1, 64)[:, :, 0]
     assert mx.all(mx.take_along_axis(before, widest[..., None], axis=-1) == 1).item()
@@ -108,8 +116,11 @@ def test_split_by_queries_weighs_spread_by_the_queries_channels():
 
 
 def test_split_by_queries_needs_the_hook_and_runs(llama_model, tmp_path):
-    r = _recipe(tmp_path, "sink(4) >> recent(32)\n>> keys: split(hi=affine(bits=4, group=32, axis=channel), "
-                          "lo=affine(bits=2, group=32, axis=channel), by=queries)\n   values: affine(bits=2, group=32)")
+    r = _recipe(
+        tmp_path,
+        "sink(4) >> recent(32)\n>> keys: split(hi=affine(bits=4, group=32, axis=channel), "
+        "lo=affine(bits=2, group=32, axis=channel), by=queries)\n   values: affine(bits=2, group=32)",
+    )
     assert "attention" in compile_recipe(r, SMOLLM2_135M).layers[0].needs
     plain = compile_recipe(load_recipe("kitty"), SMOLLM2_135M)
     assert "attention" not in plain.layers[0].needs  # by=variance needs no hook

@@ -3,6 +3,7 @@ one wave, every 32-token stage walked by exactly one warp), when it merges in
 its own launch, and -- where nvcc is installed -- that it compiles for sm_90
 without spills. Its parity runs on the H200 (tests/test_kernels.py, impls "tc"
 and "tc2"); the one-launch path's ordering and view handling are gpu tests here."""
+
 import re
 
 import mlx.core as mx
@@ -10,8 +11,9 @@ import pytest
 
 from veloxquant.kernels import backend, tc, tc_launch
 
-SPECS = [((b, g, "channel"), (b, gv, "token"))
-         for b in (2, 4, 8) for g, gv in ((32, 32), (16, 16), (64, 32), (128, 64))]
+SPECS = [
+    ((b, g, "channel"), (b, gv, "token")) for b in (2, 4, 8) for g, gv in ((32, 32), (16, 16), (64, 32), (128, 64))
+]
 
 
 def _stages_walked(L: int, ns: int) -> list:
@@ -32,8 +34,13 @@ def _stages_walked(L: int, ns: int) -> list:
 @pytest.mark.parametrize("specs", SPECS, ids=lambda s: f"{s[0][0]}b-gk{s[0][1]}-gv{s[1][1]}")
 def test_plan_fits_shared_memory_one_wave_and_covers_every_stage(D, specs):
     kspec, vspec = specs
-    for B, Hq, Lq, Hkv, L in ((1, 32, 1, 8, 32768), (1, 9, 1, 3, 32768), (1, 4, 2, 1, 131072), (2, 8, 1, 2, 1040),
-                              (1, 32, 4, 8, 128)):
+    for B, Hq, Lq, Hkv, L in (
+        (1, 32, 1, 8, 32768),
+        (1, 9, 1, 3, 32768),
+        (1, 4, 2, 1, 131072),
+        (2, 8, 1, 2, 1040),
+        (1, 32, 4, 8, 128),
+    ):
         rows = Hq // Hkv * Lq
         if L % kspec[1] or tc.supported(Hq, Lq, D, Hkv, L, kspec, vspec):
             continue
@@ -60,6 +67,7 @@ def test_scope_names_what_it_refuses():
 
 def test_nvcc_renders_the_tc_kernel_as_mlx_would():
     from veloxquant.kernels import nvcc_check
+
     src = nvcc_check.tc_unit(1, 32, 1, 128, 8, 32768, (4, 32, "channel"), (4, 32, "token"))
     assert "#define VQ_LAUNCH_BOUNDS 128, 3" in src and "constexpr int NST=3;" in src
     assert "const __grid_constant__ Shape kc_shape" in src and "vq_warp_rows" in src
@@ -67,11 +75,18 @@ def test_nvcc_renders_the_tc_kernel_as_mlx_would():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
-@pytest.mark.parametrize("unit,shape,Lq,bits,qtype", [
-    ("tc", "32/8/128", 1, 4, "float16"), ("tc", "32/8/128", 4, 4, "float16"), ("tc", "9/3/64", 3, 2, "float32"),
-    ("tc", "4/1/256", 1, 8, "bfloat16")])
+@pytest.mark.parametrize(
+    "unit,shape,Lq,bits,qtype",
+    [
+        ("tc", "32/8/128", 1, 4, "float16"),
+        ("tc", "32/8/128", 4, 4, "float16"),
+        ("tc", "9/3/64", 3, 2, "float32"),
+        ("tc", "4/1/256", 1, 8, "bfloat16"),
+    ],
+)
 def test_pipelined_kernels_compile_for_sm90_without_spills(unit, shape, Lq, bits, qtype):
     from veloxquant.kernels import nvcc_check
+
     Hq, Hkv, D = (int(x) for x in shape.split("/"))
     unit = nvcc_check.tc_unit(1, Hq, Lq, D, Hkv, 32768, (bits, 32, "channel"), (bits, 32, "token"), qtype)
     report = nvcc_check.compile_unit(unit)
@@ -83,8 +98,11 @@ def test_pipelined_kernels_compile_for_sm90_without_spills(unit, shape, Lq, bits
 
 def test_the_merge_folds_into_the_launch_only_while_one_block_can_read_it_quickly():
     kivi = ((4, 32, "channel"), (4, 32, "token"))
-    for shape, folded in (((1, 32, 1, 128, 8, 32768), True), ((1, 9, 1, 64, 3, 32768), True),
-                          ((1, 4, 1, 256, 1, 32768), False)):  # 264 partials of 4 x 256 floats: 1 MiB
+    for shape, folded in (
+        ((1, 32, 1, 128, 8, 32768), True),
+        ((1, 9, 1, 64, 3, 32768), True),
+        ((1, 4, 1, 256, 1, 32768), False),
+    ):  # 264 partials of 4 x 256 floats: 1 MiB
         B, Hq, Lq, D, Hkv, L = shape
         p = tc.plan(B, Hq, Lq, D, Hkv, L, "float16", *kivi, 0.1)
         rows = Hq // Hkv * Lq
@@ -95,6 +113,7 @@ def test_the_merge_folds_into_the_launch_only_while_one_block_can_read_it_quickl
 
 def _codes(B, Hq, Hkv, Lq, D, L, bits=4, seed=0, qdtype=mx.float16):
     from veloxquant.stages.store import Affine
+
     kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((B, Hq, Lq, D), key=kq).astype(qdtype)
     ks, vs = {"bits": bits, "group": 32, "axis": "channel"}, {"bits": bits, "group": 32, "axis": "token"}
@@ -105,8 +124,16 @@ def _codes(B, Hq, Hkv, Lq, D, L, bits=4, seed=0, qdtype=mx.float16):
 
 def _run(q, ke, ve, ks, vs, tail=None, fold=True):
     from veloxquant.kernels.reference import spec_fields
-    run = tc_launch.launcher(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), spec_fields(ks), spec_fields(vs),
-                      q.shape[-1] ** -0.5, fold=fold)
+
+    run = tc_launch.launcher(
+        tuple(q.shape),
+        q.dtype,
+        tuple(ke["codes"].shape),
+        spec_fields(ks),
+        spec_fields(vs),
+        q.shape[-1] ** -0.5,
+        fold=fold,
+    )
     return run(q, ke, ve, tail)
 
 
@@ -119,8 +146,16 @@ def test_folded_launches_queued_together_answer_as_one_by_one():
     """Independent folded calls in one graph share the counters: their ordering input must
     keep them apart (else two launches count on one counter and merge too early)."""
     calls = []
-    for i, (Hq, Hkv, D, L, W) in enumerate([(32, 8, 128, 8192, 0), (9, 3, 64, 4096, 40), (32, 8, 128, 8192, 100),
-                                           (4, 1, 256, 2048, 0), (8, 2, 128, 1024, 17), (32, 8, 128, 16384, 0)]):
+    for i, (Hq, Hkv, D, L, W) in enumerate(
+        [
+            (32, 8, 128, 8192, 0),
+            (9, 3, 64, 4096, 40),
+            (32, 8, 128, 8192, 100),
+            (4, 1, 256, 2048, 0),
+            (8, 2, 128, 1024, 17),
+            (32, 8, 128, 16384, 0),
+        ]
+    ):
         q, ke, ve, ks, vs = _codes(1, Hq, Hkv, 1, D, L, seed=i)
         tail = [(mx.random.normal((1, Hkv, W, D)).astype(mx.float16),) * 2] if W else None
         mx.eval(q, ke, ve, *(tail or []))
@@ -135,9 +170,10 @@ def test_folded_launches_queued_together_answer_as_one_by_one():
     for a, b in zip(alone, together):
         for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             assert mx.array_equal(x, y)
-    assert int(tc_launch._Order.work[:tc.COUNTERS].sum()) == 0  # every launch left its counters at zero
+    assert int(tc_launch._Order.work[: tc.COUNTERS].sum()) == 0  # every launch left its counters at zero
     from veloxquant.kernels.reference import spec_fields
-    ns = tc.plan(1, 32, 1, 128, 8, 16384, mx.float16, *(spec_fields(s) for s in calls[-1][3:5]), 128 ** -0.5).ns
+
+    ns = tc.plan(1, 32, 1, 128, 8, 16384, mx.float16, *(spec_fields(s) for s in calls[-1][3:5]), 128**-0.5).ns
     assert tc_launch.held_bytes() >= 4 * (tc.COUNTERS + 32 * ns * 130)  # the largest call's pm, pl, pacc
 
 
@@ -147,7 +183,7 @@ def test_the_one_launch_path_reads_views_in_place():
     # q as the model hands it (a transposed view), codes as token slices of longer buffers
     q, ke, ve, ks, vs = _codes(1, 8, 2, 4, 128, 2048 + 64)
     qv = mx.swapaxes(mx.swapaxes(q, 1, 2) + 0, 1, 2)  # same values, strides of [B, Lq, Hq, D]
-    ke = {n: a[:, :, (64 if n == "codes" else 2):] for n, a in ke.items()}
+    ke = {n: a[:, :, (64 if n == "codes" else 2) :] for n, a in ke.items()}
     ve = {n: a[:, :, 64:] for n, a in ve.items()}
     want = _run(q, {n: a + 0 for n, a in ke.items()}, {n: a + 0 for n, a in ve.items()}, ks, vs, fold=False)
     for fold in (True, False):

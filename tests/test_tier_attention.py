@@ -1,6 +1,7 @@
 """The GPU decode path on the CPU: kernel tiers answered by the MLX-ops reference
 (same contract), the other tiers grouped into one partial, merged exactly; it
 must give the logits the dense path gives."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ def model():
 def _run(model, recipe, tokens, decode):
     caches = make_prompt_cache(model, recipe)
     try:
-        outs = [model(tokens[:, s:s + 100], cache=caches) for s in range(0, tokens.shape[1], 100)]
+        outs = [model(tokens[:, s : s + 100], cache=caches) for s in range(0, tokens.shape[1], 100)]
         mx.eval(outs)
         for t in range(decode):
             outs.append(model(mx.array([[t + 7]]), cache=caches))
@@ -34,13 +35,16 @@ def _run(model, recipe, tokens, decode):
 def fused_on_cpu(monkeypatch):
     """Route affine tiers through the kernel entry point, answered by the reference."""
     monkeypatch.setattr(dispatch, "choice", lambda *a, **k: ("cuda", "reference standing in for the kernel"))
+
     def launcher(qshape, qdtype, cshape, ks, vs, scale, **kw):
         def run(q, ke, ve, tail=None, hidden=0):
             if tail is None:
                 return reference.affine_partial_attention(q, ke, ve, ks, vs, scale, hidden)
             calls.append(len(tail))
             return reference.attention_with_tail(q, ke, ve, ks, vs, scale, tail, hidden)
+
         return run
+
     calls = []
     monkeypatch.setattr(cuda, "launcher", launcher)
     return calls  # the tail sizes the kernel's reduce was asked to fold in
@@ -68,7 +72,7 @@ def test_kernel_path_matches_dense_path(model, recipe, fused_on_cpu):
     # Both paths on the same cache state and queries, each against float64. Comparing the models'
     # logits instead compounds float32 noise across layers, and where it flips a 2-bit code or an fp16
     # rounding the gap is set by the BLAS (9e-4 with MLX's bundled one, under 2e-4 with OpenBLAS).
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     for seed, cache in enumerate(caches):
         q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(10 + seed)) * 3
         want = _attention_f64(cache, q, scale)
@@ -128,6 +132,7 @@ def test_decode_step_graph_stays_small(model, recipe, most):
     from mlx_lm.models.cache import make_prompt_cache as mlx_cache
 
     from veloxquant.bench.decode_ops import stand_in_for_cuda, step
+
     with stand_in_for_cuda():
         base, _ = step(model, mlx_cache(model), 200, 1)
         ops, _ = step(model, make_prompt_cache(model, recipe), 200, 40)
@@ -139,6 +144,7 @@ def test_decode_step_graph_stays_small(model, recipe, most):
 def test_compiled_merge_is_exact_across_shapes():
     """The merge is compiled shapeless: one trace must serve every shape (checked in sequence)."""
     import numpy as np
+
     rng = np.random.default_rng(0)
     for shape in [(1, 4, 5, 8), (1, 4, 1, 8), (2, 3, 7, 16), (1, 9, 1, 64), (1, 4, 5, 8)]:
         o1, o2 = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
@@ -173,6 +179,7 @@ def placed_dequant_on_cpu(monkeypatch):
     """The dequant kernel's contract answered by the ops decode: the tier's values at
     [offset, offset + L) of a `length`-token buffer, every other row NaN (never read)."""
     from veloxquant.stages.store import Affine
+
     placed = []
 
     class Stand:
@@ -187,6 +194,7 @@ def placed_dequant_on_cpu(monkeypatch):
             placed.append((offset, x.shape[2], length))
             pad = lambda n: mx.full((*x.shape[:2], n, x.shape[3]), mx.nan, dtype=dtype)
             return mx.concatenate([pad(offset), x, pad(length - offset - x.shape[2])], axis=2)
+
     monkeypatch.setattr(dispatch, "dequantizer", lambda: Stand)
     return placed
 
@@ -214,19 +222,21 @@ def test_sliding_layers_leave_expired_tokens_out_by_count(fused_on_cpu, monkeypa
     from veloxquant.runtime import fused
 
     from conftest import tiny_gemma3
+
     counts = []
     real = fused.kernel_answer
 
     def counted(tier, queries, scale, encoded=None, hidden=0):
         counts.append(hidden)
         return real(tier, queries, scale, encoded, hidden)
+
     monkeypatch.setattr(fused, "kernel_answer", counted)
     masked = lambda self, tier, q, scale, first_q, Lq: tier.answer(q, scale, self._tier_mask(tier, first_q, Lq))
     model = tiny_gemma3(window=96)
     caches = make_prompt_cache(model, "kivi", ["window=32"])
     tokens = mx.random.randint(0, 500, (1, 200), key=mx.random.key(4))
     try:
-        mx.eval([model(tokens[:, s:s + 100], cache=caches) for s in (0, 100)])
+        mx.eval([model(tokens[:, s : s + 100], cache=caches) for s in (0, 100)])
         worst = 0.0
         for t in range(40):  # more than a key group expires
             mx.eval(model(mx.array([[t + 3]]), cache=caches))

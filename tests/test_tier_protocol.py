@@ -1,5 +1,6 @@
 """The tier-kind protocol (runtime/kinds/protocol.py): every kind a built-in builds answers it,
 kinds register themselves, and the cache reads declared capabilities."""
+
 import pytest
 
 from veloxquant.compiler import ModelShape, compile_recipe
@@ -18,8 +19,7 @@ from veloxquant.runtime.make import caches_for
 
 
 def test_kind_modules_register_themselves():
-    assert KINDS == {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier,
-                     "query_aware": QueryAwareTier}
+    assert KINDS == {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier, "query_aware": QueryAwareTier}
     assert HEAD_KINDS == {"sparse_decode": SparseDecodeTier}
 
 
@@ -30,9 +30,17 @@ def test_a_name_registers_once():
 
 
 # recipe -> the kinds its caches hold (a built-in each, one per family)
-BUILT = {"kivi": {Tier}, "fp16": {Tier}, "palu": {LatentTier}, "minicache": {MergedTier, Tier},
-         "anchorkv": {AnchorTier, Tier}, "a2ats": {QueryAwareTier}, "rocketkv": {SparseDecodeTier},
-         "snapkv": {HeadTier}, "xquant": {ReuseTier, Tier}}
+BUILT = {
+    "kivi": {Tier},
+    "fp16": {Tier},
+    "palu": {LatentTier},
+    "minicache": {MergedTier, Tier},
+    "anchorkv": {AnchorTier, Tier},
+    "a2ats": {QueryAwareTier},
+    "rocketkv": {SparseDecodeTier},
+    "snapkv": {HeadTier},
+    "xquant": {ReuseTier, Tier},
+}
 
 
 @pytest.mark.parametrize("recipe", sorted(BUILT))

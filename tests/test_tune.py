@@ -1,4 +1,5 @@
 """`veloxquant tune` on a tiny random model: measured bytes within budget, resumable, a loadable recipe."""
+
 import random
 
 import pytest
@@ -40,8 +41,21 @@ def test_estimate_orders_by_bytes():
 
 def test_tune_writes_a_recipe_within_budget_and_resumes(tiny, tmp_path, capsys):
     out, state = tmp_path / "t.yaml", tmp_path / "state.jsonl"
-    argv = ["tune", "tiny", "--max-bytes", "0.5", "--from", "kivi", "--corpus", str(tiny), "-o", str(out),
-            "--state", str(state), *ARGS]
+    argv = [
+        "tune",
+        "tiny",
+        "--max-bytes",
+        "0.5",
+        "--from",
+        "kivi",
+        "--corpus",
+        str(tiny),
+        "-o",
+        str(out),
+        "--state",
+        str(state),
+        *ARGS,
+    ]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "Pareto front" in text and "held-out slice" in text and "(tuned)" in text

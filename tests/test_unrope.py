@@ -1,4 +1,5 @@
 """unrope: pre-RoPE keys from the cache's positions and the model's RoPE settings."""
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
@@ -37,8 +38,20 @@ def test_unrope_then_rerope_is_the_models_rope_on_tiny_llama_and_gemma3():
 
 def test_llama3_scaled_rope_is_inverted_too():
     from mlx_lm.models.rope_utils import initialize_rope
-    rope = initialize_rope(64, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, 4096)
+
+    rope = initialize_rope(
+        64,
+        500000.0,
+        False,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        4096,
+    )
     spec, _ = rope_spec(rope)
     assert spec[2] is None and len(spec[4]) == 32
     x = mx.random.normal((1, 1, 5, 64), key=mx.random.key(0))
@@ -75,8 +88,9 @@ def test_a_cache_coding_keys_pre_rope_exactly_gives_the_same_logits(tmp_path, ma
 
 def test_unrope_settings_enter_the_plan_and_survive_json(tmp_path):
     model = tiny_gemma3()
-    plan = vq.runtime.make.plan_for(model, _recipe(tmp_path, "recent(8)\n>> keys: unrope | affine(bits=4)\n"
-                                                            "   values: affine(bits=4)"))
+    plan = vq.runtime.make.plan_for(
+        model, _recipe(tmp_path, "recent(8)\n>> keys: unrope | affine(bits=4)\n   values: affine(bits=4)")
+    )
     again = plan_from_dict(plan.to_dict(), plan.recipe)
     assert again.fingerprint == plan.fingerprint
     assert again.layers[1].tiers[1].keys.transforms[0]._rope[2] == 1000000.0
@@ -85,12 +99,15 @@ def test_unrope_settings_enter_the_plan_and_survive_json(tmp_path):
 
 def test_unrope_misuse_is_located(tmp_path):
     with pytest.raises(RecipeError, match="only keys carry") as e:
-        compile_recipe(_recipe(tmp_path, "recent(8)\n>> unrope | affine(bits=4)"),
-                       ModelShape.from_model(tiny_llama(layers=1)))
+        compile_recipe(
+            _recipe(tmp_path, "recent(8)\n>> unrope | affine(bits=4)"), ModelShape.from_model(tiny_llama(layers=1))
+        )
     assert "r.yaml:5:6" in str(e.value.location)
     with pytest.raises(RecipeError, match="different tokens in each head"):
-        compile_recipe(_recipe(tmp_path, "evict(budget=16) | keys: unrope | affine(bits=4) values: fp16"),
-                       ModelShape.from_model(tiny_llama(layers=1)))
+        compile_recipe(
+            _recipe(tmp_path, "evict(budget=16) | keys: unrope | affine(bits=4) values: fp16"),
+            ModelShape.from_model(tiny_llama(layers=1)),
+        )
     bare = ModelShape.uniform("bare", 2, 3, 64)
     with pytest.raises(RecipeError, match="carries no RoPE settings"):
         compile_recipe(_recipe(tmp_path, "recent(8)\n>> keys: unrope | affine(bits=4)\n   values: fp16"), bare)
@@ -104,6 +121,7 @@ def test_unrope_misuse_is_located(tmp_path):
 def test_real_models_unrope_then_rerope_equals_their_keys(which):
     from veloxquant.data import load_text
     from veloxquant.models import load_model
+
     model, tokenizer = load_model(None if which == "smollm2" else "gemma3")
     _check_inverts_every_layer(model, start=1500, atol=2e-3)
     tokens = mx.array(tokenizer.encode(load_text("austen"))[:300])[None]

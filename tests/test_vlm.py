@@ -1,6 +1,7 @@
 """mlx-vlm models (pip install veloxquant[vlm]): tiny random-init Qwen2.5-VL, Gemma-3 and LLaVA with a
 generated image, run through mlx-vlm's own generation loop (generate_step, which mlx_vlm.generate drives)
 with prompt_cache=veloxquant.make_prompt_cache(model, recipe)."""
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -31,13 +32,37 @@ def build(config):
 
 
 def qwen2_5_vl():
-    text = dict(model_type="qwen2_5_vl", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6, vocab_size=500,
-                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
-    model = build(dict(**text, image_token_id=400, video_token_id=401, vision_start_token_id=402,
-                       vision_end_token_id=403, text_config=dict(text),
-                       vision_config=dict(model_type="qwen2_5_vl", depth=2, hidden_size=32, intermediate_size=64,
-                                          out_hidden_size=64, num_heads=2, fullatt_block_indexes=[1], window_size=56)))
+    text = dict(
+        model_type="qwen2_5_vl",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        vocab_size=500,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+    )
+    model = build(
+        dict(
+            **text,
+            image_token_id=400,
+            video_token_id=401,
+            vision_start_token_id=402,
+            vision_end_token_id=403,
+            text_config=dict(text),
+            vision_config=dict(
+                model_type="qwen2_5_vl",
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                out_hidden_size=64,
+                num_heads=2,
+                fullatt_block_indexes=[1],
+                window_size=56,
+            ),
+        )
+    )
     o = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[IMAGE], return_tensors="np")
     n = int(np.prod(o["image_grid_thw"][0])) // 4
     ids = [1, 2, 402] + [400] * n + [403] + TEXT
@@ -45,26 +70,70 @@ def qwen2_5_vl():
 
 
 def gemma3():
-    model = build(dict(model_type="gemma3", image_token_index=450, vocab_size=500,
-                       text_config=dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4,
-                                        intermediate_size=128, num_attention_heads=2, head_dim=32,
-                                        num_key_value_heads=1, vocab_size=500, sliding_window=32,
-                                        sliding_window_pattern=2, mm_tokens_per_image=4, query_pre_attn_scalar=32),
-                       vision_config=dict(model_type="siglip_vision_model", num_hidden_layers=1, hidden_size=32,
-                                          intermediate_size=64, num_attention_heads=2, patch_size=14, image_size=56)))
+    model = build(
+        dict(
+            model_type="gemma3",
+            image_token_index=450,
+            vocab_size=500,
+            text_config=dict(
+                model_type="gemma3_text",
+                hidden_size=64,
+                num_hidden_layers=4,
+                intermediate_size=128,
+                num_attention_heads=2,
+                head_dim=32,
+                num_key_value_heads=1,
+                vocab_size=500,
+                sliding_window=32,
+                sliding_window_pattern=2,
+                mm_tokens_per_image=4,
+                query_pre_attn_scalar=32,
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                num_hidden_layers=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=2,
+                patch_size=14,
+                image_size=56,
+            ),
+        )
+    )
     pv = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})(images=[IMAGE], return_tensors="np")["pixel_values"]
     return model, [2, 5] + [450] * 4 + TEXT, 450, mx.array(pv), {}
 
 
 def llava():
-    model = build(dict(model_type="llava", image_token_index=450, vocab_size=500,
-                       text_config=dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=500),
-                       vision_config=dict(model_type="clip_vision_model", num_hidden_layers=2, hidden_size=32,
-                                          intermediate_size=64, num_attention_heads=2, image_size=56, patch_size=14,
-                                          projection_dim=32)))
+    model = build(
+        dict(
+            model_type="llava",
+            image_token_index=450,
+            vocab_size=500,
+            text_config=dict(
+                model_type="llama",
+                hidden_size=64,
+                num_hidden_layers=2,
+                intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=500,
+            ),
+            vision_config=dict(
+                model_type="clip_vision_model",
+                num_hidden_layers=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=2,
+                image_size=56,
+                patch_size=14,
+                projection_dim=32,
+            ),
+        )
+    )
     pv = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})(
-        images=[IMAGE], return_tensors="np")["pixel_values"]
+        images=[IMAGE], return_tensors="np"
+    )["pixel_values"]
     return model, [1, 5] + [450] * 16 + TEXT, 450, mx.array(pv), {}
 
 
@@ -82,9 +151,17 @@ def generate(model, ids, pixels, extra, cache, n=6):
     lm = model.language_model
     if hasattr(lm, "_position_ids"):  # mlx-vlm's generate resets Qwen's multimodal RoPE state per prompt too
         lm._position_ids = lm._rope_deltas = None
-    steps = generate_step(mx.array([ids]), model, pixels.astype(mx.float16), mx.ones((1, len(ids)), mx.int32),
-                          prompt_cache=cache,
-                          max_tokens=n, temperature=0.0, prefill_step_size=64, **extra)
+    steps = generate_step(
+        mx.array([ids]),
+        model,
+        pixels.astype(mx.float16),
+        mx.ones((1, len(ids)), mx.int32),
+        prompt_cache=cache,
+        max_tokens=n,
+        temperature=0.0,
+        prefill_step_size=64,
+        **extra,
+    )
     out = [s for s, _ in zip(steps, range(n))]
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
@@ -108,8 +185,15 @@ def test_fp16_equals_mlx_vlms_own_cache(make):
 
 
 @pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
-@pytest.mark.parametrize("recipe,sets", [("kivi", ["window=16", "group=16"]), ("h2o", ["budget=32"]),
-                                         ("snapkv", ["budget=32", "window=8"]), ("turboquant_rvq", [])])
+@pytest.mark.parametrize(
+    "recipe,sets",
+    [
+        ("kivi", ["window=16", "group=16"]),
+        ("h2o", ["budget=32"]),
+        ("snapkv", ["budget=32", "window=8"]),
+        ("turboquant_rvq", []),
+    ],
+)
 def test_lossy_recipes_hold_fewer_bytes_and_keep_image_tokens(make, recipe, sets):
     model, ids, image_id, pixels, extra = model_of(make)
     fp16 = vq.make_prompt_cache(model, "fp16")
@@ -121,8 +205,11 @@ def test_lossy_recipes_hold_fewer_bytes_and_keep_image_tokens(make, recipe, sets
     runs = protected.of(caches)
     n_image = ids.count(image_id)
     if recipe in ("h2o", "snapkv"):
-        assert runs is not None and runs.count == n_image and runs.runs == [(ids.index(image_id),
-                                                                             ids.index(image_id) + n_image)]
+        assert (
+            runs is not None
+            and runs.count == n_image
+            and runs.runs == [(ids.index(image_id), ids.index(image_id) + n_image)]
+        )
         for c in caches:
             for t in c.tiers:
                 if t.per_head:  # every head of every layer still holds every image token it can see

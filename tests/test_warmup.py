@@ -2,6 +2,7 @@
 same shape launches. Checked on any machine: the dispatch is told the backend is CUDA and
 every launch is answered by zeros (kernels/variants.stand_in), so the real bindings choose
 their kernels, plans and templates, and `variants.recording` sees what they ask for."""
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step

@@ -1,4 +1,5 @@
 """XQuant: cross-layer groups that share the anchor layer's codes through a coordinator."""
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import trim_prompt_cache
@@ -70,6 +71,7 @@ V = mx.random.normal((1, 3, 160, 64), key=mx.random.key(2)).astype(mx.float16).a
 
 # --- what each layer holds ------------------------------------------------------------------
 
+
 def test_reuse_layer_holds_no_codes(llama_model):
     caches = vq.make_prompt_cache(llama_model, "xquant", ["window=64"])
     feed(llama_model, TOKENS, caches, 50)
@@ -88,9 +90,11 @@ def test_reuse_layer_holds_no_codes(llama_model):
 
 def test_keys_alone_can_be_shared(tmp_path):
     path = tmp_path / "keys.yaml"
-    path.write_text("veloxquant: 1\nname: keys\nextends: xquant\npipeline: |\n  recent($window)\n"
-                    "  >> keys: xquant(bits=$bits, group=$group, axis=channel, layers=$group_size)\n"
-                    "     values: affine(bits=$bits, group=$group, axis=token)\n")
+    path.write_text(
+        "veloxquant: 1\nname: keys\nextends: xquant\npipeline: |\n  recent($window)\n"
+        "  >> keys: xquant(bits=$bits, group=$group, axis=channel, layers=$group_size)\n"
+        "     values: affine(bits=$bits, group=$group, axis=token)\n"
+    )
     caches = fill(caches_for(compile_recipe(load_recipe(str(path)), PAIR, ["window=32"])), (K, K), (V, V))
     assert sorted(caches[1].tiers[1].buffers["k"]) == ["scales", "zeros"]
     assert "codes" in caches[1].tiers[1].buffers["v"]
@@ -130,9 +134,16 @@ def test_nbytes_is_the_memory_xquant_caches_really_hold():
     import os
     import subprocess
     import sys
+
     here = os.path.dirname(__file__)
-    out = subprocess.run([sys.executable, "-c", _MEMORY_CHECK], capture_output=True, text=True,
-                         cwd=here, timeout=300, env={**os.environ, "PYTHONPATH": here})
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHECK],
+        capture_output=True,
+        text=True,
+        cwd=here,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": here},
+    )
     assert out.returncode == 0, out.stderr
     (kivi_held, kivi_grew), (xq_held, xq_grew) = [map(int, line.split()) for line in out.stdout.split("\n")[1:3]]
     assert xq_held < kivi_held
@@ -142,6 +153,7 @@ def test_nbytes_is_the_memory_xquant_caches_really_hold():
 
 
 # --- reconstruction ---------------------------------------------------------------------------
+
 
 def test_reuse_that_is_an_affine_function_of_the_anchor_codes_is_near_exact():
     def on_codes(x, store, seed):  # a * (the anchor's dequantized values) + b, per quantization group
@@ -201,6 +213,7 @@ def test_hook_and_decoded_modes_agree(llama_model):
 
 # --- the plan: groups, fingerprint, explain, refusals -------------------------------------------
 
+
 def test_plan_names_groups_and_roles():
     plan = compile_recipe(load_recipe("xquant"), ModelShape.uniform("m", 7, 3, 64), ["group_size=3"])
     assert [l.share.layers for l in plan.layers] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3 + [(6,)]
@@ -237,8 +250,9 @@ def test_sliding_window_layers_are_refused_and_can_be_overridden(tmp_path):
 
 def test_mismatched_layers_are_refused(tmp_path):
     with pytest.raises(RecipeError, match="heads differ"):
-        compile_recipe(load_recipe("xquant"), ModelShape("m", (3, 3, 3, 3), (64, 64, 128, 128), (None,) * 4),
-                       ["group_size=3"])
+        compile_recipe(
+            load_recipe("xquant"), ModelShape("m", (3, 3, 3, 3), (64, 64, 128, 128), (None,) * 4), ["group_size=3"]
+        )
     with pytest.raises(RecipeError, match="tiers differ"):
         compile_recipe(load_recipe("xquant"), PAIR, ["window=linear(from=256, to=64)"])
     with pytest.raises(RecipeError, match="must stand in the last tier"):
@@ -246,6 +260,7 @@ def test_mismatched_layers_are_refused(tmp_path):
 
 
 # --- persistence and trim ------------------------------------------------------------------------
+
 
 def test_save_load_round_trip_relinks_the_coordinator(llama_model, tmp_path):
     caches = vq.make_prompt_cache(llama_model, "xquant", ["window=32", "residual_bits=1"])
@@ -261,6 +276,7 @@ def test_save_load_round_trip_relinks_the_coordinator(llama_model, tmp_path):
 
 def test_load_refuses_a_reuse_layer_its_anchor_does_not_cover(llama_model, tmp_path):
     import json
+
     caches = vq.make_prompt_cache(llama_model, "xquant", ["window=32"])
     feed(llama_model, TOKENS[:, :150], caches, 50)
     path = tmp_path / "xq.safetensors"

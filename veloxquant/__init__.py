@@ -1,8 +1,9 @@
 """veloxquant: KV-cache compression for MLX language models, driven by recipes.
 
-    caches = veloxquant.make_prompt_cache(model, "kivi")
-    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
+caches = veloxquant.make_prompt_cache(model, "kivi")
+mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
 """
+
 from importlib import import_module
 
 from .errors import CacheFileError, RecipeError, VeloxError

@@ -8,6 +8,7 @@ The key hashes what the artifact was made from (model weights, the recipe's
 compiled plan, the calibration text, the fitter version); the artifact's own
 content hash (of its arrays) is what bound plans carry and saved caches check.
 """
+
 import hashlib
 import json
 from pathlib import Path
@@ -53,8 +54,16 @@ def text_digest(text: str) -> str:
 
 
 def key_of(weights: str, plan_fingerprint: str, corpus_digest: str, settings: Dict) -> str:
-    blob = json.dumps({"weights": weights, "plan": plan_fingerprint, "corpus": corpus_digest,
-                       "settings": settings, "fit": FIT_VERSION}, sort_keys=True).encode()
+    blob = json.dumps(
+        {
+            "weights": weights,
+            "plan": plan_fingerprint,
+            "corpus": corpus_digest,
+            "settings": settings,
+            "fit": FIT_VERSION,
+        },
+        sort_keys=True,
+    ).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -110,11 +119,14 @@ def arrays(digest: str) -> Dict[str, mx.array]:
             raise CalibrationError(
                 f"calibration artifact {digest} is not in {directory()}: this cache or plan was made with it. "
                 "Copy the artifact there, or recalibrate with `veloxquant calibrate RECIPE --model M` and "
-                "make the cache again")
+                "make the cache again"
+            )
         loaded, file_meta = mx.load(str(directory() / f"{meta['key']}.safetensors"), return_metadata=True)
         if file_meta.get("content") != digest or content_hash({k: np.array(v) for k, v in loaded.items()}) != digest:
-            raise CalibrationError(f"calibration artifact {meta['key']}.safetensors does not hash to {digest} "
-                                   "(damaged or replaced); recalibrate")
+            raise CalibrationError(
+                f"calibration artifact {meta['key']}.safetensors does not hash to {digest} "
+                "(damaged or replaced); recalibrate"
+            )
         _LOADED[digest] = loaded
     return _LOADED[digest]
 
@@ -126,7 +138,7 @@ def slot_arrays(digest: str, slot: str) -> Dict[str, mx.array]:
     """One stage's arrays ("3.1.k.basis" -> "basis" for slot "3.1.k"); read every encode, so cached."""
     if (digest, slot) not in _SLOTS:
         prefix = f"{slot}."
-        _SLOTS[(digest, slot)] = {k[len(prefix):]: v for k, v in arrays(digest).items() if k.startswith(prefix)}
+        _SLOTS[(digest, slot)] = {k[len(prefix) :]: v for k, v in arrays(digest).items() if k.startswith(prefix)}
     return _SLOTS[(digest, slot)]
 
 

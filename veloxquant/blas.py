@@ -7,6 +7,7 @@ dynamic linker only reads LD_PRELOAD at start), so MLX's `cblas_sgemm` calls
 resolve to OpenBLAS. VELOXQUANT_NO_OPENBLAS=1 turns this off; where OpenBLAS
 is missing, one line says how to get it.
 """
+
 import ctypes.util
 import importlib.metadata
 import os
@@ -27,9 +28,11 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",  # Arch, Alpine
 )
-HINT = ("note: MLX is using its bundled reference BLAS, which is slow on CPUs; install OpenBLAS "
-        "(Debian/Ubuntu: sudo apt-get install libopenblas0-pthread) and veloxquant uses it automatically "
-        f"({OFF}=1 hides this)")
+HINT = (
+    "note: MLX is using its bundled reference BLAS, which is slow on CPUs; install OpenBLAS "
+    "(Debian/Ubuntu: sudo apt-get install libopenblas0-pthread) and veloxquant uses it automatically "
+    f"({OFF}=1 hides this)"
+)
 
 
 def system_openblas() -> Optional[str]:

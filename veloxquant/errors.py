@@ -1,4 +1,5 @@
 """User-facing errors: each names where the problem is and what was expected."""
+
 import difflib
 from typing import Iterable, Optional
 
@@ -52,6 +53,7 @@ def nearest(word: str, choices: Iterable[str]) -> str:
 def brief(value) -> str:
     """repr() cut to a readable length: a message quotes what the user wrote, not 1 MB of it."""
     import reprlib
+
     short = reprlib.Repr()
     short.maxstring, short.maxother, short.maxlong, short.maxlevel = 60, 60, 40, 3
     return short.repr(value)

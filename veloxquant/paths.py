@@ -3,6 +3,7 @@
 In a checkout or an editable install they sit beside the package; in a wheel
 they are shipped inside it under ``veloxquant/_data``.
 """
+
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent

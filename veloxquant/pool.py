@@ -6,6 +6,7 @@ joins that cluster. On a GPU machine each task asks Ray for one GPU, else for
 one CPU. Results are the same either way: each task is a pure function of its
 arguments (the model is loaded by reference in the worker).
 """
+
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from .errors import VeloxError
@@ -36,6 +37,7 @@ def _ray():
 
 def wants_gpu() -> bool:
     import mlx.core as mx
+
     return mx.default_device().type == mx.gpu
 
 

@@ -1,4 +1,5 @@
 """`veloxquant run`: generate under one or more recipes and report what the cache cost."""
+
 import argparse
 import json
 import sys
@@ -33,10 +34,15 @@ def cache_report(caches) -> Dict[str, object]:
     cache_bytes = sum(c.nbytes for c in caches)
     base = fp16_bytes(caches)
     plan = getattr(caches[0], "plan_root", None) if caches else None
-    layout = {} if plan is None or plan.shape.trivial_layout else {
-        "compressed_layers": sorted(m for i in range(plan.shape.n_layers) for m in plan.shape.model_layers(i)),
-        "kept_layers": {str(i): type(c).__name__ for i, c in kept},
-        "kept_bytes": sum(c.nbytes for _, c in kept)}
+    layout = (
+        {}
+        if plan is None or plan.shape.trivial_layout
+        else {
+            "compressed_layers": sorted(m for i in range(plan.shape.n_layers) for m in plan.shape.model_layers(i)),
+            "kept_layers": {str(i): type(c).__name__ for i, c in kept},
+            "kept_bytes": sum(c.nbytes for _, c in kept),
+        }
+    )
     return {
         "tokens": caches[0].offset if caches else 0,
         "tokens_held_per_layer": {"min": min(held), "max": max(held)} if held else {},
@@ -119,8 +125,11 @@ def run_inputs(args):
     model, tokenizer = load_model(args.model)
     tokens = prompt_tokens(tokenizer, text, args.raw_prompt, args.prompt_tokens)
     if args.prompt_tokens and len(tokens) < args.prompt_tokens:  # a shorter run than asked for reads as the asked one
-        print(f"veloxquant run: --prompt-tokens {args.prompt_tokens}: the prompt has only {len(tokens):,} tokens; "
-              "take a longer one (--corpus austen, or --prompt-file)", file=sys.stderr)
+        print(
+            f"veloxquant run: --prompt-tokens {args.prompt_tokens}: the prompt has only {len(tokens):,} tokens; "
+            "take a longer one (--corpus austen, or --prompt-file)",
+            file=sys.stderr,
+        )
         return 2
     return recipes, model, tokenizer, tokens
 
@@ -159,13 +168,18 @@ def generate(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, obj
 def side_by_side(reports: List[Dict[str, object]]) -> str:
     """The recipes of one run as a markdown table (same model, prompt and device)."""
     r0 = reports[0]
-    lines = [f"{r0['prompt_tokens']} prompt tokens, {r0['generated_tokens']} generated, on {r0['device']}; "
-             "peak memory includes the model's weights",
-             "| recipe | cache MiB | vs fp16 | prefill tok/s | decode tok/s | peak MiB |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{r0['prompt_tokens']} prompt tokens, {r0['generated_tokens']} generated, on {r0['device']}; "
+        "peak memory includes the model's weights",
+        "| recipe | cache MiB | vs fp16 | prefill tok/s | decode tok/s | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in reports:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        lines.append(f"| {r['recipe']} | {r['cache_bytes'] / 2**20:.1f} | {ratio} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['decode_tok_s']:.1f} | {r['peak_memory_bytes'] / 2**20:.1f} |")
+        lines.append(
+            f"| {r['recipe']} | {r['cache_bytes'] / 2**20:.1f} | {ratio} | {r['prefill_tok_s']:.1f} | "
+            f"{r['decode_tok_s']:.1f} | {r['peak_memory_bytes'] / 2**20:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -194,6 +208,8 @@ def format_report(r: Dict[str, object]) -> str:
         rows.insert(3, ("calibration artifact", f"{r['calibration_bytes']:,} bytes (shared, not in the cache)"))
     text = "\n".join(f"{k:<24} {v}" for k, v in rows)
     if r["ratio"] is not None and r["ratio"] > 0.95 and r["recipe"] != "fp16":
-        text += ("\nnote: the whole context still fits in this recipe's uncompressed tiers; "
-                 "try a longer prompt, e.g. --corpus austen --prompt-tokens 2048")
+        text += (
+            "\nnote: the whole context still fits in this recipe's uncompressed tiers; "
+            "try a longer prompt, e.g. --corpus austen --prompt-tokens 2048"
+        )
     return text

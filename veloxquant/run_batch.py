@@ -7,6 +7,7 @@ report says why. Per sequence: its tokens and its caches' own bytes (extracted f
 finished: its real tokens only) against fp16's; aggregate: mlx-lm's prefill and decode tok/s over all
 sequences, and the process's peak memory.
 """
+
 import json
 import sys
 import time
@@ -39,13 +40,18 @@ def cmd_run_batch(args) -> int:
 def ragged_prompts(tokens: List[int], n: int) -> List[List[int]]:
     """n prompts: `tokens`, then shorter by equal steps down to about half of it."""
     step = len(tokens) // (2 * n) if n > 1 else 0
-    return [tokens[:max(1, len(tokens) - i * step)] for i in range(n)]
+    return [tokens[: max(1, len(tokens) - i * step)] for i in range(n)]
 
 
 def _sequence(prompt: List[int], generated: int, caches) -> Dict[str, object]:
     r = cache_report(caches)
-    return {"prompt_tokens": len(prompt), "generated_tokens": generated, "cache_bytes": r["cache_bytes"],
-            "fp16_bytes": r["fp16_bytes"], "ratio": r["ratio"]}
+    return {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": generated,
+        "cache_bytes": r["cache_bytes"],
+        "fp16_bytes": r["fp16_bytes"],
+        "ratio": r["ratio"],
+    }
 
 
 def generate_batch(model, tokenizer, tokens: List[int], recipe, args) -> Dict[str, object]:
@@ -61,16 +67,28 @@ def generate_batch(model, tokenizer, tokens: List[int], recipe, args) -> Dict[st
             seqs, agg = _serial(model, tokenizer, prompts, caches, args.max_tokens)
     finally:
         uninstall(model)
-    return {"recipe": recipe.name, "fingerprint": recipe_caches(caches[0])[0].fingerprint, "batch": len(prompts),
-            "mode": "batched" if why is None else "one sequence at a time", "reason": why, "sequences": seqs,
-            **agg, "cache_bytes": sum(s["cache_bytes"] for s in seqs),
-            "fp16_bytes": sum(s["fp16_bytes"] for s in seqs), "peak_memory_bytes": int(mx.get_peak_memory()),
-            "device": str(mx.default_device())}
+    return {
+        "recipe": recipe.name,
+        "fingerprint": recipe_caches(caches[0])[0].fingerprint,
+        "batch": len(prompts),
+        "mode": "batched" if why is None else "one sequence at a time",
+        "reason": why,
+        "sequences": seqs,
+        **agg,
+        "cache_bytes": sum(s["cache_bytes"] for s in seqs),
+        "fp16_bytes": sum(s["fp16_bytes"] for s in seqs),
+        "peak_memory_bytes": int(mx.get_peak_memory()),
+        "device": str(mx.default_device()),
+    }
 
 
 def _batched(model, tokenizer, prompts, caches, max_tokens):
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                         completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=len(prompts),
+        prefill_batch_size=len(prompts),
+    )
     uids = gen.insert(prompts, [max_tokens] * len(prompts), caches=caches)
     counts, finished = dict.fromkeys(uids, 0), {}
     with gen.stats() as stats:
@@ -81,8 +99,7 @@ def _batched(model, tokenizer, prompts, caches, max_tokens):
                     finished[r.uid] = r.prompt_cache  # extracted from the batch: its own rows only
     gen.close()
     seqs = [_sequence(p, counts[u], finished[u]) for p, u in zip(prompts, uids)]
-    return seqs, {"prefill_tok_s": stats.prompt_tps, "decode_tok_s": stats.generation_tps,
-                  "wall_s": stats.wall_time}
+    return seqs, {"prefill_tok_s": stats.prompt_tps, "decode_tok_s": stats.generation_tps, "wall_s": stats.wall_time}
 
 
 def _serial(model, tokenizer, prompts, caches, max_tokens):
@@ -96,21 +113,32 @@ def _serial(model, tokenizer, prompts, caches, max_tokens):
         decode_s += n / last.generation_tps if last and last.generation_tps else 0.0
         seqs.append(_sequence(prompt, n, cache))
     total_p, total_g = sum(len(p) for p in prompts), sum(s["generated_tokens"] for s in seqs)
-    return seqs, {"prefill_tok_s": total_p / prompt_s if prompt_s else None,
-                  "decode_tok_s": total_g / decode_s if decode_s else None, "wall_s": time.perf_counter() - t0}
+    return seqs, {
+        "prefill_tok_s": total_p / prompt_s if prompt_s else None,
+        "decode_tok_s": total_g / decode_s if decode_s else None,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def format_batch(r: Dict[str, object]) -> str:
-    head = (f"recipe {r['recipe']} ({r['fingerprint']}): {r['batch']} sequences, {r['mode']}"
-            + (f"\n  ({r['reason']})" if r["reason"] else ""))
-    lines = [head, "| sequence | prompt tokens | generated | cache bytes | fp16 bytes | ratio |",
-             "|---|---|---|---|---|---|"]
+    head = f"recipe {r['recipe']} ({r['fingerprint']}): {r['batch']} sequences, {r['mode']}" + (
+        f"\n  ({r['reason']})" if r["reason"] else ""
+    )
+    lines = [
+        head,
+        "| sequence | prompt tokens | generated | cache bytes | fp16 bytes | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, s in enumerate(r["sequences"]):
-        lines.append(f"| {i} | {s['prompt_tokens']} | {s['generated_tokens']} | {s['cache_bytes']:,} | "
-                     f"{s['fp16_bytes']:,} | {s['ratio']:.3f} |")
+        lines.append(
+            f"| {i} | {s['prompt_tokens']} | {s['generated_tokens']} | {s['cache_bytes']:,} | "
+            f"{s['fp16_bytes']:,} | {s['ratio']:.3f} |"
+        )
     ratio = r["cache_bytes"] / r["fp16_bytes"] if r["fp16_bytes"] else 0.0
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
-    lines.append(f"aggregate: prefill {fmt(r['prefill_tok_s'])} tok/s, decode {fmt(r['decode_tok_s'])} tok/s, "
-                 f"{r['wall_s']:.2f} s wall; caches {r['cache_bytes']:,} bytes (fp16 {r['fp16_bytes']:,}, "
-                 f"ratio {ratio:.3f}); peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB on {r['device']}")
+    lines.append(
+        f"aggregate: prefill {fmt(r['prefill_tok_s'])} tok/s, decode {fmt(r['decode_tok_s'])} tok/s, "
+        f"{r['wall_s']:.2f} s wall; caches {r['cache_bytes']:,} bytes (fp16 {r['fp16_bytes']:,}, "
+        f"ratio {ratio:.3f}); peak memory {r['peak_memory_bytes'] / 2**20:.1f} MiB on {r['device']}"
+    )
     return "\n".join(lines)

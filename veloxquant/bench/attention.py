@@ -20,6 +20,7 @@ host-side graph building overlaps the device) and one final synchronize.
 Consecutive calls cycle through `--copies` independent copies of K/V (default
 4) so that they read from HBM, not from the previous call's L2 lines.
 """
+
 import argparse
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -92,30 +93,37 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     }
     try:
         from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
+
         qk = tuple(mx.quantize(k, group_size=group, bits=bits))
         qv = tuple(mx.quantize(v, group_size=group, bits=bits))
         mx.eval(qk, qv)
-        methods["mlx-lm"] = (lambda: qsdpa(q, qk, qv, scale=scale, mask=None, group_size=group, bits=bits),
-                             array_bytes(*qk, *qv))
+        methods["mlx-lm"] = (
+            lambda: qsdpa(q, qk, qv, scale=scale, mask=None, group_size=group, bits=bits),
+            array_bytes(*qk, *qv),
+        )
     except Exception as e:  # noqa: BLE001 -- reported in the table
         methods["mlx-lm"] = (None, f"fails: {type(e).__name__}")
     methods["reference"] = (lambda: reference.affine_partial_attention(q, ke, ve, kspec, vspec, scale), coded)
     if backend() == "cuda":
         # "fused": the default attend kernel (table.attend_route, VELOXQUANT_CUDA_IMPL);
         # "fused-v1" / "fused-mma": one kernel explicitly, for A/B rows.
-        methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk),
-                            coded)
-        methods["fused-v1"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk,
-                                                                     impl="v1"), coded)
-        methods["fused-mma"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="mma"),
-                                coded)
-        methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"),
-                               coded)
+        methods["fused"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk), coded)
+        methods["fused-v1"] = (
+            lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, chunk=chunk, impl="v1"),
+            coded,
+        )
+        methods["fused-mma"] = (
+            lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="mma"),
+            coded,
+        )
+        methods["fused-tc"] = (lambda: cuda.affine_partial_attention(q, ke, ve, kspec, vspec, scale, impl="tc"), coded)
         shape = (tuple(q.shape), q.dtype, tuple(ke["codes"].shape), spec_fields(kspec), spec_fields(vspec), scale)
         for name, fold in (("fused-tc1", True), ("fused-tc2", False)):
-            methods[name] = (lambda run=tc_launch.launcher(*shape, fold=fold): run(q, ke, ve), coded) \
-                if not tc.supported(q.shape[1], q.shape[2], q.shape[3], *shape[2][1:3], *shape[3:5]) \
+            methods[name] = (
+                (lambda run=tc_launch.launcher(*shape, fold=fold): run(q, ke, ve), coded)
+                if not tc.supported(q.shape[1], q.shape[2], q.shape[3], *shape[2][1:3], *shape[3:5])
                 else (None, "n/a (tc scope)")
+            )
     else:
         for name in ("fused", "fused-v1", "fused-mma", "fused-tc", "fused-tc1", "fused-tc2"):
             methods[name] = (None, "n/a (no CUDA)")
@@ -137,6 +145,7 @@ def cycled(sets: List[Dict[str, Tuple[Callable, object]]]) -> Dict[str, Tuple[Ca
         def call(fns=fns, state=state):
             state["i"] = (state["i"] + 1) % len(fns)
             return fns[state["i"]]()
+
         out[name] = (call, nbytes)
     return out
 
@@ -179,17 +188,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bits", default="2,4,8")
     p.add_argument("--shapes", default=",".join(SHAPES), help="Hq/Hkv/D,...")
     p.add_argument("--group", type=int, default=32)
-    p.add_argument("--methods", default="sdpa,mlx-lm,reference,fused",
-                   help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-tc, "
-                   "fused-tc1 / fused-tc2 (attend_tc in one launch / two)")
+    p.add_argument(
+        "--methods",
+        default="sdpa,mlx-lm,reference,fused",
+        help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-tc, "
+        "fused-tc1 / fused-tc2 (attend_tc in one launch / two)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="evaluations timed")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat every method this many times, interleaved; report the median round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every method this many times, interleaved; report the median round",
+    )
     p.add_argument("--per-eval", type=int, default=32, help="calls per evaluation (layers in a decode step)")
     p.add_argument("--chunk", type=int, default=None, help="fused kernel: tokens per block (default: auto)")
-    p.add_argument("--copies", type=int, default=4,
-                   help="independent K/V copies cycled through (>1 keeps the working set out of L2)")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=4,
+        help="independent K/V copies cycled through (>1 keeps the working set out of L2)",
+    )
     p.add_argument("--json", default=None, help="also write the rows as JSON lines here")
     a = p.parse_args(argv)
 
@@ -199,13 +219,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         seqs = [s for s in seqs if s <= cap]
     wanted = a.methods.split(",")
     limit = _memory_limit()
-    print(f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
-          f"keys per-channel / values per-token affine, group {a.group}; "
-          f"{a.per_eval} calls per evaluation (reference: up to 4); 'lone' = one call per evaluation; "
-          f"{a.copies} K/V copies cycled; median of {a.rounds} interleaved rounds")
+    print(
+        f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
+        f"keys per-channel / values per-token affine, group {a.group}; "
+        f"{a.per_eval} calls per evaluation (reference: up to 4); 'lone' = one call per evaluation; "
+        f"{a.copies} K/V copies cycled; median of {a.rounds} interleaved rounds"
+    )
     print()
-    print("| Hq/Hkv/D | S | bits | " + " | ".join(wanted) + " | fused vs sdpa | fused vs mlx-lm "
-          "| fused % HBM | lone sdpa / fused µs | peak MiB " + "/".join(wanted) + " |")
+    print(
+        "| Hq/Hkv/D | S | bits | " + " | ".join(wanted) + " | fused vs sdpa | fused vs mlx-lm "
+        "| fused % HBM | lone sdpa / fused µs | peak MiB " + "/".join(wanted) + " |"
+    )
     print("|" + "---|" * (len(wanted) + 8))
     rows = []
     for shape in a.shapes.split(","):
@@ -220,12 +244,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             q = mx.random.normal((1, Hq, 1, D), key=kq).astype(mx.float16)
             k = mx.random.normal((1, Hkv, S, D), key=kk).astype(mx.float16)
             v = mx.random.normal((1, Hkv, S, D), key=kv).astype(mx.float16)
-            kvs = [(k, v)] + [((k * (1 + 1e-3 * i)).astype(mx.float16), (v * (1 - 1e-3 * i)).astype(mx.float16))
-                              for i in range(1, max(1, a.copies))]
+            kvs = [(k, v)] + [
+                ((k * (1 + 1e-3 * i)).astype(mx.float16), (v * (1 - 1e-3 * i)).astype(mx.float16))
+                for i in range(1, max(1, a.copies))
+            ]
             mx.eval(kvs)
             sdpa_result = None
             for bits in (int(b) for b in a.bits.split(",")):
-                methods = cycled([build_methods(q, kc, vc, bits, a.group, D ** -0.5, a.chunk) for kc, vc in kvs])
+                methods = cycled([build_methods(q, kc, vc, bits, a.group, D**-0.5, a.chunk) for kc, vc in kvs])
                 runs: Dict[str, List[Dict]] = {}
                 for _ in range(a.rounds):  # methods interleaved round by round
                     for name in wanted:
@@ -237,20 +263,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                 res = {name: median_run(rs) for name, rs in runs.items()}
                 sdpa_result = res.get("sdpa", sdpa_result)
                 f = res.get("fused", {})
-                sp = lambda other: (f"{res[other]['us'] / f['us']:.1f}×" if "us" in f and other in res
-                                    and "us" in res[other] else "-")
+                sp = lambda other: (
+                    f"{res[other]['us'] / f['us']:.1f}×" if "us" in f and other in res and "us" in res[other] else "-"
+                )
                 hbm = f"{100 * f['gbps'] / HBM_GBPS:.0f}%" if "us" in f else "-"
                 mib = "/".join(f"{res[n]['mib']:.1f}" if "mib" in res[n] else "-" for n in wanted)
-                lone = "/".join(f"{res[n]['us_single']:.0f}" if "us_single" in res.get(n, {}) else "-"
-                                for n in ("sdpa", "fused"))
-                print(f"| {shape} | {S // 1024}k | {bits} | " + " | ".join(cell(res[n]) for n in wanted)
-                      + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {lone} | {mib} |", flush=True)
+                lone = "/".join(
+                    f"{res[n]['us_single']:.0f}" if "us_single" in res.get(n, {}) else "-" for n in ("sdpa", "fused")
+                )
+                print(
+                    f"| {shape} | {S // 1024}k | {bits} | "
+                    + " | ".join(cell(res[n]) for n in wanted)
+                    + f" | {sp('sdpa')} | {sp('mlx-lm')} | {hbm} | {lone} | {mib} |",
+                    flush=True,
+                )
                 rows.append({"shape": shape, "S": S, "bits": bits, **{n: res[n] for n in wanted}})
             del q, k, v, kvs
     if held_bytes():  # allocated once, before the timed calls: the peak column does not see it
         print(f"\nattend_tc's one-launch work buffer, held across calls: {held_bytes() / 2**20:.2f} MiB")
     if a.json:
         import json
+
         with open(a.json, "w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")

@@ -19,6 +19,7 @@ of Austen (default 700: past Gemma's 512-token sliding window and every default 
 A failure prints its error in the row and the exit status is 1; nothing is skipped silently
 (a calibrated recipe without its artifact fails with the message telling how to make it).
 """
+
 import argparse
 import tempfile
 from pathlib import Path
@@ -41,13 +42,16 @@ def one_recipe(model, tokenizer, name, prompt, gen_tokens, tmp: Path):
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-
     plan = compile_recipe(load_recipe(name), ModelShape.from_model(model, "model"))
     render(plan)
     row = {"check": f"ok ({plan.fingerprint[:8]})"}
     caches = make_prompt_cache(model, name, tokenizer=tokenizer)
-    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens,
-                                                   sampler=make_sampler(0.0), prompt_cache=caches))
+    text = "".join(
+        r.text
+        for r in stream_generate(
+            model, tokenizer, prompt, max_tokens=gen_tokens, sampler=make_sampler(0.0), prompt_cache=caches
+        )
+    )
     row["generate"] = f"{gen_tokens} tokens: {text[:24]!r}"
     caches = make_prompt_cache(model, name, tokenizer=tokenizer)
     model(prompt[None, :-1], cache=caches)
@@ -76,9 +80,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model, tokenizer = load_model(args.model)
     names = builtin_names() if args.recipes == ["all"] else args.recipes
-    prompt = mx.array(tokenizer.encode(load_text("austen"))[:args.prompt])
-    print(f"model {args.model or 'smollm2'}, prompt {args.prompt} Austen tokens, "
-          f"{args.tokens} generated, device {mx.default_device()}\n")
+    prompt = mx.array(tokenizer.encode(load_text("austen"))[: args.prompt])
+    print(
+        f"model {args.model or 'smollm2'}, prompt {args.prompt} Austen tokens, "
+        f"{args.tokens} generated, device {mx.default_device()}\n"
+    )
     print("| recipe | check/explain | mlx_lm.generate | save/load (next logits) | bytes |")
     print("| --- | --- | --- | --- | --- |")
     failed = 0
@@ -89,8 +95,11 @@ def main(argv=None) -> int:
             except VeloxError as e:
                 row = {"check": f"error: {str(e).splitlines()[0][:160]}", "ok": False}
             failed += not row["ok"]
-            print(f"| {name} | {row['check']} | {row.get('generate', '')} | {row.get('save/load', '')} "
-                  f"| {row.get('bytes', '')} |", flush=True)
+            print(
+                f"| {name} | {row['check']} | {row.get('generate', '')} | {row.get('save/load', '')} "
+                f"| {row.get('bytes', '')} |",
+                flush=True,
+            )
     print(f"\n{len(names) - failed} of {len(names)} recipes pass")
     return 1 if failed else 0
 

@@ -15,6 +15,7 @@ time is not included. The Lloyd-Max kernels (kernels/lut.py: attention, encode)
 run their real bindings with each launch answered by one Depends node (plus a
 Full constant per output).
 """
+
 import argparse
 import collections
 import contextlib
@@ -50,6 +51,7 @@ def stand_in_for_cuda():
     two or four primitives for the kernel's two launches (module docstring), and
     count fused SDPA as the one op it is on CUDA. The numbers it returns are
     meaningless; only the graph around it is counted."""
+
     def stand_in(q, ke, ve, tail=None, hidden=0):
         # Depends keeps the inputs' producers (e.g. the window's append) in the graph.
         deps = [*ke.values(), *ve.values(), *(x for kv in tail or () for x in kv)]
@@ -57,13 +59,22 @@ def stand_in_for_cuda():
             return mx.depends(mx.sin(q), deps)  # attend + reduce_tail: two launches, two ops
         out = mx.depends(mx.sin(q.astype(mx.float32)), deps)
         return out, mx.sum(out, axis=-1)
+
     def fused_sdpa(q, k, v, scale=None, mask=None, sinks=None):
         return mx.depends(q, [k, v])  # one op, as on CUDA; the CPU splits SDPA into matmuls + softmax
+
     def launch(inputs, output_shapes, output_dtypes, **_):
         return mx.depends([mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
+
     lut_row = kernel_table.KERNELS["lut"]
-    saved = (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
-             dispatch.encode_kernel)
+    saved = (
+        dispatch.choice,
+        cuda.launcher,
+        mx.fast.scaled_dot_product_attention,
+        lut._kernels,
+        lut._encoder,
+        dispatch.encode_kernel,
+    )
     dispatch.choice = lambda *a, **k: ("cuda", "stand-in for the kernel")
     cuda.launcher = lambda *a, **k: stand_in
     mx.fast.scaled_dot_product_attention = fused_sdpa
@@ -73,8 +84,14 @@ def stand_in_for_cuda():
     try:
         yield
     finally:
-        (dispatch.choice, cuda.launcher, mx.fast.scaled_dot_product_attention, lut._kernels, lut._encoder,
-         dispatch.encode_kernel) = saved
+        (
+            dispatch.choice,
+            cuda.launcher,
+            mx.fast.scaled_dot_product_attention,
+            lut._kernels,
+            lut._encoder,
+            dispatch.encode_kernel,
+        ) = saved
         kernel_table.register(lut_row)
 
 
@@ -102,8 +119,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed (crossing spills)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--as-cuda", action="store_true", help="count the CUDA backend's graph (see above)")
-    ap.add_argument("--arch", default="llama", choices=("llama", "gemma3"),
-                    help="gemma3: every 6th layer global, the others sliding over --window tokens")
+    ap.add_argument(
+        "--arch",
+        default="llama",
+        choices=("llama", "gemma3"),
+        help="gemma3: every 6th layer global, the others sliding over --window tokens",
+    )
     ap.add_argument("--window", type=int, default=512)
     args = ap.parse_args(argv)
     with stand_in_for_cuda() if args.as_cuda else contextlib.nullcontext():
@@ -116,9 +137,11 @@ def table(args) -> None:
     mx.random.seed(0)
     shape = (args.layers, heads, kv_heads, args.head_dim, 1000, getattr(mx, args.dtype))
     model, name = random_model(args.arch, shape, args.window)
-    print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; "
-          f"context {args.context}, {args.steps} decode steps; device {mx.default_device()}"
-          + ("; graph of the CUDA path" if args.as_cuda else ""))
+    print(
+        f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; "
+        f"context {args.context}, {args.steps} decode steps; device {mx.default_device()}"
+        + ("; graph of the CUDA path" if args.as_cuda else "")
+    )
     print("| cache | ops per step | ops per layer over KVCache | host build ms per step | most frequent extra ops |")
     print("|---|---|---|---|---|")
     base, _ = step(model, mlx_prompt_cache(model), args.context, 2)
@@ -131,6 +154,7 @@ def table(args) -> None:
         common = ", ".join(f"{k[:40]} {v}" for k, v in extra.most_common(4))
         per_layer = (sum(ops.values()) - sum(base.values())) / args.layers
         print(f"| {label} | {sum(ops.values())} | {per_layer:+.1f} | {build * 1e3:.2f} | {common} |", flush=True)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -22,6 +22,7 @@ in this process (rows in order: KVCache, then the recipes), before any warm run:
 for every kernel variant that row is the first to need. `--warmup` runs runtime.warmup for each
 recipe first (what `veloxquant warmup` does), so that column shows first use after a warm-up.
 """
+
 import argparse
 import os
 import statistics
@@ -41,31 +42,60 @@ from .registry import bench
 PRESETS = {"llama3-8b": dict(layers=32, heads="32/8", head_dim=128, hidden=4096, intermediate=14336, vocab=128256)}
 
 
-def random_llama(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype,
-                 hidden: int = 0, intermediate: int = 0) -> llama.Model:
+def random_llama(
+    layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype, hidden: int = 0, intermediate: int = 0
+) -> llama.Model:
     hidden = hidden or heads * head_dim
-    args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-                           intermediate_size=intermediate or hidden * 2, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=vocab, head_dim=head_dim)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate or hidden * 2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        head_dim=head_dim,
+    )
     return _ready(llama.Model(args), dtype)
 
 
-def random_gemma3(layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, dtype, hidden: int = 0,
-                  intermediate: int = 0, window: int = 512, pattern: int = 6) -> gemma3_text.Model:
+def random_gemma3(
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    dtype,
+    hidden: int = 0,
+    intermediate: int = 0,
+    window: int = 512,
+    pattern: int = 6,
+) -> gemma3_text.Model:
     """Gemma 3's text model: every `pattern`-th layer global, the others sliding over `window` tokens."""
     hidden = hidden or heads * head_dim
-    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=hidden, num_hidden_layers=layers,
-                                 intermediate_size=intermediate or hidden * 2, num_attention_heads=heads,
-                                 head_dim=head_dim, num_key_value_heads=kv_heads, vocab_size=vocab,
-                                 sliding_window=window, sliding_window_pattern=pattern)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate or hidden * 2,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        sliding_window=window,
+        sliding_window_pattern=pattern,
+    )
     return _ready(gemma3_text.Model(args), dtype)
 
 
 def random_model(arch: str, shape: tuple, window: int = 512, pattern: int = 6):
     """(model, its name in a table's title): random_llama, or random_gemma3 for arch "gemma3"."""
     if arch == "gemma3":
-        return (random_gemma3(*shape, window=window, pattern=pattern),
-                f"random Gemma 3 (window {window}, every {pattern}th layer global)")
+        return (
+            random_gemma3(*shape, window=window, pattern=pattern),
+            f"random Gemma 3 (window {window}, every {pattern}th layer global)",
+        )
     return random_llama(*shape), "random Llama"
 
 
@@ -118,26 +148,43 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default="fp16,kivi")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
-    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16),
-                    help="quantize the random weights (group 64) to this width")
+    ap.add_argument(
+        "--weights-bits",
+        type=int,
+        default=16,
+        choices=(4, 8, 16),
+        help="quantize the random weights (group 64) to this width",
+    )
     ap.add_argument("--warmup", action="store_true", help="runtime.warmup each recipe before its first-use row")
     args = ap.parse_args(argv)
     for k, v in PRESETS.get(args.preset, {}).items():
         setattr(args, k, v)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden,
-             args.intermediate)
+    shape = (
+        args.layers,
+        heads,
+        kv_heads,
+        args.head_dim,
+        args.vocab,
+        getattr(mx, args.dtype),
+        args.hidden,
+        args.intermediate,
+    )
     model, name = random_model(args.arch, shape, args.window, args.sliding_pattern)
     if args.weights_bits < 16:
         nn.quantize(model, group_size=64, bits=args.weights_bits)
         mx.eval(model.parameters())
         name += f", {args.weights_bits}-bit weights"
     prompt = mx.random.randint(0, args.vocab, (args.context,))
-    print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
-          f"context {args.context}, decode {args.decode}, device {mx.default_device()}")
-    head = ("| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | first-use decode tok/s "
-            "| first use ÷ warm | peak memory GiB | cache MiB |")
+    print(
+        f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
+        f"context {args.context}, decode {args.decode}, device {mx.default_device()}"
+    )
+    head = (
+        "| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | first-use decode tok/s "
+        "| first use ÷ warm | peak memory GiB | cache MiB |"
+    )
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
     rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
 
@@ -150,6 +197,7 @@ def main(argv=None) -> int:
         finally:
             _set_impl(default)
             uninstall(model)
+
     warmed = {}
     if args.warmup:
         for label, _ in rows[1:]:
@@ -167,7 +215,7 @@ def main(argv=None) -> int:
     runs = {label: [] for label, _ in rows}
     for i in range(args.repeat):
         # Each round starts at another row: no row always follows the same one (allocator, clocks).
-        for label, make in rows[i % len(rows):] + rows[:i % len(rows)]:
+        for label, make in rows[i % len(rows) :] + rows[: i % len(rows)]:
             runs[label].append(run(label, make))
     base = runs["mlx-lm KVCache"]
     for label, got in runs.items():
@@ -176,9 +224,12 @@ def main(argv=None) -> int:
         spread = f" ({min(r[1] for r in got):,.1f}–{max(r[1] for r in got):,.1f})" if len(got) > 1 else ""
         paired = statistics.median(r[1] / b[1] for r, b in zip(got, base))  # same round: drift cancels
         cold = first[label][1]
-        print(f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {cold:,.1f} | {cold / dec:.3f}× "
-              f"| {peak / 2**30:.2f} "
-              f"| {got[0][3] / 2**20:,.1f} |", flush=True)
+        print(
+            f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {cold:,.1f} | {cold / dec:.3f}× "
+            f"| {peak / 2**30:.2f} "
+            f"| {got[0][3] / 2**20:,.1f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ packed) and with only `delta` removed (codes rANS-coded as they are). Every file
 is loaded back and checked bit-exact. Prints a markdown table of file sizes in
 bytes (the files on disk, metadata included) and of the codes arrays alone.
 """
+
 import argparse
 import json
 import shlex
@@ -32,6 +33,7 @@ from .registry import bench
 
 def keep_entropy(plan: Plan, keep) -> Plan:
     """The plan with only the entropy stages `keep(stage)` accepts (live caches are unchanged)."""
+
     def codec(c):
         return attrs.evolve(c, entropy=tuple(s for s in c.entropy if keep(s)))
 
@@ -44,7 +46,7 @@ def keep_entropy(plan: Plan, keep) -> Plan:
 
 def prefill(model, caches, tokens, chunk: int = 512) -> None:
     for s in range(0, len(tokens), chunk):
-        model(mx.array(tokens[s:s + chunk])[None], cache=caches)
+        model(mx.array(tokens[s : s + chunk])[None], cache=caches)
         mx.eval([c.state for c in caches])
 
 
@@ -56,8 +58,12 @@ def codes_bytes(path: Path, side: str = "") -> int:
 
 
 def same_arrays(a, b) -> bool:
-    return all(mx.array_equal(x, tb.arrays()[k]).item()
-               for ca, cb in zip(a, b) for ta, tb in zip(ca.tiers, cb.tiers) for k, x in ta.arrays().items())
+    return all(
+        mx.array_equal(x, tb.arrays()[k]).item()
+        for ca, cb in zip(a, b)
+        for ta, tb in zip(ca.tiers, cb.tiers)
+        for k, x in ta.arrays().items()
+    )
 
 
 @bench("entropy", "saved-cache sizes of cachegen with and without its entropy stages (real model, real files)")
@@ -73,9 +79,11 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     tokens = tokenizer.encode(load_text("austen"))[: args.tokens]
     plan = make_prompt_cache(model, args.recipe, sets=args.set)[0].plan_root  # also installs the hook
-    variants = [("packed codes (entropy stages removed)", keep_entropy(plan, lambda s: False)),
-                ("rANS, no delta", keep_entropy(plan, lambda s: s.stage_name != "delta")),
-                (f"{args.recipe} (as written)", plan)]
+    variants = [
+        ("packed codes (entropy stages removed)", keep_entropy(plan, lambda s: False)),
+        ("rANS, no delta", keep_entropy(plan, lambda s: s.stage_name != "delta")),
+        (f"{args.recipe} (as written)", plan),
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, variant) in enumerate(variants):
@@ -88,31 +96,67 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             loaded, _ = load_prompt_cache(str(path), expect_fingerprint=variant.fingerprint)
             load_s = time.perf_counter() - start
-            rows.append((label, size, codes_bytes(path), codes_bytes(path, "k"), codes_bytes(path, "v"),
-                         sum(c.nbytes for c in caches), saved, load_s, same_arrays(caches, loaded)))
+            rows.append(
+                (
+                    label,
+                    size,
+                    codes_bytes(path),
+                    codes_bytes(path, "k"),
+                    codes_bytes(path, "v"),
+                    sum(c.nbytes for c in caches),
+                    saved,
+                    load_s,
+                    same_arrays(caches, loaded),
+                )
+            )
     base, base_codes, base_k, base_v = rows[0][1:5]
     if not (base_k and base_v):
-        raise VeloxError(f"--tokens {args.tokens}: {args.recipe} codes no keys or values of so short a prompt "
-                         "(its fp16 window holds them all); pass more tokens")
+        raise VeloxError(
+            f"--tokens {args.tokens}: {args.recipe} codes no keys or values of so short a prompt "
+            "(its fp16 window holds them all); pass more tokens"
+        )
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     sets = f" --set {' --set '.join(args.set)}" if args.set else ""
-    print(f"recipe {args.recipe}{sets}, model {model_name}, {len(tokens)} Austen tokens, "
-          f"fingerprint {plan.fingerprint}\n")
-    print("| saved as | file bytes | vs packed | codes bytes | vs packed | K codes | V codes | live cache bytes "
-          "| save s | load s | round trip |")
+    print(
+        f"recipe {args.recipe}{sets}, model {model_name}, {len(tokens)} Austen tokens, fingerprint {plan.fingerprint}\n"
+    )
+    print(
+        "| saved as | file bytes | vs packed | codes bytes | vs packed | K codes | V codes | live cache bytes "
+        "| save s | load s | round trip |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for label, size, codes, k, v, live, saved, load_s, exact in rows:
-        print(f"| {label} | {size:,} | {size / base:.3f} | {codes:,} | {codes / base_codes:.3f} | "
-              f"{k:,} ({k / base_k:.3f}) | {v:,} ({v / base_v:.3f}) | {live:,} | {saved:.2f} | {load_s:.2f} | "
-              f"{'bit-exact' if exact else 'DIFFERS'} |")
+        print(
+            f"| {label} | {size:,} | {size / base:.3f} | {codes:,} | {codes / base_codes:.3f} | "
+            f"{k:,} ({k / base_k:.3f}) | {v:,} ({v / base_v:.3f}) | {live:,} | {saved:.2f} | {load_s:.2f} | "
+            f"{'bit-exact' if exact else 'DIFFERS'} |"
+        )
     if args.json:
-        keys = ("saved as", "file bytes", "codes bytes", "K codes bytes", "V codes bytes", "live cache bytes",
-                "save s", "load s", "bit-exact round trip")
+        keys = (
+            "saved as",
+            "file bytes",
+            "codes bytes",
+            "K codes bytes",
+            "V codes bytes",
+            "live cache bytes",
+            "save s",
+            "load s",
+            "bit-exact round trip",
+        )
         command = "veloxquant bench entropy " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        Path(args.json).write_text(json.dumps({
-            "command": command, "model": model_name, "tokens": len(tokens), "fingerprint": plan.fingerprint,
-            "rows": [dict(zip(keys, (*r[:6], round(r[6], 2), round(r[7], 2), bool(r[8])))) for r in rows]},
-            indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "model": model_name,
+                    "tokens": len(tokens),
+                    "fingerprint": plan.fingerprint,
+                    "rows": [dict(zip(keys, (*r[:6], round(r[6], 2), round(r[7], 2), bool(r[8])))) for r in rows],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if all(r[-1] for r in rows) else 1
 
 

@@ -9,6 +9,7 @@ real queries' attention over the prompt, per layer and query head, is the
 yardstick: kept mass = the share of it on positions the recipe still holds
 (for that query head's kv head). Averaged over queries and heads, then layers.
 """
+
 import argparse
 import json
 import shlex
@@ -25,17 +26,31 @@ from ..runtime.eviction.scoring import attention_weights, position_mask
 from ..runtime.make import make_prompt_cache
 from .registry import bench
 
-ROWS = [("h2o", "h2o", ["score=mass"]), ("h2o proxy", "h2o", ["score=proxy"]),
-        ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]), ("tova", "tova", []),
-        ("snapkv", "snapkv", []), ("pyramidkv", "pyramidkv", []),
-        ("observed_attention (once)", "observed_attention", []), ("h2o once", "h2o", ["once=true"]),
-        ("knorm", "knorm", []), ("keydiff (once)", "keydiff", []),
-        ("expected_attention (once)", "expected_attention", []),
-        ("qfilters", "qfilters", []), ("keyformer", "keyformer", []), ("morphkv", "morphkv", []),
-        ("chunkkv", "chunkkv", []), ("curdkv", "curdkv", []), ("kvzip (once)", "kvzip", []),
-        ("observed_snap (once)", "observed_snap", []), ("squeezeattention", "squeezeattention", []),
-        ("adakv (once)", "adakv", []), ("nestedkv (once)", "nestedkv", []), ("cam", "cam", []),
-        ("rocketkv (once)", "rocketkv", [])]
+ROWS = [
+    ("h2o", "h2o", ["score=mass"]),
+    ("h2o proxy", "h2o", ["score=proxy"]),
+    ("h2o recent=budget/2", "h2o", ["score=mass", "recent=HALF"]),
+    ("tova", "tova", []),
+    ("snapkv", "snapkv", []),
+    ("pyramidkv", "pyramidkv", []),
+    ("observed_attention (once)", "observed_attention", []),
+    ("h2o once", "h2o", ["once=true"]),
+    ("knorm", "knorm", []),
+    ("keydiff (once)", "keydiff", []),
+    ("expected_attention (once)", "expected_attention", []),
+    ("qfilters", "qfilters", []),
+    ("keyformer", "keyformer", []),
+    ("morphkv", "morphkv", []),
+    ("chunkkv", "chunkkv", []),
+    ("curdkv", "curdkv", []),
+    ("kvzip (once)", "kvzip", []),
+    ("observed_snap (once)", "observed_snap", []),
+    ("squeezeattention", "squeezeattention", []),
+    ("adakv (once)", "adakv", []),
+    ("nestedkv (once)", "nestedkv", []),
+    ("cam", "cam", []),
+    ("rocketkv (once)", "rocketkv", []),
+]
 # anchorkv has no row: it evicts nothing (every token stays, as an anchor or as coefficients on one).
 
 
@@ -108,8 +123,11 @@ def kept_mass(weights: List[np.ndarray], kept: List[np.ndarray], n_prompt: int) 
 
 
 def jaccard(a: List[np.ndarray], b: List[np.ndarray]) -> float:
-    scores = [len(set(x[0, h]) & set(y[0, h])) / len(set(x[0, h]) | set(y[0, h]))
-              for x, y in zip(a, b) for h in range(x.shape[1])]
+    scores = [
+        len(set(x[0, h]) & set(y[0, h])) / len(set(x[0, h]) | set(y[0, h]))
+        for x, y in zip(a, b)
+        for h in range(x.shape[1])
+    ]
     return float(np.mean(scores))
 
 
@@ -134,8 +152,10 @@ def main(argv=None) -> int:
     weights = fp16_weights(model, tokens, n)
     kept: Dict[str, List[np.ndarray]] = {}
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-    print(f"{model_name}: prompt {n} tokens ({args.corpus}), budget {args.budget} per kv head; yardstick: fp16 "
-          f"attention of the next {args.next} tokens' queries over the prompt\n")
+    print(
+        f"{model_name}: prompt {n} tokens ({args.corpus}), budget {args.budget} per kv head; yardstick: fp16 "
+        f"attention of the next {args.next} tokens' queries over the prompt\n"
+    )
     print("| recipe | held per head (layer mean) | fp16 attention mass kept, mean over layers | worst layer |")
     print("| --- | --- | --- | --- |")
     only = set(args.only.split(",")) if args.only else None
@@ -143,8 +163,11 @@ def main(argv=None) -> int:
         if only and label not in only:
             continue
         sets = [x.replace("HALF", str(args.budget // 2)) for x in sets]
-        sets = sets + ([f"budget=pyramid(from={args.budget * 7 // 4}, to={args.budget // 4})"]
-                       if name == "pyramidkv" else [f"budget={args.budget}"])
+        sets = sets + (
+            [f"budget=pyramid(from={args.budget * 7 // 4}, to={args.budget // 4})"]
+            if name == "pyramidkv"
+            else [f"budget={args.budget}"]
+        )
         caches = make_prompt_cache(model, name, sets)
         prompt_through(model, caches, tokens[:, :n])
         for c in caches:
@@ -155,17 +178,35 @@ def main(argv=None) -> int:
         held = held_per_head(kept[label], n)
         worst = int(np.argmin(per_layer))
         print(f"| {label} | {held:.0f} | {np.mean(per_layer):.4f} | {per_layer[worst]:.4f} (layer {worst}) |")
-        rows.append({"recipe": label, "held per head": round(held), "mass kept": round(float(np.mean(per_layer)), 4),
-                     "worst layer": worst, "mass kept there": round(float(per_layer[worst]), 4)})
+        rows.append(
+            {
+                "recipe": label,
+                "held per head": round(held),
+                "mass kept": round(float(np.mean(per_layer)), 4),
+                "worst layer": worst,
+                "mass kept there": round(float(per_layer[worst]), 4),
+            }
+        )
     overlap = None
     if "h2o" in kept and "h2o proxy" in kept:
         overlap = jaccard(kept["h2o"], kept["h2o proxy"])
         print(f"\nkept-set overlap (Jaccard, mean over layers and kv heads), h2o real vs proxy: {overlap:.3f}")
     if args.json:
         command = "veloxquant bench kept-mass " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        Path(args.json).write_text(json.dumps({"command": command, "model": model_name, "prompt_tokens": n,
-                                               "budget": args.budget, "rows": rows,
-                                               "h2o_real_vs_proxy_jaccard": overlap}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "model": model_name,
+                    "prompt_tokens": n,
+                    "budget": args.budget,
+                    "rows": rows,
+                    "h2o_real_vs_proxy_jaccard": overlap,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ are compared on the same footing. kvpress's own figures (issue 14: kvpress
 0.5.5, transformers 5.2.0, H200, float32, same windows) are printed beside
 ours; they are not re-measured here.
 """
+
 import argparse
 import copy
 import json
@@ -33,22 +34,33 @@ from ..runtime.eviction import model_pass
 from .registry import bench
 
 # kvpress's measured dPPL (%) at fractions 0.5 / 0.75 / 0.85, with our namesake row.
-KVPRESS = {"ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94)),
-           "ExpectedAttention": ("expected_attention", (1.25, 3.11, 5.46)),
-           "TOVA": ("tova[once=true,shared_heads=true]", (0.89, 3.89, 6.61)),  # kvpress averages over heads
-           "KVzip": ("kvzip", (0.97, 4.56, 7.04)),  # ours: uniform per head (kvpress: one ranking over all heads)
-           "SnapKV (window 64, pool 5)": ("snapkv[window=64,pool=5]", (1.44, 4.69, 7.70)),
-           "StreamingLLM": ("streaming", (2.44, 4.17, 7.72)),
-           "KeyDiff": ("keydiff", (3.28, 7.05, 12.28)),
-           "Knorm": ("knorm[once=true]", (8.76, 12.49, 15.29))}
+KVPRESS = {
+    "ObservedAttention (H2O)": ("observed_attention", (0.98, 2.55, 3.94)),
+    "ExpectedAttention": ("expected_attention", (1.25, 3.11, 5.46)),
+    "TOVA": ("tova[once=true,shared_heads=true]", (0.89, 3.89, 6.61)),  # kvpress averages over heads
+    "KVzip": ("kvzip", (0.97, 4.56, 7.04)),  # ours: uniform per head (kvpress: one ranking over all heads)
+    "SnapKV (window 64, pool 5)": ("snapkv[window=64,pool=5]", (1.44, 4.69, 7.70)),
+    "StreamingLLM": ("streaming", (2.44, 4.17, 7.72)),
+    "KeyDiff": ("keydiff", (3.28, 7.05, 12.28)),
+    "Knorm": ("knorm[once=true]", (8.76, 12.49, 15.29)),
+}
 KVPRESS_FRACTIONS = (0.5, 0.75, 0.85)
-EXTRA = ["tova[once=true]", "observed_attention[recent=64]", "observed_attention[pool=5]", "h2o[once=true]",
-         "curdkv[once=true]",
-         "qfilters[once=true]", "chunkkv[once=true]", "morphkv[once=true]",
-         "kvzip[heads=score,alpha=0]"]
+EXTRA = [
+    "tova[once=true]",
+    "observed_attention[recent=64]",
+    "observed_attention[pool=5]",
+    "h2o[once=true]",
+    "curdkv[once=true]",
+    "qfilters[once=true]",
+    "chunkkv[once=true]",
+    "morphkv[once=true]",
+    "kvzip[heads=score,alpha=0]",
+]
 # StreamingLLM at the end of the prompt: sinks plus the newest tokens, then append.
-STREAMING = "veloxquant: 1\nname: streaming\npipeline: evict(budget=$budget, sinks=4, score=newest, once=true)\n" \
-            "params:\n  budget: {default: 256, type: int, doc: tokens kept}\n"
+STREAMING = (
+    "veloxquant: 1\nname: streaming\npipeline: evict(budget=$budget, sinks=4, score=newest, once=true)\n"
+    "params:\n  budget: {default: 256, type: int, doc: tokens kept}\n"
+)
 
 
 def rows_asked(specs: List[str]) -> List[str]:
@@ -61,6 +73,7 @@ def fork(caches, budget: int):
     """A copy of prefilled caches whose eviction tiers will keep `budget` tokens: the prompt is fed
     once per row and window, then decided at each fraction (nothing is evicted before the end)."""
     import attrs
+
     copies = copy.deepcopy(caches, {id(c.dtype): c.dtype for c in caches})
     for c in copies:
         for t in c.tiers:
@@ -72,6 +85,7 @@ def fork(caches, budget: int):
 def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> List[float]:
     """PPL of the continuation at each budget, summed over the windows."""
     import mlx.core as mx
+
     if spec == "streaming":
         path = where / "streaming.yaml"
         path.write_text(STREAMING)
@@ -81,7 +95,7 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
         x = mx.array(w)[None]
         caches = recipe_caches(model, spec, (f"budget={max(budgets)}",))
         for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
-            model(x[:, s:min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
+            model(x[:, s : min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
             settle(caches)
         coordinator = getattr(caches[0], "coordinator", None)
         if coordinator is not None:  # a model pass (kvzip) scores alike at every budget: once, before forking
@@ -104,11 +118,18 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--model", default=None)
     ap.add_argument("--corpus", default="austen")
-    ap.add_argument("--dtype", default=None,
-                    help="model dtype (default: float32 on the CPU, float16 on a GPU; kvpress's figures are float32)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype (default: float32 on the CPU, float16 on a GPU; kvpress's figures are float32)",
+    )
     ap.add_argument("--json", default=None, help="write the figures here")
-    ap.add_argument("--baseline-ppl", type=float, default=None,
-                    help="fp16 PPL on the same windows, from an earlier run of this bench (skips measuring it)")
+    ap.add_argument(
+        "--baseline-ppl",
+        type=float,
+        default=None,
+        help="fp16 PPL on the same windows, from an earlier run of this bench (skips measuring it)",
+    )
     args = ap.parse_args(argv)
     cfg = EvalConfig(windows=args.windows)
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -118,25 +139,48 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     base = args.baseline_ppl
     if base is None:
-        base_nll = [window_nll(model, lambda: make_prompt_cache(model, "fp16"), w, cfg.prefix, cfg.prefill_chunk,
-                               cfg.score_chunk) for w in wins]
+        base_nll = [
+            window_nll(
+                model, lambda: make_prompt_cache(model, "fp16"), w, cfg.prefix, cfg.prefill_chunk, cfg.score_chunk
+            )
+            for w in wins
+        ]
         base = math.exp(sum(r["nll"] for r in base_nll) / sum(r["tokens"] for r in base_nll))
-    print(f"fp16 PPL {base:.3f} on {len(wins)} windows of {cfg.prefix} + {cfg.score_tokens} tokens; "
-          f"budgets per kv head {budgets}", file=sys.stderr)
+    print(
+        f"fp16 PPL {base:.3f} on {len(wins)} windows of {cfg.prefix} + {cfg.score_tokens} tokens; "
+        f"budgets per kv head {budgets}",
+        file=sys.stderr,
+    )
     ours: Dict[str, List[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in rows_asked(args.recipes):
             ppls = measure(model, wins, spec, budgets, cfg, Path(tmp))
             ours[spec] = [100 * (p / base - 1) for p in ppls]
-            print(f"  {spec} budgets {budgets}: PPL " + ", ".join(f"{p:.3f}" for p in ppls) + " (" +
-                  ", ".join(f"{d:+.2f}%" for d in ours[spec]) + f") [{time.perf_counter() - started:.0f} s]",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {spec} budgets {budgets}: PPL "
+                + ", ".join(f"{p:.3f}" for p in ppls)
+                + " ("
+                + ", ".join(f"{d:+.2f}%" for d in ours[spec])
+                + f") [{time.perf_counter() - started:.0f} s]",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.json:  # after every row, so a long run's finished rows are kept
-                Path(args.json).write_text(json.dumps({
-                    "command": " ".join(["veloxquant bench kvpress", *(argv or sys.argv[1:])]),
-                    "baseline_ppl": base, "windows": len(wins), "fractions": fractions, "budgets": budgets,
-                    "delta_ppl_percent": ours, "kvpress_reference": {k: v[1] for k, v in KVPRESS.items()}},
-                    indent=1) + "\n")
+                Path(args.json).write_text(
+                    json.dumps(
+                        {
+                            "command": " ".join(["veloxquant bench kvpress", *(argv or sys.argv[1:])]),
+                            "baseline_ppl": base,
+                            "windows": len(wins),
+                            "fractions": fractions,
+                            "budgets": budgets,
+                            "delta_ppl_percent": ours,
+                            "kvpress_reference": {k: v[1] for k, v in KVPRESS.items()},
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
     print(table(ours, fractions, base))
     return 0
 
@@ -144,8 +188,12 @@ def main(argv=None) -> int:
 def table(ours: Dict[str, List[float]], fractions: List[float], base: float) -> str:
     same = list(fractions) == list(KVPRESS_FRACTIONS)
     head = " | ".join(f"{f:g}" for f in fractions)
-    lines = [f"fp16 PPL {base:.3f}. dPPL at the fraction of the prefix removed; kvpress rows are issue 14's figures.",
-             "", f"| row | {head} |", "|---|" + "---|" * len(fractions)]
+    lines = [
+        f"fp16 PPL {base:.3f}. dPPL at the fraction of the prefix removed; kvpress rows are issue 14's figures.",
+        "",
+        f"| row | {head} |",
+        "|---|" + "---|" * len(fractions),
+    ]
     shown = set()
     if same:
         for press, (mine, theirs) in KVPRESS.items():

@@ -10,6 +10,7 @@ gives the first and the last window. Bounded recipes must hold flat bytes; exact
 recipes (`identity`: float32 K/V as the model computes them) must generate
 mlx-lm's KVCache's tokens, checked over the whole run.
 """
+
 import argparse
 import tempfile
 import time
@@ -74,17 +75,23 @@ def main(argv=None) -> int:
         rows[name] = generate(model, prompt, make_prompt_cache(model, _recipe(name, folder)), args.tokens, args.window)
         uninstall(model)
     ref = rows["mlx-lm KVCache"]["tokens"]
-    print(f"{args.tokens} tokens after a {args.prompt}-token prompt; random Llama {args.layers} layers, heads "
-          f"{args.heads}, head_dim {args.head_dim}, {args.dtype}; windows of {args.window} tokens\n")
-    print("| cache | tok/s first | tok/s last | cache MB first | cache MB last | active MB first | active MB last "
-          "| tokens equal to KVCache |")
+    print(
+        f"{args.tokens} tokens after a {args.prompt}-token prompt; random Llama {args.layers} layers, heads "
+        f"{args.heads}, head_dim {args.head_dim}, {args.dtype}; windows of {args.window} tokens\n"
+    )
+    print(
+        "| cache | tok/s first | tok/s last | cache MB first | cache MB last | active MB first | active MB last "
+        "| tokens equal to KVCache |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, row in rows.items():
         (s0, b0, a0), (s1, b1, a1) = row["windows"][0], row["windows"][-1]
         same = next((i for i, (a, b) in enumerate(zip(row["tokens"], ref)) if a != b), None)
         equal = "all" if same is None else f"first {same}"
-        print(f"| {name} | {s0:.0f} | {s1:.0f} | {b0 / 2**20:.2f} | {b1 / 2**20:.2f} | {a0 / 2**20:.1f} | "
-              f"{a1 / 2**20:.1f} | {equal} |")
+        print(
+            f"| {name} | {s0:.0f} | {s1:.0f} | {b0 / 2**20:.2f} | {b1 / 2**20:.2f} | {a0 / 2**20:.1f} | "
+            f"{a1 / 2**20:.1f} | {equal} |"
+        )
     return 0
 
 

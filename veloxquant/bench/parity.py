@@ -5,6 +5,7 @@
 Feeds the same prompt (Austen by default) through both caches in chunks, as
 generation prefills, and prints the max abs difference of the logits.
 """
+
 import argparse
 import time
 
@@ -20,7 +21,7 @@ from .registry import bench
 def chunked_logits(model, tokens: mx.array, cache, chunk: int) -> mx.array:
     outs = []
     for s in range(0, tokens.shape[1], chunk):
-        out = model(tokens[:, s:s + chunk], cache=cache)
+        out = model(tokens[:, s : s + chunk], cache=cache)
         mx.eval(out)
         outs.append(out)
     return mx.concatenate(outs, axis=1)
@@ -48,11 +49,15 @@ def main(argv=None) -> int:
     uninstall(model)
     diff = float(mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max())
     dtype = str(next(iter(p.dtype for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters()))))
-    print("| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention "
-          "| s (mlx-lm / ours) |")
+    print(
+        "| recipe | model dtype | tokens | chunk | max abs logit diff vs mlx-lm KVCache | attention "
+        "| s (mlx-lm / ours) |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| {args.recipe} | {dtype} | {tokens.shape[1]} | {args.chunk} | {diff:.3g} | "
-          f"{'hook' if caches[0].attended else 'decoded'} | {t1 - t0:.1f} / {t2 - t1:.1f} |")
+    print(
+        f"| {args.recipe} | {dtype} | {tokens.shape[1]} | {args.chunk} | {diff:.3g} | "
+        f"{'hook' if caches[0].attended else 'decoded'} | {t1 - t0:.1f} / {t2 - t1:.1f} |"
+    )
     return 0
 
 

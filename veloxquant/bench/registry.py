@@ -5,6 +5,7 @@ is one decorator; `veloxquant bench --list` finds it (every module of the packag
 list them). Research instruments that are no part of the installed tool live in `benchmarks/` at
 the repository root and are run with `python -m benchmarks.NAME`.
 """
+
 import importlib
 import pkgutil
 import sys
@@ -26,6 +27,7 @@ BENCHES: Dict[str, Bench] = {}
 def bench(name: str, purpose: str = ""):
     """Register `main(argv) -> int` as `veloxquant bench NAME`; the purpose defaults to the first line
     of the module's docstring."""
+
     def register(main):
         doc = sys.modules[main.__module__].__doc__ or ""
         line = purpose or next((x.strip() for x in doc.splitlines() if x.strip()), "")
@@ -33,6 +35,7 @@ def bench(name: str, purpose: str = ""):
             raise VeloxError(f"bench {name!r} is registered twice ({BENCHES[name].module}, {main.__module__})")
         BENCHES[name] = Bench(name, line.strip("`"), main.__module__, main)
         return main
+
     return register
 
 
@@ -54,6 +57,5 @@ def listing() -> str:
 def run(name: str, argv: List[str]) -> int:
     benches = discover()
     if name not in benches:
-        raise VeloxError(f"no bench named {name!r}; the benches are: {', '.join(benches)} "
-                         "(veloxquant bench --list)")
+        raise VeloxError(f"no bench named {name!r}; the benches are: {', '.join(benches)} (veloxquant bench --list)")
     return benches[name].main(argv) or 0

@@ -14,6 +14,7 @@ mlx_lm.server runs them) where the recipe batches (compiler/batching.py), else o
 - MLX peak: mx.get_peak_memory over the round (weights, caches and transients); process peak: the
   process's maximum resident set so far (ru_maxrss: it only grows, so it is the run's peak up to that row).
 """
+
 import argparse
 import resource
 import sys
@@ -66,8 +67,13 @@ def measure(model, recipe: str, n: int, context: int, decode: int, vocab: int):
         tps, held = (_batched if batched else _serial)(model, prompts, caches, decode)
     finally:
         uninstall(model)
-    return {"batched": batched, "decode_tok_s": tps, "held_per_seq": sum(held) / n,
-            "mlx_peak": mx.get_peak_memory(), "process_peak": _maxrss()}
+    return {
+        "batched": batched,
+        "decode_tok_s": tps,
+        "held_per_seq": sum(held) / n,
+        "mlx_peak": mx.get_peak_memory(),
+        "process_peak": _maxrss(),
+    }
 
 
 def _maxrss() -> int:
@@ -91,18 +97,26 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model, name = random_model("llama", (args.layers, heads, kv_heads, args.head_dim, args.vocab,
-                                         getattr(mx, args.dtype), 0, 0))
+    model, name = random_model(
+        "llama", (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), 0, 0)
+    )
     budget = args.budget_mib * 2**20
-    print(f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; context "
-          f"{args.context}, decode {args.decode} per sequence; budget {args.budget_mib:g} MiB; {mx.default_device()}")
-    print("| recipe | N | served | decode tok/s (all N) | held KiB / seq | fit in budget | MLX peak MiB | "
-          "process peak MiB |")
+    print(
+        f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; context "
+        f"{args.context}, decode {args.decode} per sequence; budget {args.budget_mib:g} MiB; {mx.default_device()}"
+    )
+    print(
+        "| recipe | N | served | decode tok/s (all N) | held KiB / seq | fit in budget | MLX peak MiB | "
+        "process peak MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for recipe in args.recipes.split(","):
         for n in map(int, args.concurrency.split(",")):
             r = measure(model, recipe, n, args.context, args.decode, args.vocab)
-            print(f"| {recipe} | {n} | {'batched' if r['batched'] else 'one at a time'} | "
-                  f"{r['decode_tok_s']:.1f} | {r['held_per_seq'] / 1024:.0f} | {int(budget // r['held_per_seq'])} | "
-                  f"{r['mlx_peak'] / 2**20:.0f} | {r['process_peak'] / 2**20:.0f} |", flush=True)
+            print(
+                f"| {recipe} | {n} | {'batched' if r['batched'] else 'one at a time'} | "
+                f"{r['decode_tok_s']:.1f} | {r['held_per_seq'] / 1024:.0f} | {int(budget // r['held_per_seq'])} | "
+                f"{r['mlx_peak'] / 2**20:.0f} | {r['process_peak'] / 2**20:.0f} |",
+                flush=True,
+            )
     return 0

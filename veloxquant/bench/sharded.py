@@ -6,6 +6,7 @@ Launches `--ranks` processes (veloxquant/bench/sharded_rank.py), then loads rank
 one-process world (refused) and prints a table: max |logit diff| sharded vs unsharded, save/load
 continuation diff, and what loading another rank's file said.
 """
+
 import argparse
 import json
 import os
@@ -37,9 +38,23 @@ def free_port() -> int:
 
 
 def launch(ranks: int, out: Path, where: Path, recipes, timeout: float = 120) -> dict:
-    cmd = [launcher(), "--backend", "ring", "-n", str(ranks), "--starting-port", str(free_port()),
-           "--env", f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
-           sys.executable, "-m", "veloxquant.bench.sharded_rank", str(out), str(where), *recipes]
+    cmd = [
+        launcher(),
+        "--backend",
+        "ring",
+        "-n",
+        str(ranks),
+        "--starting-port",
+        str(free_port()),
+        "--env",
+        f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
+        sys.executable,
+        "-m",
+        "veloxquant.bench.sharded_rank",
+        str(out),
+        str(where),
+        *recipes,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode or not out.exists():
         raise VeloxError(f"{' '.join(cmd)} failed (exit {done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -69,13 +84,17 @@ def main(argv=None) -> int:
         for row in got["rows"]:
             if "other_rank" in row:
                 row["world_1"] = refused_here(Path(tmp), row["recipe"])
-    print(f"{got['world']} ranks, Llama {got['shape']}, prompt {got['prompt']} + decode {got['decode']} "
-          f"(wall {got['wall_s']:.1f} s)\n")
+    print(
+        f"{got['world']} ranks, Llama {got['shape']}, prompt {got['prompt']} + decode {got['decode']} "
+        f"(wall {got['wall_s']:.1f} s)\n"
+    )
     print("| recipe | max abs logit diff vs unsharded | head budgets equal | save/load continuation diff | s |")
     print("|---|---|---|---|---|")
     for r in got["rows"]:
-        print(f"| {r['recipe']} | {r['max_diff']:.3g} | {r.get('budgets_equal', '–')} | "
-              f"{r.get('reload_diff', '–')} | {r['seconds']:.2f} |")
+        print(
+            f"| {r['recipe']} | {r['max_diff']:.3g} | {r.get('budgets_equal', '–')} | "
+            f"{r.get('reload_diff', '–')} | {r['seconds']:.2f} |"
+        )
     for r in got["rows"][1:2]:
         print(f"\nanother rank's file: {r['other_rank']}\nin a 1-process world: {r['world_1']}")
     if args.json:

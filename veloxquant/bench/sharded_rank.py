@@ -4,6 +4,7 @@ rank 0 writes the measured differences as JSON.
 
     mlx.launch --backend ring -n 2 python -m veloxquant.bench.sharded_rank OUT.json DIR [RECIPE ...]
 """
+
 import json
 import sys
 import time
@@ -36,15 +37,16 @@ def models(group):
 def feed(model, tokens, cache, start, end, chunk):
     outs = []
     for s in range(start, end, chunk):
-        out = model(tokens[:, s:min(s + chunk, end)], cache=cache)
+        out = model(tokens[:, s : min(s + chunk, end)], cache=cache)
         mx.eval(out)
         outs.append(out)
     return mx.concatenate(outs, axis=1)
 
 
 def run(model, tokens, cache):
-    return mx.concatenate([feed(model, tokens, cache, 0, PROMPT, CHUNK),
-                           feed(model, tokens, cache, PROMPT, PROMPT + DECODE, 1)], axis=1)
+    return mx.concatenate(
+        [feed(model, tokens, cache, 0, PROMPT, CHUNK), feed(model, tokens, cache, PROMPT, PROMPT + DECODE, 1)], axis=1
+    )
 
 
 def caches_for(model, spec):
@@ -65,16 +67,25 @@ def main(argv):
     rows = []
     started = time.perf_counter()
     a, b = run(full, tokens, mlx_prompt_cache(full)), run(part, tokens, mlx_prompt_cache(part))
-    rows.append({"recipe": "mlx-lm KVCache", "max_diff": float(mx.max(mx.abs(a - b)).item()),
-                 "seconds": time.perf_counter() - started})
+    rows.append(
+        {
+            "recipe": "mlx-lm KVCache",
+            "max_diff": float(mx.max(mx.abs(a - b)).item()),
+            "seconds": time.perf_counter() - started,
+        }
+    )
     for recipe in recipes:
         started = time.perf_counter()
         ref_caches, caches = caches_for(full, recipe), caches_for(part, recipe)
         a, b = run(full, tokens, ref_caches), run(part, tokens, caches)
         per = SHAPE["kv_heads"] // world
-        equal = [x[rank * per:(rank + 1) * per] for x in budgets(ref_caches)] == budgets(caches)
-        row = {"recipe": recipe, "max_diff": float(mx.max(mx.abs(a - b)).item()), "budgets_equal": equal,
-               "seconds": time.perf_counter() - started}
+        equal = [x[rank * per : (rank + 1) * per] for x in budgets(ref_caches)] == budgets(caches)
+        row = {
+            "recipe": recipe,
+            "max_diff": float(mx.max(mx.abs(a - b)).item()),
+            "budgets_equal": equal,
+            "seconds": time.perf_counter() - started,
+        }
         # saved after the prompt, loaded on the same rank of the same world: continues identically
         caches = caches_for(part, recipe)
         feed(part, tokens, caches, 0, PROMPT, CHUNK)
@@ -93,8 +104,9 @@ def main(argv):
             row["other_rank"] = str(e)
         rows.append(row)
     if rank == 0:
-        out.write_text(json.dumps({"world": world, "shape": SHAPE, "prompt": PROMPT, "decode": DECODE,
-                                   "rows": rows}, indent=1))
+        out.write_text(
+            json.dumps({"world": world, "shape": SHAPE, "prompt": PROMPT, "decode": DECODE, "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ ranked by ΔPPL; "eviction at 1/N" takes eviction rows only. Nothing here is
 typed by hand: `veloxquant report --choosing docs/choosing.md
 results/leaderboard-*.json` rewrites it, and a test fails if it differs.
 """
+
 import json
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -30,13 +31,19 @@ def load(paths: Sequence[str]) -> List[Dict]:
 
 def measured(board: Dict) -> List[Dict]:
     """Rows with a ratio and a ΔPPL (failed rows and the baseline left out)."""
-    return [r for r in board["rows"] if r.get("spec") != "fp16" and r.get("held_ratio")
-            and r.get("delta_ppl_pct") is not None]
+    return [
+        r
+        for r in board["rows"]
+        if r.get("spec") != "fp16" and r.get("held_ratio") and r.get("delta_ppl_pct") is not None
+    ]
 
 
 def best(board: Dict, factor: int, family=None, shown: int = SHOWN) -> List[Dict]:
-    fits = [r for r in measured(board) if r["held_ratio"] <= SLACK / factor
-            and (family is None or r.get("family") == family)]
+    fits = [
+        r
+        for r in measured(board)
+        if r["held_ratio"] <= SLACK / factor and (family is None or r.get("family") == family)
+    ]
     return sorted(fits, key=lambda r: (r["delta_ppl_pct"], r["held_ratio"]))[:shown]
 
 
@@ -47,15 +54,21 @@ def _cell(x, fmt):
 def _line(r: Dict) -> str:
     d = r.get("divergence") or {}
     pk = r.get("passkey") or {}
-    return (f"| `{r['spec']}` | {r['held_ratio']:.3f} | {r['delta_ppl_pct']:+.2f}% "
-            f"| {_cell(d.get('kld_mean'), '.4f')} | {_cell(d.get('top1_agreement'), '.3f')} "
-            f"| {_cell(pk.get('accuracy'), '.2f')} | {_cell(r.get('decode_vs_fp16'), '.2f')} |")
+    return (
+        f"| `{r['spec']}` | {r['held_ratio']:.3f} | {r['delta_ppl_pct']:+.2f}% "
+        f"| {_cell(d.get('kld_mean'), '.4f')} | {_cell(d.get('top1_agreement'), '.3f')} "
+        f"| {_cell(pk.get('accuracy'), '.2f')} | {_cell(r.get('decode_vs_fp16'), '.2f')} |"
+    )
 
 
 def table(board: Dict) -> str:
-    lines = [f"### {board['model']} — protocol `{board['protocol_name']}`, context {board['context']} tokens"
-             f"{' (partial: ' + str(len(board['rows'])) + ' rows so far)' if board.get('partial') else ''}", "",
-             f"From `{board['source']}`; command `{board.get('command', '')}`.", ""]
+    lines = [
+        f"### {board['model']} — protocol `{board['protocol_name']}`, context {board['context']} tokens"
+        f"{' (partial: ' + str(len(board['rows'])) + ' rows so far)' if board.get('partial') else ''}",
+        "",
+        f"From `{board['source']}`; command `{board.get('command', '')}`.",
+        "",
+    ]
     for factor, family in TARGETS:
         title = f"eviction at 1/{factor}" if family else f"~{factor}× smaller (held ≤ {SLACK / factor:.3f} of fp16)"
         rows = best(board, factor, family)
@@ -63,8 +76,14 @@ def table(board: Dict) -> str:
         if not rows:
             lines += ["No measured row fits yet.", ""]
             continue
-        lines += ["| recipe | held ÷ fp16 | ΔPPL | KLD mean | top-1 | passkey | decode ÷ fp16 |",
-                  "|---|---|---|---|---|---|---|"] + [_line(r) for r in rows] + [""]
+        lines += (
+            [
+                "| recipe | held ÷ fp16 | ΔPPL | KLD mean | top-1 | passkey | decode ÷ fp16 |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            + [_line(r) for r in rows]
+            + [""]
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """`veloxquant leaderboard`, `recommend` and `report`: argument parsing and the commands."""
+
 import shlex
 import sys
 from pathlib import Path
@@ -9,12 +10,19 @@ PROTOCOL_NAMES = ("cpu", "standard")  # board/protocol.py's PROTOCOLS (kept ligh
 def add_leaderboard_args(p) -> None:
     p.add_argument("--model", help="mlx-lm model folder or alias such as 'gemma3' (default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus", default="austen", help="'austen', 'austen:emma' or a text file (default: austen)")
-    p.add_argument("--protocol", default="cpu", choices=PROTOCOL_NAMES,
-                   help="cpu: 1 window of 640+128 tokens, one 512-token passkey prompt (a minute or two a row on "
-                   "a share of 2 CPU cores with SmolLM2); standard: eval's defaults (4 windows of 1536+256, "
-                   "passkey 1k/2k)")
-    p.add_argument("--out", metavar="JSON", help="the leaderboard file, resumed if it exists "
-                   "(default: results/leaderboard-MODEL-PROTOCOL.json)")
+    p.add_argument(
+        "--protocol",
+        default="cpu",
+        choices=PROTOCOL_NAMES,
+        help="cpu: 1 window of 640+128 tokens, one 512-token passkey prompt (a minute or two a row on "
+        "a share of 2 CPU cores with SmolLM2); standard: eval's defaults (4 windows of 1536+256, "
+        "passkey 1k/2k)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="JSON",
+        help="the leaderboard file, resumed if it exists (default: results/leaderboard-MODEL-PROTOCOL.json)",
+    )
     p.add_argument("--only", metavar="NAMES", help="comma-separated built-ins to measure (default: all)")
     p.add_argument("--limit", type=int, help="measure at most this many new rows, then stop")
     p.add_argument("--no-progress", action="store_true", help="no per-row progress lines on stderr")
@@ -24,6 +32,7 @@ def cmd_leaderboard(args) -> int:
     from ..data import load_text
     from ..models import load_model
     from .leaderboard import default_path, run
+
     name = args.model or "SmolLM2-135M-Instruct"
     name = Path(name).name if Path(name).exists() else name
     out = Path(args.out) if args.out else default_path(name, args.protocol)
@@ -31,8 +40,19 @@ def cmd_leaderboard(args) -> int:
     model, tokenizer = load_model(args.model)
     command = " ".join(["veloxquant", *map(shlex.quote, sys.argv[1:])]) if "leaderboard" in sys.argv[1:2] else ""
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else []
-    board = run(model, tokenizer, name, text, args.corpus, args.protocol, out, only, args.limit,
-                command or f"veloxquant leaderboard --protocol {args.protocol}", progress=not args.no_progress)
+    board = run(
+        model,
+        tokenizer,
+        name,
+        text,
+        args.corpus,
+        args.protocol,
+        out,
+        only,
+        args.limit,
+        command or f"veloxquant leaderboard --protocol {args.protocol}",
+        progress=not args.no_progress,
+    )
     state = "partial" if board["partial"] else "complete"
     print(f"wrote {out}: {len(board['rows'])} rows ({state})", file=sys.stderr)
     return 0
@@ -41,13 +61,17 @@ def cmd_leaderboard(args) -> int:
 def add_report_args(p) -> None:
     p.add_argument("results", nargs="+", metavar="RESULTS.json", help="leaderboard or `eval --json` files")
     p.add_argument("-o", "--output", metavar="report.html", help="write the self-contained HTML page here")
-    p.add_argument("--choosing", metavar="OUT.md", help="write the recipe-choosing tables (docs/choosing.md) "
-                   "from leaderboard files")
+    p.add_argument(
+        "--choosing",
+        metavar="OUT.md",
+        help="write the recipe-choosing tables (docs/choosing.md) from leaderboard files",
+    )
 
 
 def cmd_report(args) -> int:
     from ..errors import VeloxError
     from . import choosing, html
+
     if not args.output and not args.choosing:
         raise VeloxError("report: give -o report.html, --choosing OUT.md or both")
     if args.output:
@@ -61,15 +85,19 @@ def cmd_report(args) -> int:
 
 def add_recommend_args(p) -> None:
     p.add_argument("--model", help="mlx-lm model folder or alias whose shape to use (default: SmolLM2-135M)")
-    p.add_argument("--shape", metavar="LxHxD", help="a uniform shape instead of a model: layers x kv heads x "
-                   "head_dim, e.g. 32x8x128 for Llama-3-8B")
+    p.add_argument(
+        "--shape",
+        metavar="LxHxD",
+        help="a uniform shape instead of a model: layers x kv heads x head_dim, e.g. 32x8x128 for Llama-3-8B",
+    )
     p.add_argument("--context", type=int, required=True, help="tokens the cache must hold")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--memory", help="KV-cache memory to fit in, e.g. 1GB, 512MiB")
     g.add_argument("--ratio", type=float, help="fraction of the fp16 cache's bytes to fit in, e.g. 0.25")
     p.add_argument("--max-dppl", type=float, metavar="P", help="only recipes measured at ≤ P %% perplexity increase")
-    p.add_argument("--board", action="append", metavar="JSON", help="leaderboard files "
-                   "(default: results/leaderboard-*.json)")
+    p.add_argument(
+        "--board", action="append", metavar="JSON", help="leaderboard files (default: results/leaderboard-*.json)"
+    )
 
 
 def cmd_recommend(args) -> int:
@@ -77,6 +105,7 @@ def cmd_recommend(args) -> int:
     from ..errors import VeloxError
     from . import choosing
     from .recommend import parse_shape, parse_size, recommend, render
+
     paths = args.board or sorted(str(p) for p in Path("results").glob("leaderboard-*.json"))
     if not paths:
         raise VeloxError("no leaderboard files: run `veloxquant leaderboard` or pass --board JSON")
@@ -84,11 +113,19 @@ def cmd_recommend(args) -> int:
         shape = parse_shape(args.shape)
     elif args.model:
         from ..models import load_model
+
         shape = ModelShape.from_model(load_model(args.model, lazy=True)[0], Path(args.model).name)
     else:
         shape = SMOLLM2_135M
     name = Path(args.model).name if args.model else (None if args.shape else "SmolLM2-135M-Instruct")
-    answer = recommend(choosing.load(paths), shape, args.context,
-                       parse_size(args.memory) if args.memory else None, args.ratio, args.max_dppl, name)
+    answer = recommend(
+        choosing.load(paths),
+        shape,
+        args.context,
+        parse_size(args.memory) if args.memory else None,
+        args.ratio,
+        args.max_dppl,
+        name,
+    )
     print(render(answer, args.model), end="")
     return 0 if answer["choice"] else 1

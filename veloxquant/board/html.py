@@ -6,6 +6,7 @@ plots, held bytes against ΔPPL and against KLD, drawn as inline SVG by the
 page's own script (html_page.js, inlined): no server, no network, no CDN.
 Each row carries its recipe's text.
 """
+
 import html
 import json
 from pathlib import Path
@@ -48,14 +49,27 @@ def flatten(results: Sequence[Dict]) -> List[Dict]:
             calib = r.get("calibration") or {}
             peak = c.get("peak_memory_bytes")
             ratio = r.get("held_ratio", c.get("ratio"))
-            out.append({
-                "model": res.get("model", "?"), "name": r.get("spec", r["name"]),
-                "family": r.get("family", "baseline" if r["name"] == "fp16" else r.get("kind", "?")),
-                "setting": r.get("setting", ""), "ratio": ratio, "bits": 16 * ratio if ratio else None,
-                "dppl": r.get("delta_ppl_pct"), "kld": d.get("kld_mean"), "kld99": d.get("kld_p99"),
-                "top1": d.get("top1_agreement"), "passkey": pk.get("accuracy"), "decode": r.get("decode_vs_fp16"),
-                "peak": peak / 2**20 if peak else None, "calib": calib.get("seconds"), "wall": r.get("wall_s"),
-                "error": r.get("error"), "recipe": _recipe_text(r)})
+            out.append(
+                {
+                    "model": res.get("model", "?"),
+                    "name": r.get("spec", r["name"]),
+                    "family": r.get("family", "baseline" if r["name"] == "fp16" else r.get("kind", "?")),
+                    "setting": r.get("setting", ""),
+                    "ratio": ratio,
+                    "bits": 16 * ratio if ratio else None,
+                    "dppl": r.get("delta_ppl_pct"),
+                    "kld": d.get("kld_mean"),
+                    "kld99": d.get("kld_p99"),
+                    "top1": d.get("top1_agreement"),
+                    "passkey": pk.get("accuracy"),
+                    "decode": r.get("decode_vs_fp16"),
+                    "peak": peak / 2**20 if peak else None,
+                    "calib": calib.get("seconds"),
+                    "wall": r.get("wall_s"),
+                    "error": r.get("error"),
+                    "recipe": _recipe_text(r),
+                }
+            )
     return out
 
 

@@ -7,6 +7,7 @@ row the file is rewritten (`partial: true` until the last), so an interrupted
 run resumes where it stopped. Calibrated recipes are calibrated first when
 their artifact is missing; the row records the fit's seconds.
 """
+
 import importlib.metadata
 import json
 import platform
@@ -91,8 +92,19 @@ def _annotate(r: Dict, spec: str, fam: str, setting: str, fp16: Dict, wall: floa
     return r
 
 
-def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name: str, out: Path,
-        only: List[str] = (), limit: Optional[int] = None, command: str = "", progress: bool = True) -> Dict:
+def run(
+    model,
+    tokenizer,
+    model_name: str,
+    text: str,
+    corpus: str,
+    protocol_name: str,
+    out: Path,
+    only: List[str] = (),
+    limit: Optional[int] = None,
+    command: str = "",
+    progress: bool = True,
+) -> Dict:
     """Measure every leaderboard row not yet in `out`; rewrite `out` after each."""
     if protocol_name not in protocol.PROTOCOLS:
         raise VeloxError(f"--protocol: one of {', '.join(protocol.PROTOCOLS)}, not {protocol_name!r}")
@@ -100,8 +112,10 @@ def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name
     wanted = protocol.rows(protocol.context(cfg), only, ModelShape.from_model(model, model_name))
     board = load_partial(out) or {}
     if board and (board.get("model"), board.get("protocol_name")) != (model_name, protocol_name):
-        raise VeloxError(f"{out}: holds {board.get('model')} / {board.get('protocol_name')}, not "
-                         f"{model_name} / {protocol_name}; pass another --out")
+        raise VeloxError(
+            f"{out}: holds {board.get('model')} / {board.get('protocol_name')}, not "
+            f"{model_name} / {protocol_name}; pass another --out"
+        )
     done = {r["spec"]: r for r in board.get("rows", [])}
     todo = [w for w in wanted if w[0] not in done]
     # Rows that must fit calibration first go last: a run cut short measures the most rows.
@@ -110,13 +124,22 @@ def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name
     fp16_row = parse_row("fp16")
     started = time.perf_counter()
     base = evaluate(model, tokenizer, [fp16_row], text, cfg, progress=False, references=refs)
-    fp16 = _annotate(base["rows"][0], "fp16", "baseline", "defaults", base["rows"][0],
-                     time.perf_counter() - started, None)
-    board = {"veloxquant_leaderboard": SCHEMA, "veloxquant_eval": base["veloxquant_eval"],
-             "model": model_name, "corpus": corpus, "command": command, "protocol_name": protocol_name,
-             "context": protocol.context(cfg), "versions": versions(),
-             **{k: base[k] for k in ("model_shape", "dtype", "device", "platform", "protocol")},
-             "fp16_this_process": fp16, "rows": [fp16] + [done[s] for s, _, _ in wanted if s in done and s != "fp16"]}
+    fp16 = _annotate(
+        base["rows"][0], "fp16", "baseline", "defaults", base["rows"][0], time.perf_counter() - started, None
+    )
+    board = {
+        "veloxquant_leaderboard": SCHEMA,
+        "veloxquant_eval": base["veloxquant_eval"],
+        "model": model_name,
+        "corpus": corpus,
+        "command": command,
+        "protocol_name": protocol_name,
+        "context": protocol.context(cfg),
+        "versions": versions(),
+        **{k: base[k] for k in ("model_shape", "dtype", "device", "platform", "protocol")},
+        "fp16_this_process": fp16,
+        "rows": [fp16] + [done[s] for s, _, _ in wanted if s in done and s != "fp16"],
+    }
 
     def save(partial: bool):
         board["partial"] = partial
@@ -128,8 +151,11 @@ def run(model, tokenizer, model_name: str, text: str, corpus: str, protocol_name
 
     for i, (spec, fam, setting) in enumerate(todo):
         if progress:
-            print(f"[{i + 1}/{len(todo)}] {spec} ({len(board['rows'])}/{len(wanted) + 1} rows in {out})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{i + 1}/{len(todo)}] {spec} ({len(board['rows'])}/{len(wanted) + 1} rows in {out})",
+                file=sys.stderr,
+                flush=True,
+            )
         row = parse_row(spec)
         t0 = time.perf_counter()
         try:

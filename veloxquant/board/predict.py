@@ -12,6 +12,7 @@ once at the end of the prompt grow again by the tokens generated after it.
 Tiers this cannot account for (bases fitted per prompt, saliency routing,
 cross-layer sharing) give None rather than a guess.
 """
+
 import math
 from typing import Optional
 
@@ -26,8 +27,10 @@ META_BYTES = 8  # a per-head tier's position (int32) and running score (float32)
 
 
 def _sixteen_bit(tier) -> bool:
-    return all(c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
-               for c in (tier.keys, tier.values))
+    return all(
+        c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
+        for c in (tier.keys, tier.values)
+    )
 
 
 def _tokens_held(tier, remaining: int) -> Optional[int]:
@@ -60,8 +63,9 @@ def layer_bytes(layer: LayerPlan, context: int) -> Optional[float]:
         if held is None:
             return None
         if not tier.drops:
-            bits = codec_bits(tier.keys, layer.head_dim, layer.role) + codec_bits(tier.values, layer.head_dim,
-                                                                                  layer.role)
+            bits = codec_bits(tier.keys, layer.head_dim, layer.role) + codec_bits(
+                tier.values, layer.head_dim, layer.role
+            )
             if math.isnan(bits):
                 return None
             total += held * layer.n_kv_heads * layer.head_dim * bits / 8
@@ -84,5 +88,6 @@ def held_bytes(ref: str, sets, shape: ModelShape, context: int) -> Optional[floa
 
 
 def fp16_bytes(shape: ModelShape, context: int) -> int:
-    return sum(min(context, w or context) * 2 * h * d * 2
-               for h, d, w in zip(shape.n_kv_heads, shape.head_dim, shape.windows))
+    return sum(
+        min(context, w or context) * 2 * h * d * 2 for h, d, w in zip(shape.n_kv_heads, shape.head_dim, shape.windows)
+    )

@@ -7,6 +7,7 @@ parameter at 4 and 2 bits (about 4× and 6× smaller than fp16 once past their
 fp16 window) where the default is another width and the recipe takes that
 width (nsnquant's codes are 1 or 2 bits: no 4-bit row).
 """
+
 from typing import Dict, List, Tuple
 
 from ..compiler import SMOLLM2_135M, ModelShape, compile_recipe
@@ -17,8 +18,17 @@ from ..recipe import builtin_names, load_recipe
 # "cpu": a row in a minute or two on a share of 2 busy CPU cores with SmolLM2-135M (float32);
 # "standard": eval's defaults (4 windows of 1536 + 256, passkey at 1k and 2k), for a GPU.
 PROTOCOLS: Dict[str, EvalConfig] = {
-    "cpu": EvalConfig(windows=1, prefix=640, score_tokens=128, prefill_chunk=256, score_chunk=32,
-                      fidelity_windows=0, passkey_lengths=(512,), passkey_depths=(0.5,), passkey_trials=1),
+    "cpu": EvalConfig(
+        windows=1,
+        prefix=640,
+        score_tokens=128,
+        prefill_chunk=256,
+        score_chunk=32,
+        fidelity_windows=0,
+        passkey_lengths=(512,),
+        passkey_depths=(0.5,),
+        passkey_trials=1,
+    ),
     "standard": EvalConfig(fidelity_windows=0),
 }
 
@@ -57,8 +67,11 @@ def settings(name: str, ctx: int, shape: ModelShape = SMOLLM2_135M) -> List[Tupl
         sinks = params["sinks"].default
         rows += [(f"{name}[window={ctx // f - sinks}]", f"budget 1/{f}") for f in FRACTIONS]
     if "bits" in params and params["bits"].type == "int":
-        rows += [(f"{name}[bits={b}]", f"{b}-bit") for b in WIDTHS
-                 if b != params["bits"].default and _accepts(name, [f"bits={b}"], shape)]
+        rows += [
+            (f"{name}[bits={b}]", f"{b}-bit")
+            for b in WIDTHS
+            if b != params["bits"].default and _accepts(name, [f"bits={b}"], shape)
+        ]
     return rows
 
 

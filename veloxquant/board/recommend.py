@@ -6,6 +6,7 @@ the model and protocol each file names). Candidates are the rows of the
 board measured on the asked model when there is one, else of every board,
 and the answer says which model the quality was measured on.
 """
+
 import re
 from typing import Dict, List, Optional, Sequence
 
@@ -44,13 +45,21 @@ def candidates(boards: Sequence[Dict], model: Optional[str]) -> List[Dict]:
     rows = []
     for b in own or boards:
         for r in choosing.measured(b):
-            rows.append({**r, "measured_on": b["model"], "protocol_name": b.get("protocol_name"),
-                         "source": b.get("source")})
+            rows.append(
+                {**r, "measured_on": b["model"], "protocol_name": b.get("protocol_name"), "source": b.get("source")}
+            )
     return rows
 
 
-def recommend(boards: Sequence[Dict], shape: ModelShape, context: int, memory: Optional[int] = None,
-              ratio: Optional[float] = None, max_dppl: Optional[float] = None, model: Optional[str] = None) -> Dict:
+def recommend(
+    boards: Sequence[Dict],
+    shape: ModelShape,
+    context: int,
+    memory: Optional[int] = None,
+    ratio: Optional[float] = None,
+    max_dppl: Optional[float] = None,
+    model: Optional[str] = None,
+) -> Dict:
     if (memory is None) == (ratio is None):
         raise VeloxError("recommend: give exactly one of --memory SIZE or --ratio R")
     if context < 1:
@@ -68,10 +77,16 @@ def recommend(boards: Sequence[Dict], shape: ModelShape, context: int, memory: O
             scored.append((r["delta_ppl_pct"], (r.get("divergence") or {}).get("kld_mean") or 0, held, r))
     scored.sort(key=lambda t: t[:3])
     pick = scored[0] if scored else None
-    return {"context": context, "budget_bytes": budget, "fp16_bytes": fp16, "shape": shape.name,
-            "fits": len(scored), "unpredicted": unknown,
-            "choice": None if pick is None else {**pick[3], "predicted_bytes": pick[2]},
-            "runners_up": [{**t[3], "predicted_bytes": t[2]} for t in scored[1:4]]}
+    return {
+        "context": context,
+        "budget_bytes": budget,
+        "fp16_bytes": fp16,
+        "shape": shape.name,
+        "fits": len(scored),
+        "unpredicted": unknown,
+        "choice": None if pick is None else {**pick[3], "predicted_bytes": pick[2]},
+        "runners_up": [{**t[3], "predicted_bytes": t[2]} for t in scored[1:4]],
+    }
 
 
 def _gb(n: float) -> str:
@@ -79,29 +94,36 @@ def _gb(n: float) -> str:
 
 
 def render(answer: Dict, model_arg: Optional[str]) -> str:
-    head = (f"context {answer['context']:,} tokens on {answer['shape']}: fp16 cache {_gb(answer['fp16_bytes'])}, "
-            f"budget {_gb(answer['budget_bytes'])} ({answer['budget_bytes'] / answer['fp16_bytes']:.3f} of fp16)")
+    head = (
+        f"context {answer['context']:,} tokens on {answer['shape']}: fp16 cache {_gb(answer['fp16_bytes'])}, "
+        f"budget {_gb(answer['budget_bytes'])} ({answer['budget_bytes'] / answer['fp16_bytes']:.3f} of fp16)"
+    )
     c = answer["choice"]
     if c is None:
-        return (f"{head}\nno measured recipe fits this budget and quality bound ({len(answer['unpredicted'])} "
-                f"rows have no byte accounting at this context).\nTry `veloxquant tune` to search settings "
-                f"for this budget, or measure more rows with `veloxquant leaderboard`.\n")
+        return (
+            f"{head}\nno measured recipe fits this budget and quality bound ({len(answer['unpredicted'])} "
+            f"rows have no byte accounting at this context).\nTry `veloxquant tune` to search settings "
+            f"for this budget, or measure more rows with `veloxquant leaderboard`.\n"
+        )
     d = c.get("divergence") or {}
     pk = (c.get("passkey") or {}).get("accuracy")
     model = f" --model {model_arg}" if model_arg else ""
     spec = c["spec"]
-    recipe, sets = (spec.split("[")[0], spec[spec.index("[") + 1:-1].split(",")) if "[" in spec else (spec, [])
+    recipe, sets = (spec.split("[")[0], spec[spec.index("[") + 1 : -1].split(",")) if "[" in spec else (spec, [])
     flags = "".join(f" --set {s}" for s in sets)
-    lines = [head,
-             f"recommended: {spec}  ({c['family']}, {c['setting']})",
-             f"  held at this context: {_gb(c['predicted_bytes'])} "
-             f"({c['predicted_bytes'] / answer['fp16_bytes']:.3f} of fp16; from the recipe's plan)",
-             f"  measured on {c['measured_on']} (protocol {c['protocol_name']}): ΔPPL {c['delta_ppl_pct']:+.2f}%, "
-             f"KLD {d.get('kld_mean', float('nan')):.4f}, top-1 {d.get('top1_agreement', float('nan')):.3f}"
-             + (f", passkey {pk:.2f}" if pk is not None else ""),
-             f"  run:   veloxquant run {recipe}{model}{flags}",
-             f"  serve: veloxquant serve {recipe}{model}{flags}"]
+    lines = [
+        head,
+        f"recommended: {spec}  ({c['family']}, {c['setting']})",
+        f"  held at this context: {_gb(c['predicted_bytes'])} "
+        f"({c['predicted_bytes'] / answer['fp16_bytes']:.3f} of fp16; from the recipe's plan)",
+        f"  measured on {c['measured_on']} (protocol {c['protocol_name']}): ΔPPL {c['delta_ppl_pct']:+.2f}%, "
+        f"KLD {d.get('kld_mean', float('nan')):.4f}, top-1 {d.get('top1_agreement', float('nan')):.3f}"
+        + (f", passkey {pk:.2f}" if pk is not None else ""),
+        f"  run:   veloxquant run {recipe}{model}{flags}",
+        f"  serve: veloxquant serve {recipe}{model}{flags}",
+    ]
     if answer["runners_up"]:
-        lines.append("  also fit: " + ", ".join(f"{r['spec']} ({r['delta_ppl_pct']:+.2f}%)"
-                                                for r in answer["runners_up"]))
+        lines.append(
+            "  also fit: " + ", ".join(f"{r['spec']} ({r['delta_ppl_pct']:+.2f}%)" for r in answer["runners_up"])
+        )
     return "\n".join(lines) + "\n"

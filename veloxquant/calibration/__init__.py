@@ -12,6 +12,7 @@ Three layers: the artifact store (`veloxquant.artifacts`, below the stages that
 read it), binding (`veloxquant.compiler.binding`, part of compiling a plan), and
 this package, collecting and fitting, which runs models through the runtime.
 """
+
 from .fit import calibrate
 
 __all__ = ["calibrate"]

@@ -1,4 +1,5 @@
 """`veloxquant calibrate RECIPE --model M [--corpus C] [--tokens N]`: fit and write the artifact."""
+
 from pathlib import Path
 
 
@@ -7,8 +8,14 @@ def add_calibrate_args(p) -> None:
     p.add_argument("--model", help="mlx-lm model folder or 'gemma3' (default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus", help="calibration text: sets the recipe's 'corpus' parameter ('austen:emma', a file)")
     p.add_argument("--tokens", type=int, help="calibration tokens: sets the recipe's 'tokens' parameter")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a recipe parameter (repeatable; use the same values with run/eval)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a recipe parameter (repeatable; use the same values with run/eval)",
+    )
     p.add_argument("--force", action="store_true", help="fit again even if the artifact exists")
     p.add_argument("--no-progress", action="store_true")
 
@@ -43,11 +50,15 @@ def cmd_calibrate(args) -> int:
     key = key_for(plan, model)
     if artifact.find(key) and not args.force:
         meta = artifact.find(key)
-        print(f"up to date: {artifact.directory() / (key + '.safetensors')} ({meta['bytes']:,} bytes, "
-              f"content {meta['content']})")
+        print(
+            f"up to date: {artifact.directory() / (key + '.safetensors')} ({meta['bytes']:,} bytes, "
+            f"content {meta['content']})"
+        )
         return 0
     meta = calibrate(plan, model, tokenizer, progress=not args.no_progress, model_name=Path(str(path)).name)
     plan_for(model, recipe, sets)  # binds: proves run/eval will find it
-    print(f"wrote {meta['path']}: {meta['bytes']:,} bytes, {meta['stages']} calibrated stage(s), "
-          f"{meta['tokens']} tokens of '{meta['corpus']}' in {meta['seconds']:.1f} s; content {meta['content']}")
+    print(
+        f"wrote {meta['path']}: {meta['bytes']:,} bytes, {meta['stages']} calibrated stage(s), "
+        f"{meta['tokens']} tokens of '{meta['corpus']}' in {meta['seconds']:.1f} s; content {meta['content']}"
+    )
     return 0

@@ -1,4 +1,5 @@
 """The keys and values a model writes to its cache over a calibration text (post-RoPE, as the cache sees them)."""
+
 import sys
 from typing import Dict, List, Set
 
@@ -21,20 +22,23 @@ def collect(model, ids: List[int], layers: Set[int], progress: bool = True) -> D
     for i in layers:
         caches[i].attend = _recording(caches[i].attend, got[i]["q"])
     x = mx.array(ids)[None]
-    for s in tqdm(range(0, x.shape[1], CHUNK), desc="calibrate: model pass", unit="chunk", file=sys.stderr,
-                  disable=not progress):
+    for s in tqdm(
+        range(0, x.shape[1], CHUNK), desc="calibrate: model pass", unit="chunk", file=sys.stderr, disable=not progress
+    ):
         e = min(s + CHUNK, x.shape[1])
         model(x[:, s:e], cache=caches)
         for i in layers:
             k, v = caches[i].tiers[0].decoded(mx.float32)
             for side, arr in (("k", k), ("v", v)):
-                got[i][side].append(np.array(arr[0, :, -(e - s):, :]))
+                got[i][side].append(np.array(arr[0, :, -(e - s) :, :]))
     return {i: {side: np.concatenate(parts, axis=1) for side, parts in d.items()} for i, d in got.items()}
 
 
 def _recording(attend, into: list):
     """The cache's attend, keeping a copy of every QUERY_STRIDE-th query it answers."""
+
     def wrapped(queries, scale, mask=None, sinks=None, observe=True):
         into.append(np.array(queries[0, :, ::QUERY_STRIDE].astype(mx.float32)))
         return attend(queries, scale, mask, sinks, observe)
+
     return wrapped

@@ -1,4 +1,5 @@
 """`explain` lines for calibrated stages: what they fit, on what, and their artifact."""
+
 from collections import Counter
 from typing import List
 
@@ -14,8 +15,10 @@ def calibration_lines(plan: Plan, model=None, model_label: str = "") -> List[str
     cfg = settings(plan)
     kinds = Counter((s.stage_name, side[0]) for _, _, side, s in sites)
     shown = ", ".join(f"{name} on {'keys' if side == 'k' else 'values'} x{n}" for (name, side), n in kinds.items())
-    lines = ["", f"calibrated stages: {shown} (per layer and kv head), fitted on {cfg['tokens']} tokens "
-                 f"of '{cfg['corpus']}'"]
+    lines = [
+        "",
+        f"calibrated stages: {shown} (per layer and kv head), fitted on {cfg['tokens']} tokens of '{cfg['corpus']}'",
+    ]
     if model is None:
         lines.append("    artifact: depends on the model's weights; pass --model to look it up")
         return lines
@@ -23,9 +26,13 @@ def calibration_lines(plan: Plan, model=None, model_label: str = "") -> List[str
     meta = artifact.find(key)
     path = artifact.directory() / f"{key}.safetensors"
     if meta is None:
-        lines.append(f"    artifact: MISSING ({path}); make it with: veloxquant calibrate {plan.recipe}"
-                     f"{' --model ' + model_label if model_label else ''}")
+        lines.append(
+            f"    artifact: MISSING ({path}); make it with: veloxquant calibrate {plan.recipe}"
+            f"{' --model ' + model_label if model_label else ''}"
+        )
     else:
-        lines.append(f"    artifact: {path}, {meta['bytes']:,} bytes (held once per process, not in the cache's "
-                     f"bytes), content {meta['content']}, fitted in {meta['seconds']} s")
+        lines.append(
+            f"    artifact: {path}, {meta['bytes']:,} bytes (held once per process, not in the cache's "
+            f"bytes), content {meta['content']}, fitted in {meta['seconds']} s"
+        )
     return lines

@@ -1,4 +1,5 @@
 """Fit a plan's calibrated stages on the model's own keys, values and queries; write the artifact."""
+
 import sys
 import time
 from typing import Dict
@@ -44,10 +45,17 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
         for name, arr in found.items():
             arrays[f"{i}.{t}.{side}.{name}"] = arr
     key = key_for(plan, model)
-    meta = {"recipe": plan.recipe, "model": model_name, "weights": artifact.weights_identity(model),
-            "plan": unbound(plan).fingerprint, "corpus": cfg["corpus"], "tokens": cfg["tokens"],
-            "corpus_digest": corpus_digest(cfg["corpus"]), "stages": len(sites),
-            "seconds": round(time.perf_counter() - start, 2)}
+    meta = {
+        "recipe": plan.recipe,
+        "model": model_name,
+        "weights": artifact.weights_identity(model),
+        "plan": unbound(plan).fingerprint,
+        "corpus": cfg["corpus"],
+        "tokens": cfg["tokens"],
+        "corpus_digest": corpus_digest(cfg["corpus"]),
+        "stages": len(sites),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
     path = artifact.save(key, arrays, meta)
     return {**artifact.find(key), "path": str(path)}
 

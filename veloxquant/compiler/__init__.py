@@ -1,4 +1,5 @@
 """The compiler: Recipe + model shape -> one LayerPlan per layer."""
+
 from .lower import apply_sets, compile_recipe
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
 from .shape import SMOLLM2_135M, ModelShape

@@ -14,6 +14,7 @@ scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds
 merged, anchor, query-aware), positional or fitted codes and coded windows. A chain may end in
 drop (streaming_llm): the window's spill is let go, and it sees n+1 keys back as alone.
 """
+
 from typing import Optional
 
 from .plan import CodecPlan, LayerPlan, Plan, TierPlan
@@ -22,8 +23,12 @@ SIXTEEN_BIT_STORES = ("fp16", "identity")
 
 
 def _sixteen_bit(c: CodecPlan) -> bool:
-    return c.store.stage_name in SIXTEEN_BIT_STORES and not c.transforms and not c.residuals \
+    return (
+        c.store.stage_name in SIXTEEN_BIT_STORES
+        and not c.transforms
+        and not c.residuals
         and getattr(c.store, "tier_kind", None) is None
+    )
 
 
 def _plain(tier: TierPlan) -> bool:
@@ -48,11 +53,19 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
     tiers = list(layer.tiers)
     routes = [t.route.stage_name if t.route is not None else None for t in tiers]
     text = " >> ".join(t.name for t in tiers)
-    allowed = [["sink", "recent", None], ["recent", None], ["sink", None], [None], ["sink", "recent", "drop"],
-               ["recent", "drop"]]
+    allowed = [
+        ["sink", "recent", None],
+        ["recent", None],
+        ["sink", None],
+        [None],
+        ["sink", "recent", "drop"],
+        ["recent", "drop"],
+    ]
     if routes not in allowed:
-        return (f"its tiers ({text}) are not sink? >> recent? >> rest (coded windows, drops and tier "
-                "kinds of their own are not batched yet)")
+        return (
+            f"its tiers ({text}) are not sink? >> recent? >> rest (coded windows, drops and tier "
+            "kinds of their own are not batched yet)"
+        )
     rest = tiers[-1]
     if rest.drops:  # streaming_llm: what the window spills is let go
         tiers = tiers[:-1]
@@ -66,7 +79,7 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
 
 
 def layer_layout(layer: LayerPlan) -> Optional[str]:
-    """"plain", "chain" or None (this layer refuses: layer_refusal says why)."""
+    """ "plain", "chain" or None (this layer refuses: layer_refusal says why)."""
     if layer.share is not None or layer.needs:
         return None
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):

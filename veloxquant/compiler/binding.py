@@ -3,6 +3,7 @@
 Part of compiling: `runtime.make` binds every plan it builds; fitting the
 artifact (`veloxquant.calibration`) sits above the runtime and imports this.
 """
+
 from typing import Callable, Dict, List, Tuple
 
 import attrs
@@ -40,8 +41,10 @@ def settings(plan: Plan) -> Dict:
     """What the calibration runs on; every calibrated stage of a plan must agree."""
     found = {(s.corpus, s.tokens) for _, _, _, s in calibrated_stages(plan)}
     if len(found) > 1:
-        raise VeloxError(f"recipe '{plan.recipe}': calibrated stages disagree on what they calibrate on "
-                         f"({sorted(found)}); give them the same corpus and tokens")
+        raise VeloxError(
+            f"recipe '{plan.recipe}': calibrated stages disagree on what they calibrate on "
+            f"({sorted(found)}); give them the same corpus and tokens"
+        )
     corpus, tokens = found.pop()
     return {"corpus": corpus, "tokens": tokens}
 
@@ -56,9 +59,15 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
                 if codec is not None and getattr(codec.store, "calibrated", False):
                     codec = attrs.evolve(codec, store=fn(layer.index, t, side[0], codec.store))
                 if codec is not None and any(getattr(r.inner, "calibrated", False) for r in codec.residuals):
-                    codec = attrs.evolve(codec, residuals=tuple(
-                        attrs.evolve(r, inner=fn(layer.index, t, f"{side[0]}.r{j}", r.inner))
-                        if getattr(r.inner, "calibrated", False) else r for j, r in enumerate(codec.residuals)))
+                    codec = attrs.evolve(
+                        codec,
+                        residuals=tuple(
+                            attrs.evolve(r, inner=fn(layer.index, t, f"{side[0]}.r{j}", r.inner))
+                            if getattr(r.inner, "calibrated", False)
+                            else r
+                            for j, r in enumerate(codec.residuals)
+                        ),
+                    )
                 sides[side] = codec
             tiers.append(attrs.evolve(tier, **sides))
         layers.append(attrs.evolve(layer, tiers=tuple(tiers)))
@@ -68,8 +77,14 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
 def unbound(plan: Plan) -> Plan:
     """The plan as calibration sees it: no artifact, and a stage's `runtime_params` (used only when
     attending, e.g. a2ats's RoPE window) at their defaults, so changing them needs no new artifact."""
-    return _map_stores(plan, lambda i, t, s, st: st.for_calibration() if hasattr(st, "for_calibration")
-                       else attrs.evolve(st, artifact="", slot="", **_defaults(st)))
+    return _map_stores(
+        plan,
+        lambda i, t, s, st: (
+            st.for_calibration()
+            if hasattr(st, "for_calibration")
+            else attrs.evolve(st, artifact="", slot="", **_defaults(st))
+        ),
+    )
 
 
 def _defaults(st) -> Dict:
@@ -92,8 +107,9 @@ def key_for(plan: Plan, model) -> str:
     versions = {s.stage_name: s.fit_version for _, _, _, s in calibrated_stages(plan) if getattr(s, "fit_version", 0)}
     if versions:
         cfg = {**cfg, "fit_versions": versions}
-    return artifact.key_of(artifact.weights_identity(model), unbound(plan).fingerprint,
-                           corpus_digest(cfg["corpus"]), cfg)
+    return artifact.key_of(
+        artifact.weights_identity(model), unbound(plan).fingerprint, corpus_digest(cfg["corpus"]), cfg
+    )
 
 
 def bind(plan: Plan, model) -> Plan:
@@ -105,12 +121,17 @@ def bind(plan: Plan, model) -> Plan:
     if meta is None:
         cfg = settings(plan)
         stale = list(artifact.others_for(plan.recipe, artifact.weights_identity(model)))
-        why = (f"; the artifact(s) found for this recipe and model ({', '.join(m['key'] for m in stale)}) were made "
-               f"from other settings or calibration text (stale)" if stale else "")
+        why = (
+            f"; the artifact(s) found for this recipe and model ({', '.join(m['key'] for m in stale)}) were made "
+            f"from other settings or calibration text (stale)"
+            if stale
+            else ""
+        )
         raise CalibrationError(
             f"recipe '{plan.recipe}' needs a calibration artifact for this model, recipe settings and corpus "
             f"'{cfg['corpus']}' ({cfg['tokens']} tokens): key {key} is not in {artifact.directory()}{why}. "
-            f"Make it with: veloxquant calibrate {plan.recipe} --model MODEL (with the same --set values)")
+            f"Make it with: veloxquant calibrate {plan.recipe} --model MODEL (with the same --set values)"
+        )
     return with_artifact(plan, meta["content"])
 
 

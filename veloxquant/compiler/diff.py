@@ -5,6 +5,7 @@ renamed recipe) have the same fingerprint and report "no change to the plan";
 otherwise the changes are listed per run of layers that change alike: tiers
 added or removed, stage parameters before -> after, bits/element before -> after.
 """
+
 import difflib
 import math
 from typing import Any, List, Sequence, Tuple
@@ -120,6 +121,7 @@ def _fields(where: str, a, b) -> List[Change]:
 
 # --- rendering ---------------------------------------------------------------------------
 
+
 def _show(v) -> str:
     if v is None:
         return "-"
@@ -163,9 +165,13 @@ def _groups(d: PlanDiff) -> List[Tuple[int, int]]:
     merged: List[Tuple[int, int]] = []
     for run in runs:
         prev = merged[-1] if merged else None
-        if (prev and prev[1] == run[0] - 1 and run[0] == run[1]
-                and _fields_of(changes[prev[0]]) == _fields_of(changes[run[0]])
-                and all(changes[k] != changes[k + 1] for k in range(prev[0], prev[1]))):
+        if (
+            prev
+            and prev[1] == run[0] - 1
+            and run[0] == run[1]
+            and _fields_of(changes[prev[0]]) == _fields_of(changes[run[0]])
+            and all(changes[k] != changes[k + 1] for k in range(prev[0], prev[1]))
+        ):
             merged[-1] = (prev[0], run[1])
         else:
             merged.append(run)
@@ -205,14 +211,17 @@ def _run_lines(d: PlanDiff, first: int, last: int) -> List[str]:
     bb = [_bits(d.b.layers[i]) for i in range(first, last + 1)]
     if [_bits_text(x) for x in ba] != [_bits_text(x) for x in bb]:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        lines.append(f"    long-context bits/elem: {_bits_text(mean(ba))} -> {_bits_text(mean(bb))}"
-                     + (" (mean over these layers)" if first != last else ""))
+        lines.append(
+            f"    long-context bits/elem: {_bits_text(mean(ba))} -> {_bits_text(mean(bb))}"
+            + (" (mean over these layers)" if first != last else "")
+        )
     return lines
 
 
 def _param_lines(a: Plan, b: Plan) -> List[str]:
     def text(v):
         return v.text() if isinstance(v, Schedule) else _fmt(v)
+
     out = []
     for name in list(a.params) + [n for n in b.params if n not in a.params]:
         va, vb = a.params.get(name), b.params.get(name)
@@ -228,14 +237,18 @@ def _param_lines(a: Plan, b: Plan) -> List[str]:
 def render(d: PlanDiff, label_a: str, label_b: str, ra: Recipe, rb: Recipe) -> str:
     a, b = d.a, d.b
     width = max(len(label_a), len(label_b))
-    lines = [f"A  {label_a:<{width}}  recipe {a.recipe}  fingerprint {a.fingerprint}",
-             f"B  {label_b:<{width}}  recipe {b.recipe}  fingerprint {b.fingerprint}",
-             f"model {a.shape.name} ({a.shape.n_layers} layers)"]
+    lines = [
+        f"A  {label_a:<{width}}  recipe {a.recipe}  fingerprint {a.fingerprint}",
+        f"B  {label_b:<{width}}  recipe {b.recipe}  fingerprint {b.fingerprint}",
+        f"model {a.shape.name} ({a.shape.n_layers} layers)",
+    ]
     meta = [f"{k} changed" for k in ("name", "summary", "paper", "extends") if getattr(ra, k) != getattr(rb, k)]
     params = _param_lines(a, b)
     if d.same:
-        lines.append("no change to the plan: same per-layer tiers, stages and parameters; "
-                     "caches saved under one load under the other")
+        lines.append(
+            "no change to the plan: same per-layer tiers, stages and parameters; "
+            "caches saved under one load under the other"
+        )
         if params:
             lines.append("params (no effect on the plan): " + "; ".join(params))
         if meta:

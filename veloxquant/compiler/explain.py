@@ -1,4 +1,5 @@
 """`veloxquant explain`: the per-layer plan, its storage cost and implementations."""
+
 import math
 from typing import List
 
@@ -37,8 +38,10 @@ def _tier_line(tier: TierPlan, head_dim: int, values: dict = None) -> str:
     line = f"    {route:<16} {codec}\n{'':21}bits/elem {tier_bits(tier, head_dim)}  impl {impl}{moves}"
     if tier.keys.entropy or tier.values.entropy:
         # Coded codes cannot be attended: the live cost above stays, the file shrinks.
-        line += (f"\n{'':21}entropy-coded when saved (K: {_chain(tier.keys)}, V: {_chain(tier.values)}); "
-                 "live bytes unchanged")
+        line += (
+            f"\n{'':21}entropy-coded when saved (K: {_chain(tier.keys)}, V: {_chain(tier.values)}); "
+            "live bytes unchanged"
+        )
     return line
 
 
@@ -48,6 +51,7 @@ def _chain(codec) -> str:
 
 def _call(stage) -> str:
     import attrs
+
     values = attrs.asdict(stage)
     return f"{stage.stage_name}({', '.join(str(v) for v in values.values())})" if values else stage.stage_name
 
@@ -65,8 +69,11 @@ def _route_text(route, values: dict) -> str:
     declared = attrs.fields(type(route))
     defaults = {f.name: f.default for f in declared}
     first = declared[0].name if declared else None
-    fields = {k: v for k, v in attrs.asdict(route, recurse=False).items()
-              if not k.startswith("_") and (k == first or v != defaults.get(k, attrs.NOTHING))}
+    fields = {
+        k: v
+        for k, v in attrs.asdict(route, recurse=False).items()
+        if not k.startswith("_") and (k == first or v != defaults.get(k, attrs.NOTHING))
+    }
     for f, v in fields.items():
         for name, sv in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v == sv:
@@ -99,8 +106,13 @@ def group_layers(plan: Plan) -> List[List[LayerPlan]]:
 
 def long_run_bits(layer: LayerPlan) -> float:
     """Bits per element once the context is long: the last non-dropping tier dominates."""
-    kept = [t for t in layer.tiers if not t.drops and not (t.route is not None and t.route.bounded)
-            and not (getattr(t.route, "per_head", False) and not t.route.once)]  # h2o/tova: a fixed budget
+    kept = [
+        t
+        for t in layer.tiers
+        if not t.drops
+        and not (t.route is not None and t.route.bounded)
+        and not (getattr(t.route, "per_head", False) and not t.route.once)
+    ]  # h2o/tova: a fixed budget
     if not kept:
         return 0.0  # bounded memory: bits per element of context tends to zero
     t = kept[-1]
@@ -109,10 +121,12 @@ def long_run_bits(layer: LayerPlan) -> float:
 
 def render(plan: Plan) -> str:
     s = plan.shape
-    lines = [f"recipe {plan.recipe}  fingerprint {plan.fingerprint}",
-             f"model  {s.name}: {s.n_layers} {'layers' if s.trivial_layout else 'attention caches'}, "
-             f"kv heads {sorted(set(s.n_kv_heads))}, "
-             f"head_dim {sorted(set(s.head_dim))}, sliding-window layers {sum(w is not None for w in s.windows)}"]
+    lines = [
+        f"recipe {plan.recipe}  fingerprint {plan.fingerprint}",
+        f"model  {s.name}: {s.n_layers} {'layers' if s.trivial_layout else 'attention caches'}, "
+        f"kv heads {sorted(set(s.n_kv_heads))}, "
+        f"head_dim {sorted(set(s.head_dim))}, sliding-window layers {sum(w is not None for w in s.windows)}",
+    ]
     if not s.trivial_layout:
         lines.append(f"layout {s.layout_text()}")
     if plan.params:
@@ -124,8 +138,11 @@ def render(plan: Plan) -> str:
         which = f"layer {first}" if first == last else f"layers {first}-{last}"
         layer = group[0]
         window = f", sliding window {layer.window}" if layer.window else ""
-        model = "" if s.trivial_layout else \
-            f"model layers {', '.join(str(m) for l in group for m in s.model_layers(l.index))}; "
+        model = (
+            ""
+            if s.trivial_layout
+            else f"model layers {', '.join(str(m) for l in group for m in s.model_layers(l.index))}; "
+        )
         lines.append(f"{which} ({model}{layer.kind}{window}; {layer.n_kv_heads} kv heads x {layer.head_dim}):")
         values = _layer_values(plan, layer.index)
         lines += [_tier_line(t, layer.head_dim, values) for t in layer.tiers]
@@ -154,17 +171,27 @@ def _per_head_lines(layer: LayerPlan) -> List[str]:
             token_state = SCORER_SPECS[t.route.score].token_state(t.route)  # what the scorer keeps per token
             extra = 4 * sum(math.prod(shape) for shape in token_state.values())
             slack = t.route.slack
-            when = "once, at the end of the prompt" if t.route.once else \
-                f"once a head holds {slack} past the budget" if slack else "every step"
-            out.append(f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
-                       f"+{8 + extra} bytes/token/head of positions and scores")
+            when = (
+                "once, at the end of the prompt"
+                if t.route.once
+                else f"once a head holds {slack} past the budget"
+                if slack
+                else "every step"
+            )
+            out.append(
+                f"    each kv head keeps its own tokens; evicts {when} by score={t.route.score}; "
+                f"+{8 + extra} bytes/token/head of positions and scores"
+            )
             if getattr(t.route, "votes", 0) > 0:
-                out.append(f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote "
-                           f"(last {t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), "
-                           f"the rest by score={t.route.score}")
+                out.append(
+                    f"    round({t.route.votes} x budget) of each head's tokens kept first by SnapKV's vote "
+                    f"(last {t.route.vote_window} prompt queries, max-pooled over {t.route.vote_pool}), "
+                    f"the rest by score={t.route.score}"
+                )
             if allocation_rule(t.route):
-                out.append("    budgets decided once at the end of the prompt by the coordinator: "
-                           f"{allocation_rule(t.route)}")
+                out.append(
+                    f"    budgets decided once at the end of the prompt by the coordinator: {allocation_rule(t.route)}"
+                )
             if getattr(t.route, "explain_pass", None):
                 out.append(f"    {t.route.explain_pass()}")
             if getattr(t.route, "explain_decode", None):
@@ -176,17 +203,23 @@ def allocation_rule(route) -> str:
     """How this tier's budgets are decided (runtime/eviction/allocation.py decides them)."""
     parts = []
     if route.layers == "squeeze":
-        parts.append(f"layer budgets moved by SqueezeAttention (strength {route.strength}): "
-                     "proportional to budget x breadth^strength, breadth = exp(entropy) of the layer's real "
-                     "prefill attention, total over layers fixed")
+        parts.append(
+            f"layer budgets moved by SqueezeAttention (strength {route.strength}): "
+            "proportional to budget x breadth^strength, breadth = exp(entropy) of the layer's real "
+            "prefill attention, total over layers fixed"
+        )
     if route.heads == "adakv":
-        parts.append(f"kv-head budgets by Ada-KV (alpha {route.alpha}): each head keeps its best "
-                     f"max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the heads whose "
-                     "tokens carry the most attention; unequal heads held ragged (no padding)")
+        parts.append(
+            f"kv-head budgets by Ada-KV (alpha {route.alpha}): each head keeps its best "
+            f"max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the heads whose "
+            "tokens carry the most attention; unequal heads held ragged (no padding)"
+        )
     if route.heads == "score":
-        parts.append(f"kv-head budgets by competition on score={route.score} (alpha {route.alpha}): each head keeps "
-                     f"its best max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the "
-                     "highest scores pooled over heads; unequal heads held ragged (no padding)")
+        parts.append(
+            f"kv-head budgets by competition on score={route.score} (alpha {route.alpha}): each head keeps "
+            f"its best max(alpha x budget, {route.floor}), the rest of the layer's budget goes to the "
+            "highest scores pooled over heads; unequal heads held ragged (no padding)"
+        )
     return "; ".join(parts)
 
 
@@ -196,6 +229,9 @@ def _schedule_lines(plan: Plan) -> List[str]:
     n = plan.shape.n_layers
     for name, sched in _scheduled(plan).items():
         values = [round(sched.at(i, n)) for i in range(n)]
-        out += ["", f"layer schedule {name} = {sched.text()}: " + " ".join(map(str, values)),
-                f"    mean {sum(values) / n:.1f} over {n} layers"]
+        out += [
+            "",
+            f"layer schedule {name} = {sched.text()}: " + " ".join(map(str, values)),
+            f"    mean {sum(values) / n:.1f} over {n} layers",
+        ]
     return out

@@ -1,6 +1,7 @@
 """A stage call of a recipe -> a stage instance: arguments matched to the stage's parameters,
 values resolved (parameter references, per-layer schedules, nested stages), typed and validated,
 each error located at the value it is about."""
+
 import math
 from typing import Any, Dict
 
@@ -26,14 +27,18 @@ def instantiate(call: Call, params, recipe: Recipe, layer: int, shape: ModelShap
             if kwargs and any(a.name for a in call.args[:i]):
                 raise RecipeError("positional arguments come before named ones", arg.pos)
             if i >= len(fields):
-                raise RecipeError(f"'{call.name}' takes at most {len(fields)} positional argument(s)", arg.pos,
-                                  _signature(info))
+                raise RecipeError(
+                    f"'{call.name}' takes at most {len(fields)} positional argument(s)", arg.pos, _signature(info)
+                )
             field = fields[i]
         else:
             field = by_name.get(arg.name)
             if field is None:
-                raise RecipeError(f"stage '{call.name}' has no parameter '{arg.name}'", arg.pos,
-                                  nearest(arg.name, by_name) if by_name else f"'{call.name}' takes no parameters")
+                raise RecipeError(
+                    f"stage '{call.name}' has no parameter '{arg.name}'",
+                    arg.pos,
+                    nearest(arg.name, by_name) if by_name else f"'{call.name}' takes no parameters",
+                )
         if field.name in kwargs:
             raise RecipeError(f"parameter '{field.name}' given twice", arg.pos)
         scheduled = isinstance(arg.value, Ref) and isinstance(params.get(arg.value.name), Schedule)
@@ -48,8 +53,11 @@ def instantiate(call: Call, params, recipe: Recipe, layer: int, shape: ModelShap
 def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
     if isinstance(node, Ref):
         if node.name not in params:
-            raise RecipeError(f"unknown parameter '${node.name}'", node.pos,
-                              nearest(node.name, recipe.params) if recipe.params else "declare it under 'params:'")
+            raise RecipeError(
+                f"unknown parameter '${node.name}'",
+                node.pos,
+                nearest(node.name, recipe.params) if recipe.params else "declare it under 'params:'",
+            )
         value = params[node.name]
         if isinstance(value, Schedule):
             try:
@@ -71,16 +79,22 @@ def _value(node, params, recipe: Recipe, layer: int, shape: ModelShape):
 
 
 def _typed(value, field, call: Call, arg: Arg, scheduled: bool = False):
-    want = field.type if isinstance(field.type, type) else {"int": int, "float": float, "str": str,
-                                                            "bool": bool}.get(str(field.type), object)
+    want = (
+        field.type
+        if isinstance(field.type, type)
+        else {"int": int, "float": float, "str": str, "bool": bool}.get(str(field.type), object)
+    )
     if want is int and isinstance(value, float) and scheduled and math.isfinite(value):
         value = int(round(value))  # schedules yield floats
     ok = isinstance(value, want) and not (want in (int, float) and isinstance(value, bool))
     if want is float and isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 1e308:
         value, ok = float(value), True
     if not ok:
-        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {brief(value)}",
-                          arg.value.pos, _signature(REGISTRY[call.name]))
+        raise RecipeError(
+            f"stage '{call.name}' parameter '{field.name}' is {want.__name__}, got {brief(value)}",
+            arg.value.pos,
+            _signature(REGISTRY[call.name]),
+        )
     return value
 
 
@@ -91,8 +105,9 @@ def _validate(value, field, call: Call, arg: Arg, info) -> None:
     try:
         field.validator(None, field, value)
     except ValueError as e:
-        raise RecipeError(f"stage '{call.name}' parameter '{field.name}' {e}, got {brief(value)}",
-                          arg.value.pos, _signature(info)) from None
+        raise RecipeError(
+            f"stage '{call.name}' parameter '{field.name}' {e}, got {brief(value)}", arg.value.pos, _signature(info)
+        ) from None
     except Exception:  # a validator that needs the instance: left to the constructor below
         return
 

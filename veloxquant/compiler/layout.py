@@ -11,6 +11,7 @@ runs with wrong attention and no error.
 Cache classes are matched by name and module, so reading a layout does not import mlx-lm; mlx-vlm's
 classes of the same names (mlx_vlm.models.cache, used by its language models) are read the same way.
 """
+
 import threading
 from typing import List, Optional, Tuple
 
@@ -60,10 +61,12 @@ def own_caches(model) -> Optional[list]:
     if fn is None:
         return None
     if id(model) in _active():
-        raise VeloxError(f"{type(model).__name__}.make_cache ({_where(fn)}) calls veloxquant.make_prompt_cache, "
-                         "which reads the model's layout from that same make_cache: replace it on the model "
-                         "instance (model.make_cache = lambda: ...), not on its class, so the class's own "
-                         "make_cache still says which layers hold which cache")
+        raise VeloxError(
+            f"{type(model).__name__}.make_cache ({_where(fn)}) calls veloxquant.make_prompt_cache, "
+            "which reads the model's layout from that same make_cache: replace it on the model "
+            "instance (model.make_cache = lambda: ...), not on its class, so the class's own "
+            "make_cache still says which layers hold which cache"
+        )
     _active().add(id(model))
     try:
         caches = list(fn(model))
@@ -71,9 +74,11 @@ def own_caches(model) -> Optional[list]:
         _active().discard(id(model))
     made = [c for c in caches if type(c).__module__.startswith("veloxquant.")]
     if made:
-        raise VeloxError(f"{type(model).__name__}.make_cache ({_where(fn)}) returns veloxquant caches, so it cannot "
-                         "say what the model's own layout is" + ("" if replaced else
-                         "; replace make_cache on the model instance instead of its class"))
+        raise VeloxError(
+            f"{type(model).__name__}.make_cache ({_where(fn)}) returns veloxquant caches, so it cannot "
+            "say what the model's own layout is"
+            + ("" if replaced else "; replace make_cache on the model instance instead of its class")
+        )
     return caches
 
 
@@ -90,19 +95,25 @@ def read(model, name: str = "model") -> Layout:
     if caches is None:
         return Layout((ATTENTION,) * len(layers), (None,) * len(layers), tuple((i,) for i in range(len(layers))))
     if len(caches) > len(layers):
-        raise VeloxError(f"{name}: make_cache() returns {len(caches)} caches for {len(layers)} layers; "
-                         "veloxquant reads one cache per layer")
+        raise VeloxError(
+            f"{name}: make_cache() returns {len(caches)} caches for {len(layers)} layers; "
+            "veloxquant reads one cache per layer"
+        )
     slots, windows, owner_of_slot = [], [], {}
     for i, c in enumerate(caches):
         kind = _mlx_class(c)
         if kind == "RotatingKVCache" and getattr(c, "keep", 0):
-            raise VeloxError(f"layer {i} of {name} uses RotatingKVCache(keep={c.keep}) (a window that keeps its "
-                             "first tokens); veloxquant reads sliding windows with keep=0 only")
+            raise VeloxError(
+                f"layer {i} of {name} uses RotatingKVCache(keep={c.keep}) (a window that keeps its "
+                "first tokens); veloxquant reads sliding windows with keep=0 only"
+            )
         if kind is None:
-            raise VeloxError(f"layer {i} of {name} uses {type(c).__module__}.{type(c).__name__}, a cache veloxquant "
-                             "cannot read (it reads mlx-lm's and mlx-vlm's KVCache, RotatingKVCache(keep=0), "
-                             "and passes "
-                             f"{' and '.join(KEPT)} of non-attention layers through)")
+            raise VeloxError(
+                f"layer {i} of {name} uses {type(c).__module__}.{type(c).__name__}, a cache veloxquant "
+                "cannot read (it reads mlx-lm's and mlx-vlm's KVCache, RotatingKVCache(keep=0), "
+                "and passes "
+                f"{' and '.join(KEPT)} of non-attention layers through)"
+            )
         if kind in KEPT:
             slots.append(kind)
             continue
@@ -110,17 +121,23 @@ def read(model, name: str = "model") -> Layout:
         slots.append(ATTENTION)
         windows.append(int(c.max_size) if kind == "RotatingKVCache" else None)
     if not windows:
-        raise VeloxError(f"{name}: no layer of make_cache() holds an attention cache (found "
-                         f"{', '.join(sorted(set(slots)))}): there is nothing for a recipe to compress")
+        raise VeloxError(
+            f"{name}: no layer of make_cache() holds an attention cache (found "
+            f"{', '.join(sorted(set(slots)))}): there is nothing for a recipe to compress"
+        )
     readers: List[List[int]] = [[i] for i, s in enumerate(slots) if s == ATTENTION]
     for j, slot in _shared_layers(model, layers, len(caches), name):
         if slot not in owner_of_slot:
-            raise VeloxError(f"layer {j} of {name} attends over layer {slot}'s cache, which is "
-                             f"{slots[slot] if slot < len(slots) else 'missing'}, not an attention cache")
+            raise VeloxError(
+                f"layer {j} of {name} attends over layer {slot}'s cache, which is "
+                f"{slots[slot] if slot < len(slots) else 'missing'}, not an attention cache"
+            )
         mine, theirs = getattr(layers[j], "layer_type", None), getattr(layers[slot], "layer_type", None)
         if mine != theirs:
-            raise VeloxError(f"layer {j} of {name} ({mine}) attends over layer {slot}'s cache ({theirs}): "
-                             "veloxquant reads shared caches of the same attention type only")
+            raise VeloxError(
+                f"layer {j} of {name} ({mine}) attends over layer {slot}'s cache ({theirs}): "
+                "veloxquant reads shared caches of the same attention type only"
+            )
         readers[owner_of_slot[slot]].append(j)
     return Layout(tuple(slots), tuple(windows), tuple(tuple(r) for r in readers))
 
@@ -129,14 +146,24 @@ def _shared_layers(model, layers, n_caches: int, name: str):
     """(layer, cache it attends over) for the layers past the cache list (Gemma 4's KV-shared layers)."""
     if n_caches == len(layers):
         return []
-    wiring = next((m.previous_kvs for _, m in model.named_modules()
-                   if isinstance(getattr(m, "previous_kvs", None), list) and len(m.previous_kvs) == len(layers)), None)
+    wiring = next(
+        (
+            m.previous_kvs
+            for _, m in model.named_modules()
+            if isinstance(getattr(m, "previous_kvs", None), list) and len(m.previous_kvs) == len(layers)
+        ),
+        None,
+    )
     if wiring is None:
         rest = f"layer {n_caches}" if n_caches == len(layers) - 1 else f"layers {n_caches}-{len(layers) - 1}"
-        raise VeloxError(f"{name}: make_cache() returns {n_caches} caches for {len(layers)} layers, and veloxquant "
-                         f"cannot read which cache {rest} attend over (it reads Gemma 4's `previous_kvs`)")
+        raise VeloxError(
+            f"{name}: make_cache() returns {n_caches} caches for {len(layers)} layers, and veloxquant "
+            f"cannot read which cache {rest} attend over (it reads Gemma 4's `previous_kvs`)"
+        )
     for i in range(n_caches):
         if wiring[i] != i:
-            raise VeloxError(f"layer {i} of {name} has its own cache but attends over layer {wiring[i]}'s "
-                             "(previous_kvs); veloxquant cannot read that wiring")
+            raise VeloxError(
+                f"layer {i} of {name} has its own cache but attends over layer {wiring[i]}'s "
+                "(previous_kvs); veloxquant cannot read that wiring"
+            )
     return [(j, int(wiring[j])) for j in range(n_caches, len(layers))]

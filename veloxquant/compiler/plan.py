@@ -1,4 +1,5 @@
 """The compiled form of a recipe: one LayerPlan per layer, and its fingerprint."""
+
 import hashlib
 import json
 import math
@@ -12,8 +13,10 @@ from .shape import ModelShape
 def stage_dict(stage) -> Dict[str, Any]:
     """{"stage": name, **params}; stages nested as params (residual(inner)) likewise."""
     values = attrs.asdict(stage, recurse=False)
-    return {"stage": stage.stage_name,
-            **{k: stage_dict(v) if hasattr(v, "stage_name") else v for k, v in values.items()}}
+    return {
+        "stage": stage.stage_name,
+        **{k: stage_dict(v) if hasattr(v, "stage_name") else v for k, v in values.items()},
+    }
 
 
 @attrs.frozen
@@ -22,6 +25,7 @@ class CodecPlan:
 
     Entropy stages (delta, rans) code the store's integer codes losslessly when
     the cache is saved; the live cache, its bytes and bits/elem do not change."""
+
     transforms: Tuple[Any, ...]
     store: Any
     impl: str = "mlx-ops"
@@ -38,8 +42,7 @@ class CodecPlan:
         return math.lcm(self.store.token_multiple, *(r.inner.token_multiple for r in self.residuals))
 
     def bits_per_element(self, head_dim: int) -> float:
-        return self.store.bits_per_element(head_dim) + sum(r.inner.bits_per_element(head_dim)
-                                                           for r in self.residuals)
+        return self.store.bits_per_element(head_dim) + sum(r.inner.bits_per_element(head_dim) for r in self.residuals)
 
     def text(self) -> str:
         return " | ".join(_stage_text(s) for s in self.stages)
@@ -67,18 +70,24 @@ class TierPlan:
     def plain_affine(self) -> bool:
         """K and V are plain affine codes (xquant's are, in their anchor layer; reuse layers read
         the anchor's): the fused decode kernels read this tier (runtime/kinds/tier.py, reuse_tier.py)."""
-        return not self.drops and all(not c.transforms and not c.residuals and c.store.stage_name in
-                                      ("affine", "xquant") for c in (self.keys, self.values))
+        return not self.drops and all(
+            not c.transforms and not c.residuals and c.store.stage_name in ("affine", "xquant")
+            for c in (self.keys, self.values)
+        )
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"route": stage_dict(self.route) if self.route is not None else None,
-                "keys": self.keys.to_dict() if self.keys else None,
-                "values": self.values.to_dict() if self.values else None, "chunk": self.chunk}
+        return {
+            "route": stage_dict(self.route) if self.route is not None else None,
+            "keys": self.keys.to_dict() if self.keys else None,
+            "values": self.values.to_dict() if self.values else None,
+            "chunk": self.chunk,
+        }
 
 
 @attrs.frozen
 class Share:
     """A cross-layer group (XQuant): the anchor, layers[0], holds the codes the others reuse."""
+
     group: int
     layers: Tuple[int, ...]
 
@@ -107,8 +116,13 @@ class LayerPlan:
         return None if self.share is None else "anchor" if self.share.anchor == self.index else "reuse"
 
     def to_dict(self) -> Dict[str, Any]:
-        d = {"layer": self.index, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
-             "window": self.window, "tiers": [t.to_dict() for t in self.tiers]}
+        d = {
+            "layer": self.index,
+            "kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "window": self.window,
+            "tiers": [t.to_dict() for t in self.tiers],
+        }
         if self.share is not None:  # only then: other recipes keep their fingerprints
             d["share"] = {"group": self.share.group, "layers": list(self.share.layers), "role": self.role}
         return d

@@ -1,4 +1,5 @@
 """Plan <-> JSON: a saved cache carries its plan and is rebuilt from it."""
+
 import json
 from typing import Any, Dict
 
@@ -27,15 +28,22 @@ def _codec(stages) -> CodecPlan:
     family = [REGISTRY[s.stage_name].family for s in built]
     store = family.index("store")
     coded = family.index("entropy") if "entropy" in family else len(built)
-    return CodecPlan(tuple(built[:store]), built[store], residuals=tuple(built[store + 1:coded]),
-                     entropy=tuple(built[coded:]))
+    return CodecPlan(
+        tuple(built[:store]), built[store], residuals=tuple(built[store + 1 : coded]), entropy=tuple(built[coded:])
+    )
 
 
 def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
     m = d["model"]
-    shape = ModelShape(m["name"], tuple(m["n_kv_heads"]), tuple(m["head_dim"]), tuple(m["windows"]),
-                       slots=tuple(m.get("slots", ())), readers=tuple(tuple(r) for r in m.get("readers", ())),
-                       shard=tuple(m.get("shard", ())))
+    shape = ModelShape(
+        m["name"],
+        tuple(m["n_kv_heads"]),
+        tuple(m["head_dim"]),
+        tuple(m["windows"]),
+        slots=tuple(m.get("slots", ())),
+        readers=tuple(tuple(r) for r in m.get("readers", ())),
+        shard=tuple(m.get("shard", ())),
+    )
     layers = []
     for ld in d["layers"]:
         tiers = []
@@ -44,8 +52,9 @@ def plan_from_dict(d: Dict[str, Any], recipe: str = "saved") -> Plan:
             keys = _codec(td["keys"]) if td["keys"] else None
             values = _codec(td["values"]) if td["values"] else None
             tiers.append(TierPlan(route, keys, values, td["chunk"]))
-        needs = frozenset().union(*(needs_of(s) for t in tiers
-                                    for s in ([t.route] if t.route else []) + ([t.keys.store] if t.keys else [])))
+        needs = frozenset().union(
+            *(needs_of(s) for t in tiers for s in ([t.route] if t.route else []) + ([t.keys.store] if t.keys else []))
+        )
         share = Share(ld["share"]["group"], tuple(ld["share"]["layers"])) if ld.get("share") else None
         layers.append(LayerPlan(ld["layer"], ld["kv_heads"], ld["head_dim"], ld["window"], tuple(tiers), needs, share))
     return Plan(recipe, shape, tuple(layers))

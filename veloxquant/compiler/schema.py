@@ -13,6 +13,7 @@ for hover) and carries the stages as `definitions/stages/NAME`, a map an editor
 or `veloxquant schema --stage NAME` turns into completion items. Loading the
 recipe (`veloxquant check`) stays the full check.
 """
+
 import inspect
 import re
 from typing import Any, Dict, List
@@ -25,12 +26,22 @@ from ..recipe.params import SCHEDULES, TYPES
 from ..stages import REGISTRY
 
 DRAFT = "http://json-schema.org/draft-07/schema#"
-_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string",
-               "int": "integer", "float": "number", "bool": "boolean", "str": "string"}
-_NUMBER_LIST = {"type": "array", "minItems": 1, "items": {"type": "number"},
-                "description": "one value per layer"}
-_SCHEDULE = {"type": "string", "pattern": r"^\s*(" + "|".join(SCHEDULES) + r")\s*\(",
-             "description": "a per-layer schedule: linear(from=A, to=B) or pyramid(from=A, to=B)"}
+_JSON_TYPES = {
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    str: "string",
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "str": "string",
+}
+_NUMBER_LIST = {"type": "array", "minItems": 1, "items": {"type": "number"}, "description": "one value per layer"}
+_SCHEDULE = {
+    "type": "string",
+    "pattern": r"^\s*(" + "|".join(SCHEDULES) + r")\s*\(",
+    "description": "a per-layer schedule: linear(from=A, to=B) or pyramid(from=A, to=B)",
+}
 _SELECTOR = r"^\s*(all|sliding|full|-?\d+(\s*(-|\.\.)\s*-?\d+)?)(\s*,\s*(-?\d+(\s*(-|\.\.)\s*-?\d+)?))*\s*$"
 
 
@@ -81,14 +92,23 @@ def param_doc(info, field: attrs.Attribute, schema: Dict[str, Any]) -> str:
 def stage_schema(info) -> Dict[str, Any]:
     params = {f.name: stage_param_schema(info, f) for f in info.params}
     doc = " ".join(inspect.getdoc(info.cls).split()) if info.cls.__doc__ else ""
-    return {"type": "object", "description": doc, "x-veloxquant-family": info.family,
-            "x-veloxquant-needs": sorted(info.needs), "properties": params,
-            "x-veloxquant-positional": list(params), "additionalProperties": False}
+    return {
+        "type": "object",
+        "description": doc,
+        "x-veloxquant-family": info.family,
+        "x-veloxquant-needs": sorted(info.needs),
+        "properties": params,
+        "x-veloxquant-positional": list(params),
+        "additionalProperties": False,
+    }
 
 
 def _pipeline_markdown(stages: Dict[str, Any]) -> str:
-    lines = ["Tiers, newest first, joined by `>>`; stages in a tier joined by `|`; "
-             "`keys: CHAIN values: CHAIN` splits K and V. Stages:", ""]
+    lines = [
+        "Tiers, newest first, joined by `>>`; stages in a tier joined by `|`; "
+        "`keys: CHAIN values: CHAIN` splits K and V. Stages:",
+        "",
+    ]
     for name, s in stages.items():
         args = ", ".join(f"{p}={v.get('default', '...')}" for p, v in s["properties"].items())
         lines.append(f"- `{name}({args})` *{s['x-veloxquant-family']}*: {s['description'].split('. ')[0]}")
@@ -101,38 +121,64 @@ def recipe_schema() -> Dict[str, Any]:
     param_spec = {
         "anyOf": [
             param_value,
-            {"type": "object", "additionalProperties": False, "required": ["default"],
-             "properties": {"default": {**param_value, "description": "the default value (or a schedule)"},
-                            "type": {"enum": list(TYPES), "description": "int, float, bool or str"},
-                            "doc": {"type": "string", "description": "one line shown by explain and here"}}},
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["default"],
+                "properties": {
+                    "default": {**param_value, "description": "the default value (or a schedule)"},
+                    "type": {"enum": list(TYPES), "description": "int, float, bool or str"},
+                    "doc": {"type": "string", "description": "one line shown by explain and here"},
+                },
+            },
         ],
         "description": "name: value, or name: {default: value, type: int|float|bool|str, doc: text}",
     }
-    pipeline = {"type": "string", "minLength": 1,
-                "description": "The tiers and stages, in the pipeline language (docs/recipe-language.md). Stages: "
-                               + ", ".join(f"{n} ({s['x-veloxquant-family']})" for n, s in stages.items()),
-                "markdownDescription": _pipeline_markdown(stages),
-                "examples": ["recent(128) >> affine(bits=4)", "sink(4) >> recent(1020) >> drop"]}
-    layer = {"type": "object", "additionalProperties": False, "minProperties": 1,
-             "properties": {"pipeline": {"$ref": "#/definitions/pipeline"},
-                            "params": {"type": "object", "additionalProperties": param_value,
-                                       "description": "values of parameters the recipe declares, on these layers"}}}
+    pipeline = {
+        "type": "string",
+        "minLength": 1,
+        "description": "The tiers and stages, in the pipeline language (docs/recipe-language.md). Stages: "
+        + ", ".join(f"{n} ({s['x-veloxquant-family']})" for n, s in stages.items()),
+        "markdownDescription": _pipeline_markdown(stages),
+        "examples": ["recent(128) >> affine(bits=4)", "sink(4) >> recent(1020) >> drop"],
+    }
+    layer = {
+        "type": "object",
+        "additionalProperties": False,
+        "minProperties": 1,
+        "properties": {
+            "pipeline": {"$ref": "#/definitions/pipeline"},
+            "params": {
+                "type": "object",
+                "additionalProperties": param_value,
+                "description": "values of parameters the recipe declares, on these layers",
+            },
+        },
+    }
     assert set(layer["properties"]) == set(LAYER_KEYS)
     props = {
         "veloxquant": {"const": SCHEMA_VERSION, "description": f"the schema version: exactly {SCHEMA_VERSION}"},
         "name": {"type": "string", "minLength": 1, "description": "the recipe's name"},
         "summary": {"type": "string", "description": "one line shown by `veloxquant list`"},
         "paper": {"type": "string", "description": "the method's citation"},
-        "extends": {"type": "string", "description": "a recipe to start from: a path relative to this file, "
-                    "or a built-in name", "examples": builtin_names()},
-        "params": {"type": ["object", "null"], "description": "named, typed parameters the pipeline uses as $name",
-                   "propertyNames": {"pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"},
-                   "additionalProperties": {"$ref": "#/definitions/param"}},
+        "extends": {
+            "type": "string",
+            "description": "a recipe to start from: a path relative to this file, or a built-in name",
+            "examples": builtin_names(),
+        },
+        "params": {
+            "type": ["object", "null"],
+            "description": "named, typed parameters the pipeline uses as $name",
+            "propertyNames": {"pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"},
+            "additionalProperties": {"$ref": "#/definitions/param"},
+        },
         "pipeline": {"$ref": "#/definitions/pipeline"},
-        "layers": {"type": ["object", "null"], "description": "per-layer overrides keyed by selector: "
-                   "0, -1, 0-3, 0..3, 0,2,4, sliding, full, all",
-                   "propertyNames": {"pattern": _SELECTOR},
-                   "additionalProperties": {"$ref": "#/definitions/layer"}},
+        "layers": {
+            "type": ["object", "null"],
+            "description": "per-layer overrides keyed by selector: 0, -1, 0-3, 0..3, 0,2,4, sliding, full, all",
+            "propertyNames": {"pattern": _SELECTOR},
+            "additionalProperties": {"$ref": "#/definitions/layer"},
+        },
     }
     assert list(props) == list(TOP_KEYS)  # the loader's fields, no more and no fewer
     return {
@@ -143,8 +189,13 @@ def recipe_schema() -> Dict[str, Any]:
         "required": ["veloxquant", "name"],
         "additionalProperties": False,
         "properties": props,
-        "definitions": {"param": param_spec, "pipeline": pipeline, "layer": layer, "stages": stages,
-                        "schedule": _SCHEDULE},
+        "definitions": {
+            "param": param_spec,
+            "pipeline": pipeline,
+            "layer": layer,
+            "stages": stages,
+            "schedule": _SCHEDULE,
+        },
     }
 
 

@@ -1,4 +1,5 @@
 """Layer selectors in `layers:` overrides: 0, -1, 0-3, 0,2,4, sliding, full, all."""
+
 import re
 from typing import List
 

@@ -1,4 +1,5 @@
 """What the compiler needs to know about a model: layers, kv heads, head_dim, windows."""
+
 from typing import Optional, Tuple
 
 import attrs
@@ -35,8 +36,9 @@ class ModelShape:
 
     @classmethod
     def uniform(cls, name: str, n_layers: int, n_kv_heads: int, head_dim: int, windows=None):
-        return cls(name, (n_kv_heads,) * n_layers, (head_dim,) * n_layers,
-                   tuple(windows) if windows else (None,) * n_layers)
+        return cls(
+            name, (n_kv_heads,) * n_layers, (head_dim,) * n_layers, tuple(windows) if windows else (None,) * n_layers
+        )
 
     @classmethod
     def from_model(cls, model, name: str = "model") -> "ModelShape":
@@ -49,8 +51,11 @@ class ModelShape:
         args = getattr(model, "args", None)
         for r, layer in zip(read.readers, owners):
             attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-            n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None) \
+            n_kv = (
+                getattr(attn, "n_kv_heads", None)
+                or getattr(attn, "num_key_value_heads", None)
                 or getattr(args, "num_key_value_heads", None)
+            )
             hd = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None)
             proj = getattr(getattr(attn, "k_proj", None), "weight", None)
             if hd is None and n_kv and proj is not None and args is None:  # mlx-vlm's LLaVA: read off k_proj
@@ -62,8 +67,7 @@ class ModelShape:
             heads.append(int(n_kv))
             dims.append(int(hd))
         shared = () if read.trivial else read.slots, () if read.trivial else read.readers
-        return cls(name, tuple(heads), tuple(dims), read.windows, tuple(_ropes(owners)), *shared,
-                   shard=_shard(owners))
+        return cls(name, tuple(heads), tuple(dims), read.windows, tuple(_ropes(owners)), *shared, shard=_shard(owners))
 
     @property
     def trivial_layout(self) -> bool:
@@ -77,14 +81,19 @@ class ModelShape:
         kept = [(i, s) for i, s in enumerate(self.slots) if s != layout.ATTENTION]
         owners = [r[0] for r in self.readers]
         n_model = len(self.slots) + sum(len(r) - 1 for r in self.readers)
-        parts = [f"{n_model} model layers; the recipe compresses {self.n_layers} attention caches "
-                 f"(model layers {_list(owners)}; recipe layer i is the i-th of them)"]
+        parts = [
+            f"{n_model} model layers; the recipe compresses {self.n_layers} attention caches "
+            f"(model layers {_list(owners)}; recipe layer i is the i-th of them)"
+        ]
         for name in sorted({s for _, s in kept}):
             parts.append(f"layers {_list([i for i, s in kept if s == name])} keep their own {name} (not compressed)")
         shared = [(j, r[0]) for r in self.readers for j in r[1:]]
         if shared:
-            parts.append("KV-shared layers " + ", ".join(f"{j} (reads {o}'s)" for j, o in shared) +
-                         " attend over their owner's compressed cache")
+            parts.append(
+                "KV-shared layers "
+                + ", ".join(f"{j} (reads {o}'s)" for j, o in shared)
+                + " attend over their owner's compressed cache"
+            )
         return "; ".join(parts)
 
     def model_layers(self, index: int) -> Tuple[int, ...]:
@@ -102,7 +111,7 @@ def _shard(layers) -> Tuple[int, ...]:
     such a model's caches still hold the rank's heads, but carry no rank."""
     for layer in layers:
         attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-        for part in (attn.values() if hasattr(attn, "values") else ()):
+        for part in attn.values() if hasattr(attn, "values") else ():
             group = getattr(part, "group", None)
             if group is not None and hasattr(group, "size") and group.size() > 1:
                 return (int(group.rank()), int(group.size()))
@@ -117,5 +126,6 @@ def _ropes(layers):
 
 
 # The default model's shape, so `explain` works without loading weights.
-SMOLLM2_135M = attrs.evolve(ModelShape.uniform("SmolLM2-135M-Instruct", 30, 3, 64),
-                            ropes=((64, False, 100000.0, 1.0, None),) * 30)
+SMOLLM2_135M = attrs.evolve(
+    ModelShape.uniform("SmolLM2-135M-Instruct", 30, 3, 64), ropes=((64, False, 100000.0, 1.0, None),) * 30
+)

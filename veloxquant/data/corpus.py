@@ -102,9 +102,11 @@ def _unpack_blob(blob: bytes, compressed) -> bytes:
             data = zlib.decompress(body)
         elif codec == b"2":
             import bz2
+
             data = bz2.decompress(body)
         elif codec == b"X":
             import lzma
+
             data = lzma.decompress(body)
         elif codec == b"0":
             data = body
@@ -127,9 +129,8 @@ def read_r_books(pkg_dir: Path) -> dict[str, list]:
         compressed = int(index["compressed"][0]) if "compressed" in index else 1
         raw = (data_dir / "Rdata.rdb").read_bytes()
         for name, (offset, length) in index["variables"].items():
-            blob = _unpack_blob(raw[int(offset):int(offset) + int(length)], compressed)
-            books[str(name)] = list(rdata.conversion.convert(
-                rdata.parser.parse_data(blob, extension=".rds")))
+            blob = _unpack_blob(raw[int(offset) : int(offset) + int(length)], compressed)
+            books[str(name)] = list(rdata.conversion.convert(rdata.parser.parse_data(blob, extension=".rds")))
     for rda in sorted(data_dir.glob("*.rda")) + sorted(data_dir.glob("*.RData")):
         for name, value in rdata.read_rda(rda).items():  # source-package layout
             books[str(name)] = list(value)
@@ -140,18 +141,20 @@ def read_r_books(pkg_dir: Path) -> dict[str, list]:
 
 def _apt_download(dest: Path) -> Path:
     try:
-        proc = subprocess.run(["apt-get", "download", DEB_PACKAGE], cwd=dest,
-                              capture_output=True, text=True)
+        proc = subprocess.run(["apt-get", "download", DEB_PACKAGE], cwd=dest, capture_output=True, text=True)
     except FileNotFoundError as exc:
-        raise CorpusError(f"apt-get not found: the Austen corpus needs Debian's {DEB_PACKAGE} "
-                          "package (or pass a text file path instead)") from exc
+        raise CorpusError(
+            f"apt-get not found: the Austen corpus needs Debian's {DEB_PACKAGE} "
+            "package (or pass a text file path instead)"
+        ) from exc
     debs = list(dest.glob("*.deb"))
     if proc.returncode != 0 or not debs:
         hint = ""
         if "Unable to locate" in proc.stderr or "no installation candidate" in proc.stderr:
             hint = " The package lists look empty: run `apt-get update` first."
-        raise CorpusError(f"`apt-get download {DEB_PACKAGE}` failed: "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}.{hint}")
+        raise CorpusError(
+            f"`apt-get download {DEB_PACKAGE}` failed: {proc.stderr.strip() or proc.stdout.strip()}.{hint}"
+        )
     return debs[0]
 
 
@@ -164,8 +167,7 @@ def _fetch_books(progress: bool) -> dict[str, list]:
         if progress:
             print(f"veloxquant: downloading {DEB_PACKAGE} with apt-get ...", file=sys.stderr)
         deb = _apt_download(tmp)
-        subprocess.run(["dpkg", "-x", str(deb), str(tmp / "root")], check=True,
-                       capture_output=True)
+        subprocess.run(["dpkg", "-x", str(deb), str(tmp / "root")], check=True, capture_output=True)
         return read_r_books(tmp / "root" / _R_LIB)
 
 
@@ -179,8 +181,9 @@ def austen_text(book: str | None = None, progress: bool = True) -> str:
         from tqdm import tqdm
 
         books = _fetch_books(progress)
-        for k, (title, rname) in tqdm(AUSTEN_BOOKS.items(), desc="austen: caching books",
-                                      file=sys.stderr, disable=not progress, leave=False):
+        for k, (title, rname) in tqdm(
+            AUSTEN_BOOKS.items(), desc="austen: caching books", file=sys.stderr, disable=not progress, leave=False
+        ):
             if rname not in books:
                 raise CorpusError(f"{DEB_PACKAGE} has no {title!r} ({rname})")
             _atomic_write(cache / f"{k}.txt", lines_to_text(books[rname]))
@@ -195,6 +198,5 @@ def load_text(name_or_path: str | os.PathLike, progress: bool = True) -> str:
         return austen_text(book, progress=progress)
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise CorpusError(f"text file not found: {path} "
-                          "(or use a corpus name such as 'austen' or 'austen:emma')")
+        raise CorpusError(f"text file not found: {path} (or use a corpus name such as 'austen' or 'austen:emma')")
     return path.read_bytes().decode("utf-8", errors="replace")

@@ -4,6 +4,7 @@ recipes side by side with fp16 and mlx-lm's quantized cache; reports and plots.
     veloxquant eval kivi streaming_llm --json results.json
     veloxquant compare results.json --md results.md --png pareto.png
 """
+
 from importlib import import_module
 
 # Imported on first use, so `veloxquant --help` does not load MLX.

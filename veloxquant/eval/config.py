@@ -2,6 +2,7 @@
 
 Kept free of MLX imports so the command line can build its help from it.
 """
+
 import attrs
 
 

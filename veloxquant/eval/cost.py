@@ -4,6 +4,7 @@ Bytes are measured from the arrays each cache holds (`nbytes`, metadata and
 allocation slack included: veloxquant's unbounded tiers and mlx-lm's caches
 grow in 256-token steps), never estimated from a bit count.
 """
+
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -24,8 +25,14 @@ def fp16_bytes(shape, tokens: int) -> int:
     return total
 
 
-def summary(cache_bytes: int, tokens: int, base_bytes: int, peak: Optional["PeakMemory"],
-            prefill_tok_s: Optional[float], decode_tok_s: Optional[float]) -> Dict[str, object]:
+def summary(
+    cache_bytes: int,
+    tokens: int,
+    base_bytes: int,
+    peak: Optional["PeakMemory"],
+    prefill_tok_s: Optional[float],
+    decode_tok_s: Optional[float],
+) -> Dict[str, object]:
     return {
         "tokens": tokens,
         "cache_bytes": cache_bytes,

@@ -6,6 +6,7 @@ row's perplexity, passkey answers, fidelity and held bytes depend only on the
 row, the model and the fixed windows and prompts, so the merged result equals
 a serial run's; wall times, tok/s and peak memory are per task.
 """
+
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -19,11 +20,13 @@ def evaluate_task(model_ref: Optional[str], rows: Sequence[Row], only: str, text
     return evaluate(model, tokenizer, list(rows), text, cfg, meta, progress=False, only=[only])
 
 
-def evaluate_distributed(model_ref: Optional[str], rows: List[Row], text: str, cfg, meta: Dict,
-                         ray: str = "", progress: bool = True) -> Dict:
+def evaluate_distributed(
+    model_ref: Optional[str], rows: List[Row], text: str, cfg, meta: Dict, ray: str = "", progress: bool = True
+) -> Dict:
     import sys
 
     from tqdm import tqdm
+
     started = time.perf_counter()
     calls = [(model_ref, [rows[0]], rows[0].name, text, cfg, meta)]
     calls += [(model_ref, [rows[0], row], row.name, text, cfg, meta) for row in rows[1:]]

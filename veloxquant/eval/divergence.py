@@ -8,6 +8,7 @@ same feed as the scoring pass), then each row's scoring pass compares its own
 logits chunk by chunk (`Tracker.observe`), so nothing beyond [positions ×
 vocabulary] per chunk is ever built.
 """
+
 from typing import Dict, List
 
 import mlx.core as mx
@@ -30,8 +31,9 @@ def compare(logits: mx.array, ref: mx.array):
     return kld, agree
 
 
-def reference(model, make_caches, window: List[int], prefix: int, prefill_chunk: int,
-              score_chunk: int) -> List[mx.array]:
+def reference(
+    model, make_caches, window: List[int], prefix: int, prefill_chunk: int, score_chunk: int
+) -> List[mx.array]:
     """fp16's log-probabilities at every scored position of `window`, one array per scoring chunk."""
     caches = make_caches()
     x = mx.array(window)[None]
@@ -63,6 +65,7 @@ class Tracker:
             self.kld.append(np.array(kld))
             self.agree.append(np.array(agree))
             return []
+
         return observe
 
     def summary(self) -> Dict[str, float]:
@@ -71,5 +74,9 @@ class Tracker:
         kld = np.concatenate(self.kld).astype(np.float64)
         # Rounding can leave a lossless row at -1e-9: a divergence is never negative.
         kld = np.maximum(kld, 0.0)
-        return {"kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)),
-                "top1_agreement": float(np.concatenate(self.agree).mean()), "positions": int(kld.size)}
+        return {
+            "kld_mean": float(kld.mean()),
+            "kld_p99": float(np.percentile(kld, 99)),
+            "top1_agreement": float(np.concatenate(self.agree).mean()),
+            "positions": int(kld.size),
+        }

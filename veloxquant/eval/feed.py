@@ -4,6 +4,7 @@ Caches settle (move overflow between tiers) lazily; generate evaluates
 `cache.state` after every prefill chunk, which is where compression happens.
 We do the same, so an evaluation sees the cache a real generation would.
 """
+
 import time
 from typing import Callable, List, Optional
 
@@ -22,7 +23,7 @@ def prefill(model, tokens: mx.array, caches, chunk: int) -> float:
     """
     start = time.perf_counter()
     for s in range(0, tokens.shape[1], chunk):
-        model(tokens[:, s:s + chunk], cache=caches)
+        model(tokens[:, s : s + chunk], cache=caches)
         settle(caches)
     for c in caches:  # the prefix is the prompt: prompt-time eviction (SnapKV) decides here
         getattr(c, "finish_prompt", lambda: None)()
@@ -38,8 +39,15 @@ def chunk_nll(logits: mx.array, targets: mx.array) -> mx.array:
     return mx.sum(lse - picked)
 
 
-def score(model, tokens: mx.array, caches, start: int, chunk: int, extra: Optional[List] = None,
-          observe: Optional[Callable[[mx.array], List]] = None) -> mx.array:
+def score(
+    model,
+    tokens: mx.array,
+    caches,
+    start: int,
+    chunk: int,
+    extra: Optional[List] = None,
+    observe: Optional[Callable[[mx.array], List]] = None,
+) -> mx.array:
     """NLL of tokens[start+1:] fed from position `start` in chunks of `chunk`.
 
     Position p's logits predict token p+1, so the tokens scored are those after
@@ -53,7 +61,7 @@ def score(model, tokens: mx.array, caches, start: int, chunk: int, extra: Option
     for s in range(start, end, chunk):
         e = min(s + chunk, end)
         logits = model(tokens[:, s:e], cache=caches)
-        total = total + chunk_nll(logits, tokens[:, s + 1:e + 1])
+        total = total + chunk_nll(logits, tokens[:, s + 1 : e + 1])
         seen = observe(logits) if observe is not None else []
         settle(caches, total, *(extra or []), *seen)
     return total

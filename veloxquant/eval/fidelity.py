@@ -7,6 +7,7 @@ block, asks each shadow for its attention output; the model continues on the
 fp16 output, so every row sees identical queries, keys and values at every
 layer and the cosine isolates that layer's cache error (no compounding).
 """
+
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
@@ -31,9 +32,15 @@ def shadow_attend(cache, queries: mx.array, scale: float) -> mx.array:
     # the newest block included. Pre-scaled queries: that function scales in place.
     Lq = queries.shape[2]
     qk, qv = cache.keys_and_values()
-    return quantized_scaled_dot_product_attention(queries * scale, qk, qv, scale=1.0,
-                                                  mask="causal" if Lq > 1 else None,
-                                                  group_size=cache.group_size, bits=cache.bits)
+    return quantized_scaled_dot_product_attention(
+        queries * scale,
+        qk,
+        qv,
+        scale=1.0,
+        mask="causal" if Lq > 1 else None,
+        group_size=cache.group_size,
+        bits=cache.bits,
+    )
 
 
 class Tee:
@@ -87,8 +94,16 @@ class Tee:
         return self.ref.nbytes
 
 
-def measure(model, ref_row, rows: Sequence, windows: Sequence[List[int]], prefix: int, prefill_chunk: int,
-            score_chunk: int, on_window=None) -> Dict[str, List[float]]:
+def measure(
+    model,
+    ref_row,
+    rows: Sequence,
+    windows: Sequence[List[int]],
+    prefix: int,
+    prefill_chunk: int,
+    score_chunk: int,
+    on_window=None,
+) -> Dict[str, List[float]]:
     """Mean cosine per layer for each row, over the continuation queries of `windows`.
 
     Prefill queries are not recorded: a prefill block attends to itself
@@ -107,11 +122,17 @@ def measure(model, ref_row, rows: Sequence, windows: Sequence[List[int]], prefix
         score(model, x, tees, prefix, score_chunk)
         if on_window:
             on_window()
-    return {row.name: [float(sums[layer][j]) / max(counts[layer][j], 1) for layer in range(n_layers)]
-            for j, row in enumerate(rows)}
+    return {
+        row.name: [float(sums[layer][j]) / max(counts[layer][j], 1) for layer in range(n_layers)]
+        for j, row in enumerate(rows)
+    }
 
 
 def summarize(per_layer: List[float]) -> Dict[str, object]:
     worst = min(range(len(per_layer)), key=per_layer.__getitem__)
-    return {"mean": sum(per_layer) / len(per_layer), "min": per_layer[worst], "min_layer": worst,
-            "per_layer": per_layer}
+    return {
+        "mean": sum(per_layer) / len(per_layer),
+        "min": per_layer[worst],
+        "min_layer": worst,
+        "per_layer": per_layer,
+    }

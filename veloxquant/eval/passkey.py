@@ -6,6 +6,7 @@ question whose answer the model greedy-decodes. Correct means the first number
 in the answer is the key. The needle sits at a fraction `depth` of the
 haystack, snapped back to the nearest sentence end so it never splits a word.
 """
+
 import random
 import re
 from typing import Dict, List, Sequence
@@ -15,8 +16,10 @@ from mlx_lm import stream_generate
 
 from ..errors import VeloxError
 
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
-         "Find it and memorize it. I will quiz you about the important information there.\n\n")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there.\n\n"
+)
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 _ANSWERED = re.compile(r"\d+\D")
@@ -46,8 +49,9 @@ def sentence_ends(tokenizer, ids: Sequence[int]) -> List[int]:
     return [i for i, t in enumerate(ids) if t in ends]
 
 
-def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, key: str,
-                 ends: Sequence[int] = ()) -> PasskeyPrompt:
+def build_prompt(
+    tokenizer, haystack: Sequence[int], length: int, depth: float, key: str, ends: Sequence[int] = ()
+) -> PasskeyPrompt:
     """A prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
     `haystack` must hold the tokens left after instruction, needle and question;
@@ -58,8 +62,10 @@ def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, 
     needle = tokenizer.encode(NEEDLE.format(key=key), add_special_tokens=False)
     n_hay = length - len(intro) - len(needle) - len(question)
     if n_hay < 1:
-        raise VeloxError(f"a passkey prompt of {length} tokens leaves no room for a haystack: instruction, "
-                         f"needle and question take {length - n_hay} tokens")
+        raise VeloxError(
+            f"a passkey prompt of {length} tokens leaves no room for a haystack: instruction, "
+            f"needle and question take {length - n_hay} tokens"
+        )
     if len(haystack) < n_hay:
         raise VeloxError(f"a passkey prompt of {length} tokens needs {n_hay} haystack tokens, got {len(haystack)}")
     cut = round(depth * n_hay)
@@ -69,8 +75,9 @@ def build_prompt(tokenizer, haystack: Sequence[int], length: int, depth: float, 
     return PasskeyPrompt(tokens, key, length, depth, len(intro) + cut, len(needle), len(intro), n_hay)
 
 
-def make_prompts(tokenizer, corpus: Sequence[int], lengths: Sequence[int], depths: Sequence[float],
-                 trials: int, seed: int = 0) -> List[PasskeyPrompt]:
+def make_prompts(
+    tokenizer, corpus: Sequence[int], lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int = 0
+) -> List[PasskeyPrompt]:
     """The same prompts for every row: keys and haystack offsets come from `seed`."""
     rng = random.Random(seed)
     prompts = []
@@ -78,7 +85,7 @@ def make_prompts(tokenizer, corpus: Sequence[int], lengths: Sequence[int], depth
         for depth in depths:
             for _ in range(trials):
                 start = rng.randrange(0, max(1, len(corpus) - length))
-                hay = corpus[start:start + length]
+                hay = corpus[start : start + length]
                 key = str(rng.randint(10000, 99999))
                 prompts.append(build_prompt(tokenizer, hay, length, depth, key, sentence_ends(tokenizer, hay)))
     return prompts
@@ -92,17 +99,25 @@ def answer_ok(answer: str, key: str) -> bool:
 def ask(model, tokenizer, prompt: PasskeyPrompt, caches, prefill_chunk: int, max_tokens: int = 8) -> Dict:
     """Greedy-decode the answer under `caches`, as `veloxquant run` generates."""
     pieces, last = [], None
-    for r in stream_generate(model, tokenizer, prompt.tokens, max_tokens=max_tokens, prompt_cache=caches,
-                             prefill_step_size=prefill_chunk):
+    for r in stream_generate(
+        model, tokenizer, prompt.tokens, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=prefill_chunk
+    ):
         pieces.append(r.text)
         last = r
         if _ANSWERED.search("".join(pieces)):
             break  # the number is complete: more tokens cannot change the verdict
     answer = "".join(pieces)
-    return {"length": prompt.length, "depth": prompt.depth, "key": prompt.key, "answer": answer,
-            "correct": answer_ok(answer, prompt.key),
-            "prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
-            "generation_tokens": last.generation_tokens, "generation_tps": last.generation_tps}
+    return {
+        "length": prompt.length,
+        "depth": prompt.depth,
+        "key": prompt.key,
+        "answer": answer,
+        "correct": answer_ok(answer, prompt.key),
+        "prompt_tokens": last.prompt_tokens,
+        "prompt_tps": last.prompt_tps,
+        "generation_tokens": last.generation_tokens,
+        "generation_tps": last.generation_tps,
+    }
 
 
 def summarize(results: List[Dict]) -> Dict:
@@ -112,7 +127,8 @@ def summarize(results: List[Dict]) -> Dict:
         cells.setdefault((r["length"], r["depth"]), []).append(r["correct"])
     return {
         "accuracy": sum(r["correct"] for r in results) / len(results) if results else None,
-        "cells": [{"length": L, "depth": d, "correct": sum(v), "trials": len(v)}
-                  for (L, d), v in sorted(cells.items())],
+        "cells": [
+            {"length": L, "depth": d, "correct": sum(v), "trials": len(v)} for (L, d), v in sorted(cells.items())
+        ],
         "answers": [{k: r[k] for k in ("length", "depth", "key", "answer", "correct")} for r in results],
     }

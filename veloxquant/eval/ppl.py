@@ -7,6 +7,7 @@ cache and each of its next tokens is scored. So every scored prediction reads
 the prefix from the compressed cache, and older continuation tokens too once
 they leave a recipe's uncompressed window.
 """
+
 from typing import Dict, List
 
 import mlx.core as mx
@@ -23,20 +24,27 @@ def windows(tokens: List[int], count: int, length: int) -> List[List[int]]:
         raise VeloxError(f"the corpus has {len(tokens)} tokens, fewer than one window of {length}")
     count = min(count, fit)
     stride = len(tokens) // count
-    return [tokens[i * stride:i * stride + length] for i in range(count)]
+    return [tokens[i * stride : i * stride + length] for i in range(count)]
 
 
-def window_nll(model, make_caches, window: List[int], prefix: int, prefill_chunk: int,
-               score_chunk: int, observe=None) -> Dict[str, float]:
+def window_nll(
+    model, make_caches, window: List[int], prefix: int, prefill_chunk: int, score_chunk: int, observe=None
+) -> Dict[str, float]:
     """Scores one window under fresh caches; also what the cache held at the end.
     `observe` sees each scoring chunk's logits (feed.score)."""
     caches = make_caches()
     x = mx.array(window)[None]
     prefill_s = prefill(model, x[:, :prefix], caches, prefill_chunk)
     nll = score(model, x, caches, prefix, score_chunk, observe=observe)
-    return {"nll": float(nll), "tokens": x.shape[1] - 1 - prefix, "prefill_s": prefill_s,
-            "prefill_tokens": prefix, "cache_bytes": held_bytes(caches), "context": caches[0].offset,
-            "attention": _mode(caches[0])}
+    return {
+        "nll": float(nll),
+        "tokens": x.shape[1] - 1 - prefix,
+        "prefill_s": prefill_s,
+        "prefill_tokens": prefix,
+        "cache_bytes": held_bytes(caches),
+        "context": caches[0].offset,
+        "attention": _mode(caches[0]),
+    }
 
 
 def _mode(cache) -> str:

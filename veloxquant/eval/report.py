@@ -1,6 +1,7 @@
 """Render eval results (the JSON `veloxquant eval` writes): markdown tables and
 a Pareto plot of bytes held per token against perplexity increase.
 """
+
 import json
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -47,9 +48,11 @@ def _kld(r: Dict, key: str, fmt: str) -> str:
     return _f(d.get(key), fmt)
 
 
-HEADER = ("| row | B/token | vs fp16 | PPL | ΔPPL | KLD mean | KLD p99 | top-1 | passkey "
-          "| attn cosine mean (min @layer) "
-          "| peak MiB (+ over weights) | prefill tok/s | decode tok/s |")
+HEADER = (
+    "| row | B/token | vs fp16 | PPL | ΔPPL | KLD mean | KLD p99 | top-1 | passkey "
+    "| attn cosine mean (min @layer) "
+    "| peak MiB (+ over weights) | prefill tok/s | decode tok/s |"
+)
 
 
 def table(result: Dict) -> str:
@@ -65,10 +68,12 @@ def table(result: Dict) -> str:
             f"| {_passkey(r)} "
             f"| {_fid(r)} "
             f"| {mib} | {_f(c['prefill_tok_s'], '.0f')} "
-            f"| {_f(c['decode_tok_s'], '.1f')} |")
+            f"| {_f(c['decode_tok_s'], '.1f')} |"
+        )
     notes = [f"- {r['name']}: {r['error']}" for r in result["rows"] if r.get("error")]
-    notes += [f"- {r['name']} (fidelity only): {r['fidelity_error']}" for r in result["rows"]
-              if r.get("fidelity_error")]
+    notes += [
+        f"- {r['name']} (fidelity only): {r['fidelity_error']}" for r in result["rows"] if r.get("fidelity_error")
+    ]
     if notes:
         lines += ["", "¹ the row could not run on this backend; its error:", ""] + notes
     return "\n".join(lines)
@@ -83,8 +88,11 @@ def passkey_grid(result: Dict) -> str:
     lines = [head, "|" + "---|" * (len(keys) + 1)]
     for r in rows:
         cells = {(c["length"], c["depth"]): c for c in r["passkey"]["cells"]}
-        lines.append(f"| {r['name']} | " + " | ".join(
-            f"{cells[k]['correct']}/{cells[k]['trials']}" if k in cells else "–" for k in keys) + " |")
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(f"{cells[k]['correct']}/{cells[k]['trials']}" if k in cells else "–" for k in keys)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -92,19 +100,20 @@ def protocol(result: Dict) -> str:
     p = result["protocol"]
     dtype = str(result["dtype"]).replace("mlx.core.", "")
     device = str(result["device"]).replace("Device(", "").split(",")[0]  # older files: "Device(cpu, 0)"
-    return (f"model {result.get('model', '?')} ({dtype}, {device}), corpus "
-            f"{result.get('corpus', '?')}; perplexity on {p['windows_used']} window(s) of {p['prefix']} prefix "
-            f"+ {p['score_tokens']} scored tokens (prefill chunk {p['prefill_chunk']}, scoring chunk "
-            f"{p['score_chunk']}); passkey {len(p['passkey_lengths'])} length(s) × "
-            f"{len(p['passkey_depths'])} depth(s) × {p['passkey_trials']} trial(s); fidelity on "
-            f"{p['fidelity_windows']} window(s); wall {result['wall_s']:.0f} s")
+    return (
+        f"model {result.get('model', '?')} ({dtype}, {device}), corpus "
+        f"{result.get('corpus', '?')}; perplexity on {p['windows_used']} window(s) of {p['prefix']} prefix "
+        f"+ {p['score_tokens']} scored tokens (prefill chunk {p['prefill_chunk']}, scoring chunk "
+        f"{p['score_chunk']}); passkey {len(p['passkey_lengths'])} length(s) × "
+        f"{len(p['passkey_depths'])} depth(s) × {p['passkey_trials']} trial(s); fidelity on "
+        f"{p['fidelity_windows']} window(s); wall {result['wall_s']:.0f} s"
+    )
 
 
 def markdown(results: Sequence[Dict]) -> str:
     parts = ["# Evaluation results\n"]
     if len(results) == 1 and results[0].get("command"):
-        parts.append(f"Regenerate:\n\n"
-                     f"```sh\n{results[0]['command']}\n```\n\nMetrics and protocol: `docs/eval.md`.\n")
+        parts.append(f"Regenerate:\n\n```sh\n{results[0]['command']}\n```\n\nMetrics and protocol: `docs/eval.md`.\n")
     for res in results:
         if len(results) > 1:
             parts.append(f"### {res.get('model', '?')} — {res['source']}\n")
@@ -129,6 +138,7 @@ def pareto_front(points: Sequence[Tuple[float, float]]) -> List[int]:
 def plot(results: Sequence[Dict], path: str) -> None:
     """Bytes held per token (x) against ΔPPL % (y, symlog); the Pareto front dashed."""
     import matplotlib
+
     matplotlib.use("Agg")  # no display: write the file only
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -141,16 +151,35 @@ def plot(results: Sequence[Dict], path: str) -> None:
         pts = [(r["cost"]["bytes_per_token"], r["delta_ppl_pct"]) for r in rows]
         color = colors[k % len(colors)]
         models = [r.get("model", "?") for r in results]
-        label = None if len(results) == 1 else models[k] if models.count(models[k]) == 1 else \
-            f"{models[k]}, run {k + 1} ({res['device'].split(',')[0].replace('Device(', '')})"
+        label = (
+            None
+            if len(results) == 1
+            else models[k]
+            if models.count(models[k]) == 1
+            else f"{models[k]}, run {k + 1} ({res['device'].split(',')[0].replace('Device(', '')})"
+        )
         for r, (x, y) in zip(rows, pts):
             marker = "s" if r["kind"] == "mlx-lm" else "o"
-            ax.scatter([x], [y], marker=marker, color=color, s=42, zorder=3,
-                       facecolors="none" if r["kind"] == "mlx-lm" else color)
+            ax.scatter(
+                [x],
+                [y],
+                marker=marker,
+                color=color,
+                s=42,
+                zorder=3,
+                facecolors="none" if r["kind"] == "mlx-lm" else color,
+            )
             labels.append((r["name"], x, y))
         front = pareto_front(pts)
-        ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color=color, lw=1,
-                label=f"Pareto front{' ' + label if label else ''}", zorder=2)
+        ax.plot(
+            [pts[i][0] for i in front],
+            [pts[i][1] for i in front],
+            "--",
+            color=color,
+            lw=1,
+            label=f"Pareto front{' ' + label if label else ''}",
+            zorder=2,
+        )
     ax.set_yscale("symlog", linthresh=1.0)  # ΔPPL spans 0.1% (8-bit) to 1000% (2-bit)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}%"))
     ax.set_xlabel("KV-cache bytes held per token (all layers, measured)")

@@ -3,6 +3,7 @@
 Rows are veloxquant recipes (`kivi`, `kivi[bits=4]`, a YAML path) or mlx-lm's
 own quantized cache (`mlx-q4`), so both are measured by the same code.
 """
+
 import re
 from typing import List, Optional, Sequence
 
@@ -111,4 +112,3 @@ def expand(specs: Sequence[str], mlx_bits: Sequence[int], common_sets: Sequence[
             rows.append(row)
     rows += [parse_row(f"mlx-q{b}") for b in mlx_bits if f"mlx-q{b}" not in names]
     return rows
-

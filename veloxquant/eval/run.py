@@ -4,6 +4,7 @@ Order of work: the fidelity pass (all rows at once, fp16 driving), then per
 row its perplexity windows and its passkey prompts, inside one peak-memory
 measurement. Results are plain JSON (see docs/eval.md for the fields).
 """
+
 import math
 import platform
 import sys
@@ -28,13 +29,28 @@ def _row_cost(shape: ModelShape, wins: List[Dict], asked: List[Dict], peak: Opti
     prefill_tps = sum(w["prefill_tokens"] for w in wins) / sum(w["prefill_s"] for w in wins) if wins else None
     gen_s = sum(a["generation_tokens"] / a["generation_tps"] for a in asked if a["generation_tps"])
     decode_tps = sum(a["generation_tokens"] for a in asked) / gen_s if gen_s else None
-    return cost.summary(last["cache_bytes"] if last else 0, last["context"] if last else 0,
-                        cost.fp16_bytes(shape, last["context"]) if last else 0, peak, prefill_tps, decode_tps)
+    return cost.summary(
+        last["cache_bytes"] if last else 0,
+        last["context"] if last else 0,
+        cost.fp16_bytes(shape, last["context"]) if last else 0,
+        peak,
+        prefill_tps,
+        decode_tps,
+    )
 
 
-def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
-             meta: Optional[Dict] = None, progress: bool = True, only: Optional[Sequence[str]] = None,
-             on_row: Optional[Callable[[List[Dict]], None]] = None, references: Optional[Dict] = None) -> Dict:
+def evaluate(
+    model,
+    tokenizer,
+    rows: Sequence[Row],
+    text: str,
+    cfg: EvalConfig,
+    meta: Optional[Dict] = None,
+    progress: bool = True,
+    only: Optional[Sequence[str]] = None,
+    on_row: Optional[Callable[[List[Dict]], None]] = None,
+    references: Optional[Dict] = None,
+) -> Dict:
     """Measure every row; rows[0] must be the fp16 baseline.
 
     `only`: report just these rows (every row still takes part in the fidelity
@@ -48,9 +64,10 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     wins = ppl.windows(corpus, cfg.windows, cfg.window_len) if cfg.windows else []
     # Passkey haystacks come from the corpus too; keys and offsets are seeded,
     # so every row answers exactly the same prompts.
-    prompts = passkey.make_prompts(tokenizer, corpus, cfg.passkey_lengths, cfg.passkey_depths,
-                                   cfg.passkey_trials, cfg.seed)
-    fid_wins = wins[:cfg.fidelity_windows]
+    prompts = passkey.make_prompts(
+        tokenizer, corpus, cfg.passkey_lengths, cfg.passkey_depths, cfg.passkey_trials, cfg.seed
+    )
+    fid_wins = wins[: cfg.fidelity_windows]
     total = len(fid_wins) + len(wins) + len(rows) * (len(wins) + len(prompts))
     bar = tqdm(total=total, desc="eval", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     out_rows = []
@@ -64,8 +81,16 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         if fid_wins and live:
             bar.set_description("eval fidelity (all rows)")
             try:
-                fid = fidelity.measure(model, rows[0], live, fid_wins, cfg.prefix, cfg.prefill_chunk,
-                                       cfg.score_chunk, on_window=lambda: bar.update(1))
+                fid = fidelity.measure(
+                    model,
+                    rows[0],
+                    live,
+                    fid_wins,
+                    cfg.prefix,
+                    cfg.prefill_chunk,
+                    cfg.score_chunk,
+                    on_window=lambda: bar.update(1),
+                )
             except Exception as e:  # noqa: BLE001 -- recorded in the result
                 fid_error = _why(e)
                 uninstall(model)
@@ -73,9 +98,12 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
         # measurement: each row's scoring pass is compared with them (KLD, top-1).
         bar.set_description("eval fp16 reference distributions")
         refs = (references or {}).get("fp16", [])
-        for w in wins[len(refs):]:
-            refs.append(divergence.reference(model, lambda: rows[0].make(model), w, cfg.prefix,
-                                             cfg.prefill_chunk, cfg.score_chunk))
+        for w in wins[len(refs) :]:
+            refs.append(
+                divergence.reference(
+                    model, lambda: rows[0].make(model), w, cfg.prefix, cfg.prefill_chunk, cfg.score_chunk
+                )
+            )
             bar.update(1)
         if references is not None:
             references["fp16"] = refs
@@ -88,13 +116,23 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
             probe = None if error else row.make(model)  # only to describe the row (fingerprint); never fed
             with cost.PeakMemory() as peak:
                 try:
-                    for w, ref in ([] if error else zip(wins, refs)):
-                        done.append(ppl.window_nll(model, lambda: row.make(model), w, cfg.prefix,
-                                                   cfg.prefill_chunk, cfg.score_chunk, diverged.observer(ref)))
+                    for w, ref in [] if error else zip(wins, refs):
+                        done.append(
+                            ppl.window_nll(
+                                model,
+                                lambda: row.make(model),
+                                w,
+                                cfg.prefix,
+                                cfg.prefill_chunk,
+                                cfg.score_chunk,
+                                diverged.observer(ref),
+                            )
+                        )
                         bar.update(1)
-                    for p in ([] if error else prompts):
-                        asked.append(passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk,
-                                                 cfg.passkey_max_tokens))
+                    for p in [] if error else prompts:
+                        asked.append(
+                            passkey.ask(model, tokenizer, p, row.make(model), cfg.prefill_chunk, cfg.passkey_max_tokens)
+                        )
                         bar.update(1)
                 except Exception as e:  # noqa: BLE001 -- recorded in the result
                     error = _why(e)
@@ -127,13 +165,20 @@ def evaluate(model, tokenizer, rows: Sequence[Row], text: str, cfg: EvalConfig,
     return {
         "veloxquant_eval": SCHEMA,
         **(meta or {}),
-        "model_shape": {"layers": shape.n_layers, "kv_heads": list(set(shape.n_kv_heads)),
-                        "head_dim": list(set(shape.head_dim))},
+        "model_shape": {
+            "layers": shape.n_layers,
+            "kv_heads": list(set(shape.n_kv_heads)),
+            "head_dim": list(set(shape.head_dim)),
+        },
         "dtype": _compute_dtype(model),
         "device": str(mx.default_device().type).split(".")[-1],
         "platform": f"{platform.system()} {platform.machine()}, mlx {mx.__version__}",
-        "protocol": {**attrs.asdict(cfg), "window_len": cfg.window_len, "windows_used": len(wins),
-                     "passkey_prompts": len(prompts)},
+        "protocol": {
+            **attrs.asdict(cfg),
+            "window_len": cfg.window_len,
+            "windows_used": len(wins),
+            "passkey_prompts": len(prompts),
+        },
         "rows": out_rows,
         "wall_s": time.perf_counter() - t_start,
     }
@@ -164,5 +209,6 @@ def _compute_dtype(model) -> str:
     from collections import Counter
 
     from mlx.utils import tree_flatten
+
     floats = Counter(p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating))
     return str(floats.most_common(1)[0][0]).replace("mlx.core.", "") if floats else "?"

@@ -6,6 +6,7 @@ and supports the call, and the reference otherwise. Every kernel is a row of the
 kernel table (table.py: scope, launcher, verified backends); dispatch.py routes by it
 (kernels/CONTRACT.md).
 """
+
 from .dispatch import backend, choice, fused_affine_partial
 from .reference import affine_partial_attention as reference_affine_partial
 from .table import KERNELS

@@ -5,6 +5,7 @@ code j occupies stream bits [j*b, (j+1)*b), stream bit k is bit k%32 of word
 k//32. For b in {1, 2, 4, 8} this is the usual "32/b codes per word, code i at
 shift i*b" layout, so kernels read a code with one shift and mask.
 """
+
 import mlx.core as mx
 
 

@@ -4,6 +4,7 @@ the reduce launches. An attend kernel writes one max/sum/accumulator partial per
 along the sequence and `reduce` merges them (attend_tc in its own launch where it can).
 Contract and format: kernels/CONTRACT.md.
 """
+
 import math
 from functools import lru_cache
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -72,8 +73,7 @@ def unsupported(q: mx.array, k_enc, v_enc, k_spec: Spec, v_spec: Spec) -> str:
             return f"token group {group} does not divide head_dim {D}"
         if axis == "channel" and (L % group or group > 256):
             return f"channel group {group} does not divide the tier length {L}"
-        if enc["codes"].dtype != mx.uint32 or enc["scales"].dtype != mx.float16 \
-                or enc["zeros"].dtype != mx.float16:
+        if enc["codes"].dtype != mx.uint32 or enc["scales"].dtype != mx.float16 or enc["zeros"].dtype != mx.float16:
             return "storage dtypes (kernel: uint32 codes, float16 scales/zeros)"
         if enc["codes"].shape[:3] != (B, Hkv, L) or enc["codes"].shape[3] != D * bits // 32:
             return "codes shape"
@@ -94,7 +94,10 @@ def _attend_kernel(smem: int, threads: int):
         name=f"vq_affine_attend_{smem}_{threads}_{blocks_per_sm(threads)}",
         input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz", "lo"],
         output_names=["pm", "pl", "pacc"],
-        source=_strip(sections()["attend"]), header=_strip(attend_header(threads)), shared_memory=smem)
+        source=_strip(sections()["attend"]),
+        header=_strip(attend_header(threads)),
+        shared_memory=smem,
+    )
 
 
 _HIDDEN: Dict[int, mx.array] = {}
@@ -112,8 +115,12 @@ def hidden_count(n: int) -> mx.array:
 def _reduce_kernel():
     s = sections()
     return variants.kernel(
-        name="vq_affine_reduce", input_names=["pm", "pl", "pacc"], output_names=["out", "lse"],
-        source=_strip(s["reduce"]), header=_strip(s["header"]))
+        name="vq_affine_reduce",
+        input_names=["pm", "pl", "pacc"],
+        output_names=["out", "lse"],
+        source=_strip(s["reduce"]),
+        header=_strip(s["header"]),
+    )
 
 
 @lru_cache(maxsize=None)
@@ -121,9 +128,13 @@ def _reduce_tail_kernel():
     """The reduce that also attends over dense 16-bit tiers (views read in place, any strides)."""
     s = sections()
     return variants.kernel(
-        name="vq_affine_reduce_tail", input_names=["pm", "pl", "pacc", "q", "xk0", "xv0", "xk1", "xv1"],
-        output_names=["out", "lse"], source=_strip(s["reduce_tail"]), header=_strip(s["header"]),
-        ensure_row_contiguous=False)
+        name="vq_affine_reduce_tail",
+        input_names=["pm", "pl", "pacc", "q", "xk0", "xv0", "xk1", "xv1"],
+        output_names=["out", "lse"],
+        source=_strip(s["reduce_tail"]),
+        header=_strip(s["header"]),
+        ensure_row_contiguous=False,
+    )
 
 
 def tail_unsupported(qshape: tuple, tail) -> str:
@@ -143,6 +154,7 @@ def tail_unsupported(qshape: tuple, tail) -> str:
 
 class _Launch(NamedTuple):
     """Everything one call needs, prepared once per (shapes, specs, scale)."""
+
     attend: object
     a_kw: dict
     scale: float
@@ -152,39 +164,64 @@ class _Launch(NamedTuple):
 @lru_cache(maxsize=256)
 def _tail_kw(qshape: tuple, qdtype, tdtype, nx: int, hkv: int, scale: float) -> dict:
     B, Hq, Lq, D = qshape
-    template = [("T", qdtype), ("TX", tdtype), ("D", D), ("NX", nx), ("REP", Hq // hkv), ("LQ", Lq),
-                ("QSCALE", float_bits(scale * math.log2(math.e))), ("XMAX", TAIL_MAX)]
-    return dict(template=template, grid=(128 * (D // 32), B * Hq * Lq, 1), threadgroup=(128, 1, 1),
-                output_shapes=[qshape, (B * Hq * Lq,)], output_dtypes=[qdtype, mx.float32])
+    template = [
+        ("T", qdtype),
+        ("TX", tdtype),
+        ("D", D),
+        ("NX", nx),
+        ("REP", Hq // hkv),
+        ("LQ", Lq),
+        ("QSCALE", float_bits(scale * math.log2(math.e))),
+        ("XMAX", TAIL_MAX),
+    ]
+    return dict(
+        template=template,
+        grid=(128 * (D // 32), B * Hq * Lq, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[qshape, (B * Hq * Lq,)],
+        output_dtypes=[qdtype, mx.float32],
+    )
 
 
 @lru_cache(maxsize=256)
 def _reduce_kw(qshape: tuple) -> dict:
     """The reduce launch after either attend kernel: (out, lse) in float32 for every row."""
     B, Hq, Lq, D = qshape
-    return dict(template=[("D", D)], grid=(128 * (D // 32), B * Hq * Lq, 1), threadgroup=(128, 1, 1),
-                output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)], output_dtypes=[mx.float32, mx.float32])
+    return dict(
+        template=[("D", D)],
+        grid=(128 * (D // 32), B * Hq * Lq, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
 
 
 @lru_cache(maxsize=1024)
-def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float,
-            chunk: int) -> _Launch:
+def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int) -> _Launch:
     B, Hq, Lq, D = qshape
     _, Hkv, L, _ = cshape
     p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale, chunk)
     nrows = B * Hq * Lq
     f32 = mx.float32
-    a_kw = dict(template=list(p.template), grid=(p.ns * D, B * Hkv, p.nrb), threadgroup=(D, 1, 1),
-                output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)], output_dtypes=[f32, f32, f32])
+    a_kw = dict(
+        template=list(p.template),
+        grid=(p.ns * D, B * Hkv, p.nrb),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)],
+        output_dtypes=[f32, f32, f32],
+    )
     return _Launch(_attend_kernel(p.smem, D), a_kw, scale, True)
 
 
 @lru_cache(maxsize=None)
 def _mma_kernel():
     return variants.kernel(
-        name="vq_affine_attend_mma", input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
-        output_names=["pm", "pl", "pacc"], source=_strip(sections()["attend_mma"]),
-        header=_strip(sections()["mma_header"]))
+        name="vq_affine_attend_mma",
+        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
+        output_names=["pm", "pl", "pacc"],
+        source=_strip(sections()["attend_mma"]),
+        header=_strip(sections()["mma_header"]),
+    )
 
 
 def mma_prefetch(D: int, kb: int, vb: int) -> int:
@@ -208,11 +245,25 @@ def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple
     nrows = B * Hq * Lq
     f32 = mx.float32
     nt = 32 * MMA_WARPS
-    template = [("T", qdtype), ("D", D), ("ROWS", rows), ("BK", kb), ("GK", kg), ("BV", vb), ("GV", vg),
-                ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", MMA_WARPS),
-                ("PF", mma_prefetch(D, kb, vb))]
-    a_kw = dict(template=template, grid=(ns * nt, B * Hkv, 1), threadgroup=(nt, 1, 1),
-                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+    template = [
+        ("T", qdtype),
+        ("D", D),
+        ("ROWS", rows),
+        ("BK", kb),
+        ("GK", kg),
+        ("BV", vb),
+        ("GV", vg),
+        ("QSCALE", float_bits(scale * math.log2(math.e))),
+        ("NW", MMA_WARPS),
+        ("PF", mma_prefetch(D, kb, vb)),
+    ]
+    a_kw = dict(
+        template=template,
+        grid=(ns * nt, B * Hkv, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
+        output_dtypes=[f32, f32, f32],
+    )
     return _Launch(_mma_kernel(), a_kw, scale)
 
 
@@ -223,8 +274,17 @@ def mma_partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tupl
     return lambda codes: la.attend(inputs=codes, **la.a_kw)
 
 
-def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float,
-             impl: Optional[str] = None, chunk: int = 0, hides: bool = False):
+def launcher(
+    qshape: tuple,
+    qdtype,
+    cshape: tuple,
+    k_spec: Spec,
+    v_spec: Spec,
+    scale: float,
+    impl: Optional[str] = None,
+    chunk: int = 0,
+    hides: bool = False,
+):
     """`run(q, k_enc, v_enc) -> (out, lse)` for calls of these shapes, with the kernel
     choice (`table.attend_route`) and launch parameters resolved now: per call only the
     launches remain (a cache keeps one per tier between decode steps). `hides`: calls may
@@ -237,6 +297,7 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, s
 
 def _runner(la: _Launch, qshape: tuple, qdtype):
     """The `run` of an attend launch whose partials the reduce (or reduce_tail) merges."""
+
     def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden: int = 0):
         """(out f32, lse) of this tier, its first `hidden` tokens left out; with `tail` (dense
         (k, v) tiers, every token visible, `tail_unsupported` empty) the final attention over
@@ -248,6 +309,7 @@ def _runner(la: _Launch, qshape: tuple, qdtype):
             raise ValueError("this launch plan cannot hide tokens: build it with hides=True")
         pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
         return merge(pm, pl, pacc, q, qshape, qdtype, la.scale, tail)
+
     return run
 
 
@@ -268,10 +330,20 @@ def _mma_prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple
 
 
 # Verified: tests/test_kernels.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(Kernel("v1", "attend", "affine_attention.cu, CUDA-core attend", frozenset({"cuda"}),
-                lambda *call: "", _launch_v1))
-register(Kernel("mma", "attend", "affine_attention.cu, tensor-core attend_mma", frozenset({"cuda"}),
-                _mma_scope, _launch_mma_run, _mma_prefer))
+register(
+    Kernel("v1", "attend", "affine_attention.cu, CUDA-core attend", frozenset({"cuda"}), lambda *call: "", _launch_v1)
+)
+register(
+    Kernel(
+        "mma",
+        "attend",
+        "affine_attention.cu, tensor-core attend_mma",
+        frozenset({"cuda"}),
+        _mma_scope,
+        _launch_mma_run,
+        _mma_prefer,
+    )
+)
 
 
 def merge(pm, pl, pacc, q, qshape: tuple, qdtype, scale: float, tail=None):
@@ -284,11 +356,19 @@ def merge(pm, pl, pacc, q, qshape: tuple, qdtype, scale: float, tail=None):
     return _reduce_tail_kernel()(inputs=[pm, pl, pacc, q, k0, v0, k1, v1], **kw)[0]
 
 
-def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                             k_spec: Spec, v_spec: Spec, scale: float,
-                             chunk: Optional[int] = None, impl: Optional[str] = None,
-                             hidden: int = 0) -> Tuple[mx.array, mx.array]:
+def affine_partial_attention(
+    q: mx.array,
+    k_enc: Dict[str, mx.array],
+    v_enc: Dict[str, mx.array],
+    k_spec: Spec,
+    v_spec: Spec,
+    scale: float,
+    chunk: Optional[int] = None,
+    impl: Optional[str] = None,
+    hidden: int = 0,
+) -> Tuple[mx.array, mx.array]:
     """The fused kernel, contract of reference.affine_partial_attention (the caller checked
     `unsupported(...) == ''`): one or two launches and no other op (`launcher`)."""
-    return launcher(tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
-                    impl, chunk or 0, hides=hidden > 0)(q, k_enc, v_enc, hidden=hidden)
+    return launcher(
+        tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, impl, chunk or 0, hides=hidden > 0
+    )(q, k_enc, v_enc, hidden=hidden)

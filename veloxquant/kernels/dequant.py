@@ -1,6 +1,7 @@
 """Binding of the `dequant` section of kernels/cuda/affine_attention.cu: affine codes
 to 16-bit (or float32) values in one launch, for attention through SDPA (prefill)
 and for tiers no attend kernel reads. Contract: kernels/CONTRACT.md."""
+
 from functools import lru_cache
 from typing import Dict, Optional
 
@@ -15,8 +16,13 @@ from .table import Kernel, register
 @lru_cache(maxsize=None)
 def _dequant_kernel():
     s = sections()
-    return variants.kernel(name="vq_affine_dequant", input_names=["codes", "scales", "zeros", "at"],
-                               output_names=["out"], source=_strip(s["dequant"]), header=_strip(s["header"]))
+    return variants.kernel(
+        name="vq_affine_dequant",
+        input_names=["codes", "scales", "zeros", "at"],
+        output_names=["out"],
+        source=_strip(s["dequant"]),
+        header=_strip(s["header"]),
+    )
 
 
 def dequant_unsupported(enc: Dict[str, mx.array], spec: Spec, dtype) -> str:
@@ -33,8 +39,7 @@ def dequant_unsupported(enc: Dict[str, mx.array], spec: Spec, dtype) -> str:
     return ""
 
 
-def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype, length: Optional[int] = None,
-               offset: int = 0) -> mx.array:
+def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype, length: Optional[int] = None, offset: int = 0) -> mx.array:
     """Affine.decode(enc, dtype) in one launch (no float32 copies of the tier).
 
     With `length`, the output holds `length` tokens and the tier's lie at
@@ -48,11 +53,17 @@ def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype, length: Optional[int
         raise ValueError(f"dequantize: {L} tokens do not fit at {offset} of {length}")
     template = [("T", dtype), ("BITS", bits), ("G", group), ("AX", int(axis == "channel")), ("D", D)]
     at = mx.array([length, offset], dtype=mx.int32)
-    return _dequant_kernel()(inputs=[enc["codes"], enc["scales"], enc["zeros"], at], template=template,
-                             grid=(B * H * L * W, 1, 1), threadgroup=(256, 1, 1),
-                             output_shapes=[(B, H, length, D)], output_dtypes=[dtype])[0]
+    return _dequant_kernel()(
+        inputs=[enc["codes"], enc["scales"], enc["zeros"], at],
+        template=template,
+        grid=(B * H * L * W, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(B, H, length, D)],
+        output_dtypes=[dtype],
+    )[0]
 
 
 # Verified: tests/test_kernels.py's gpu dequant cases passed on an NVIDIA H200 (docs/kernels.md).
-register(Kernel("dequant", "dequant", "affine_attention.cu, dequant", frozenset({"cuda"}), dequant_unsupported,
-                dequantize))
+register(
+    Kernel("dequant", "dequant", "affine_attention.cu, dequant", frozenset({"cuda"}), dequant_unsupported, dequantize)
+)

@@ -7,6 +7,7 @@ call's shapes/specs are ones the kernel supports. Everything else -- CPU, Metal,
 widths, long query blocks -- runs the reference, which answers the same contract.
 VELOXQUANT_KERNELS=off forces the reference everywhere (debugging, A/B timing).
 """
+
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -33,8 +34,9 @@ def backend() -> str:
     return "cpu"
 
 
-def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-           k_spec: Spec, v_spec: Spec, scale: float = 1.0) -> Tuple[str, str]:
+def choice(
+    q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec, v_spec: Spec, scale: float = 1.0
+) -> Tuple[str, str]:
     """(implementation, reason): 'cuda' or 'reference', and why (for `explain`)."""
     if kernels_off():
         return "reference", f"{OFF_ENV}=off"
@@ -48,8 +50,14 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
     # The answer depends only on shapes, dtypes and specs: decided once per
     # signature (a decode step asks the same question for every layer).
     try:
-        key = (q.ndim, tuple(q.shape), q.dtype, spec_fields(k_spec), spec_fields(v_spec),
-               *((tuple(e[n].shape), e[n].dtype) for e in (k_enc, v_enc) for n in ("codes", "scales", "zeros")))
+        key = (
+            q.ndim,
+            tuple(q.shape),
+            q.dtype,
+            spec_fields(k_spec),
+            spec_fields(v_spec),
+            *((tuple(e[n].shape), e[n].dtype) for e in (k_enc, v_enc) for n in ("codes", "scales", "zeros")),
+        )
     except (KeyError, TypeError, AttributeError):
         key = None
     hit = _CHOICES.get(key) if key is not None else None
@@ -71,8 +79,9 @@ def choice(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
 _CHOICES: Dict[tuple, Tuple[str, str]] = {}
 
 
-def fused_affine_partial(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                         k_spec: Spec, v_spec: Spec, scale: float) -> Tuple[mx.array, mx.array]:
+def fused_affine_partial(
+    q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec, v_spec: Spec, scale: float
+) -> Tuple[mx.array, mx.array]:
     """Partial attention (out [B,Hq,Lq,D] f32, lse [B,Hq,Lq] f32) of q over one
     affine-coded tier, from its codes: the CUDA kernel where verified, else the
     reference."""
@@ -105,8 +114,11 @@ def code_kernel(tier_plan, q: mx.array, mask=None) -> Optional[Kernel]:
     caller checks before `launch(q, k_enc, v_enc, k_codec, v_codec, scale)`."""
     if kernels_off():
         return None
-    chain = tuple(s.stage_name for s in tier_plan.keys.stages) + ("/",) + tuple(
-        s.stage_name for s in tier_plan.values.stages)
+    chain = (
+        tuple(s.stage_name for s in tier_plan.keys.stages)
+        + ("/",)
+        + tuple(s.stage_name for s in tier_plan.values.stages)
+    )
     be = backend()
     for kernel in family("code"):
         if be in kernel.verified and chain in kernel.chains:

@@ -1,6 +1,7 @@
 """Launch geometry of the CUDA-core attend kernel (v1): chunk size, shared
 memory, grid. Pure arithmetic, mirrored by static_asserts in
 kernels/cuda/affine_attention.cu; kernels/cuda.py binds the launches."""
+
 import math
 import os
 import struct
@@ -32,9 +33,11 @@ def smem_bytes(ch: int, D: int, R: int, kb: int, kg: int, kax: str, vb: int, vg:
     """Mirror of the attend kernel's shared-memory layout (static_assert'ed there):
     two staging buffers, q rows, the chunk's probabilities, max/sum, and the
     per-warp value sums."""
+
     def meta(g, ax):
         halves = (ch // g) * D if ax == "channel" else ch * (D // g)
         return 2 * ((halves * 2 + 15) // 16 * 16)
+
     stage = ch * D * (kb + vb) // 8 + meta(kg, kax) + meta(vg, vax)
     return 2 * stage + R * D * 4 + ch * R * 4 + 16 * 4 + (D // 32) * R * D * 4
 
@@ -61,18 +64,19 @@ def choose_chunk(D: int, R: int, kspec, vspec, L: int = 0) -> int:
 
 
 class Plan(NamedTuple):
-    R: int         # rows per block (held in registers)
-    nrb: int       # row blocks (grid z)
-    ch: int        # tokens per chunk (one partial each)
-    nc: int        # chunks: ceil(L / ch)
-    ns: int        # blocks along the sequence (grid x); each walks ceil(nc / ns) chunks
-    smem: int      # dynamic shared memory bytes
+    R: int  # rows per block (held in registers)
+    nrb: int  # row blocks (grid z)
+    ch: int  # tokens per chunk (one partial each)
+    nc: int  # chunks: ceil(L / ch)
+    ns: int  # blocks along the sequence (grid x); each walks ceil(nc / ns) chunks
+    smem: int  # dynamic shared memory bytes
     template: tuple
 
 
 @lru_cache(maxsize=512)
-def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple,
-         scale: float, chunk: int = 0) -> Plan:
+def plan(
+    B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0
+) -> Plan:
     """Launch geometry: about blocks_per_sm(D) resident blocks per SM, each walking
     several chunks so the next one streams in while the current is used."""
     (kb, kg, kax), (vb, vg, vax) = kspec, vspec
@@ -85,8 +89,19 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     nsub = max(1, math.ceil(chunks / want))
     ns = math.ceil(chunks / nsub)
     smem = (smem_bytes(ch, D, R, kb, kg, kax, vb, vg, vax) + 127) // 128 * 128  # fewer distinct kernels
-    template = (("T", qdtype), ("D", D), ("R", R), ("ROWS", rows),
-                ("BK", kb), ("GK", kg), ("KAX", int(kax == "channel")),
-                ("BV", vb), ("GV", vg), ("VAX", int(vax == "channel")),
-                ("CH", ch), ("QSCALE", float_bits(scale * math.log2(math.e))), ("SMEM", smem))
+    template = (
+        ("T", qdtype),
+        ("D", D),
+        ("R", R),
+        ("ROWS", rows),
+        ("BK", kb),
+        ("GK", kg),
+        ("KAX", int(kax == "channel")),
+        ("BV", vb),
+        ("GV", vg),
+        ("VAX", int(vax == "channel")),
+        ("CH", ch),
+        ("QSCALE", float_bits(scale * math.log2(math.e))),
+        ("SMEM", smem),
+    )
     return Plan(R, nrb, ch, chunks, ns, smem, template)

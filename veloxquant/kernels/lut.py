@@ -11,6 +11,7 @@ scores and sums the codes in the rotated domain and writes split-K partials;
 that do not fit shared memory) go to that MLX-ops reference (the caller checks the scope),
 so the answer never depends on which path ran.
 """
+
 import math
 from functools import lru_cache
 from typing import Dict, Tuple
@@ -52,7 +53,7 @@ def side_unsupported(codec, enc: Dict[str, mx.array], shape: Tuple[int, int, int
     why = _chain_unsupported(codec, "lut kernel")
     if why:
         return why
-    for prefix in ("", "r0.")[:1 + len(codec.residuals)]:
+    for prefix in ("", "r0.")[: 1 + len(codec.residuals)]:
         codes, norms = enc.get(prefix + "codes"), enc.get(prefix + "norms")
         if codes is None or norms is None or codes.dtype != mx.uint32 or norms.dtype != mx.float16:
             return "lut kernel: uint32 codes and float16 norms"
@@ -93,11 +94,15 @@ def _levels(k_stages: tuple, v_stages: tuple, head_dim: int) -> mx.array:
     """[4 * 256] f32: key store, key residual, value store, value residual levels (each stage's
     `levels()`); values / sqrt(D)."""
     table = np.zeros((4, 256), np.float32)
-    for row, stage, scale in ((0, k_stages[0], 1.0), (1, k_stages[1], 1.0),
-                              (2, v_stages[0], head_dim ** -0.5), (3, v_stages[1], head_dim ** -0.5)):
+    for row, stage, scale in (
+        (0, k_stages[0], 1.0),
+        (1, k_stages[1], 1.0),
+        (2, v_stages[0], head_dim**-0.5),
+        (3, v_stages[1], head_dim**-0.5),
+    ):
         if stage is not None:
             lev = np.asarray(stage.levels(), np.float32)
-            table[row, :lev.size] = lev * scale
+            table[row, : lev.size] = lev * scale
     return mx.array(table.reshape(-1))
 
 
@@ -111,10 +116,17 @@ def _kernels():
     attend = variants.kernel(
         name="vq_lut_attend",
         input_names=["q", "kc1", "kn1", "kc2", "kn2", "vc1", "vn1", "vc2", "vn2", "lv"],
-        output_names=["pm", "pl", "pacc"], source=strip(sections()["lut_attend"]), header=header())
+        output_names=["pm", "pl", "pacc"],
+        source=strip(sections()["lut_attend"]),
+        header=header(),
+    )
     reduce = variants.kernel(
-        name="vq_lut_reduce", input_names=["pm", "pl", "pacc"], output_names=["out", "lse"],
-        source=strip(sections()["lut_reduce"]), header=header())
+        name="vq_lut_reduce",
+        input_names=["pm", "pl", "pacc"],
+        output_names=["out", "lse"],
+        source=strip(sections()["lut_reduce"]),
+        header=header(),
+    )
     return attend, reduce
 
 
@@ -124,8 +136,16 @@ def header() -> str:
 
 def template(D: int, rows: int, bits: Tuple[int, int, int, int], k_hadamard: bool) -> list:
     kb1, kb2, vb1, vb2 = bits
-    return [("D", D), ("ROWS", rows), ("KB1", kb1), ("KB2", kb2), ("VB1", vb1), ("VB2", vb2),
-            ("KH", int(k_hadamard)), ("NW", WARPS)]
+    return [
+        ("D", D),
+        ("ROWS", rows),
+        ("KB1", kb1),
+        ("KB2", kb2),
+        ("VB1", vb1),
+        ("VB2", vb2),
+        ("KH", int(k_hadamard)),
+        ("NW", WARPS),
+    ]
 
 
 def splits(B: int, Hkv: int, L: int) -> int:
@@ -135,31 +155,54 @@ def splits(B: int, Hkv: int, L: int) -> int:
     return math.ceil(L / per_block)
 
 
-def partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                      k_codec, v_codec, scale: float):
+def partial_attention(
+    queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_codec, v_codec, scale: float
+):
     """codes_partial_attention's answer, from the kernel (the caller checked `unsupported`)."""
     B, Hq, Lq, D = queries.shape
     _, Hkv, L, _ = k_enc["codes"].shape
     rows = (Hq // Hkv) * Lq
     q = queries.reshape(B, Hkv, rows, D).astype(mx.float32) * (scale * math.log2(math.e) / math.sqrt(D))
     bits = _bits(k_codec, v_codec)
-    lv = _levels((k_codec.store, k_codec.residuals[0] if bits[1] else None),
-                 (v_codec.store, v_codec.residuals[0] if bits[3] else None), D)
+    lv = _levels(
+        (k_codec.store, k_codec.residuals[0] if bits[1] else None),
+        (v_codec.store, v_codec.residuals[0] if bits[3] else None),
+        D,
+    )
     kr = "r0." if bits[1] else ""
     vr = "r0." if bits[3] else ""
     ns = splits(B, Hkv, L)
     nrows = B * Hq * Lq
     attend, reduce = _kernels()
     pm, pl, pacc = attend(
-        inputs=[q, k_enc["codes"], k_enc["norms"], k_enc[kr + "codes"], k_enc[kr + "norms"],
-                v_enc["codes"], v_enc["norms"], v_enc[vr + "codes"], v_enc[vr + "norms"], lv],
-        template=template(D, rows, bits, bool(k_codec.transforms)), grid=(ns * 32 * WARPS, B * Hkv, 1),
+        inputs=[
+            q,
+            k_enc["codes"],
+            k_enc["norms"],
+            k_enc[kr + "codes"],
+            k_enc[kr + "norms"],
+            v_enc["codes"],
+            v_enc["norms"],
+            v_enc[vr + "codes"],
+            v_enc[vr + "norms"],
+            lv,
+        ],
+        template=template(D, rows, bits, bool(k_codec.transforms)),
+        grid=(ns * 32 * WARPS, B * Hkv, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    return tuple(reduce(inputs=[pm, pl, pacc], template=[("D", D), ("VH", int(bool(v_codec.transforms)))],
-                        grid=(D * nrows, 1, 1), threadgroup=(D, 1, 1), output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)],
-                        output_dtypes=[mx.float32, mx.float32]))
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    return tuple(
+        reduce(
+            inputs=[pm, pl, pacc],
+            template=[("D", D), ("VH", int(bool(v_codec.transforms)))],
+            grid=(D * nrows, 1, 1),
+            threadgroup=(D, 1, 1),
+            output_shapes=[(B, Hq, Lq, D), (B, Hq, Lq)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+    )
 
 
 # ---------------------------------------------------------------- encode (section lloyd_encode)
@@ -170,8 +213,13 @@ def encode_unsupported(codec) -> str:
 
 @lru_cache(maxsize=None)
 def _encoder():
-    return variants.kernel(name="vq_lloyd_encode", input_names=["x", "lv"], output_names=["c1", "n1", "c2", "n2"],
-                               source=strip(sections()["lloyd_encode"]), header=header())
+    return variants.kernel(
+        name="vq_lloyd_encode",
+        input_names=["x", "lv"],
+        output_names=["c1", "n1", "c2", "n2"],
+        source=strip(sections()["lloyd_encode"]),
+        header=header(),
+    )
 
 
 def encode(codec, x: mx.array) -> Dict[str, mx.array]:
@@ -186,9 +234,11 @@ def encode(codec, x: mx.array) -> Dict[str, mx.array]:
     c1, n1, c2, n2 = _encoder()(
         inputs=[x.reshape(R, D), lv],
         template=[("T", x.dtype), ("D", D), ("B1", b1), ("B2", b2), ("H", int(bool(codec.transforms)))],
-        grid=(D * R, 1, 1), threadgroup=(D, 1, 1),
+        grid=(D * R, 1, 1),
+        threadgroup=(D, 1, 1),
         output_shapes=[(R, D * b1 // 32), (R,), (R, max(1, D * b2 // 32)), (R,)],
-        output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16])
+        output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
+    )
     enc = {"codes": c1.reshape(B, H, n, -1), "norms": n1.reshape(B, H, n, 1)}
     if residual is not None:
         enc.update({"r0.codes": c2.reshape(B, H, n, -1), "r0.norms": n2.reshape(B, H, n, 1)})
@@ -196,7 +246,17 @@ def encode(codec, x: mx.array) -> Dict[str, mx.array]:
 
 
 # Verified: tests/test_lut_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(Kernel("lut", "code", "lut_attention.cu, lut_attend", frozenset({"cuda"}), unsupported, partial_attention,
-                chains=CHAINS))
-register(Kernel("lloyd_encode", "encode", "lut_attention.cu, lloyd_encode", frozenset({"cuda"}), encode_unsupported,
-                encode))
+register(
+    Kernel(
+        "lut",
+        "code",
+        "lut_attention.cu, lut_attend",
+        frozenset({"cuda"}),
+        unsupported,
+        partial_attention,
+        chains=CHAINS,
+    )
+)
+register(
+    Kernel("lloyd_encode", "encode", "lut_attention.cu, lloyd_encode", frozenset({"cuda"}), encode_unsupported, encode)
+)

@@ -8,6 +8,7 @@ a small stand-in for MLX's device header (only `Shape` is used), and runs
 `nvcc -cubin -arch=sm_90 -Xptxas -v`: compile errors, registers, spills and
 static shared memory, before any device time is spent. It does not run anything.
 """
+
 import argparse
 import re
 import shutil
@@ -38,8 +39,15 @@ _PARTIALS = [("pm", "float"), ("pl", "float"), ("pacc", "float")]
 
 def _attend_inputs(qtype: str) -> list:
     """The attend kernels' inputs (v1 adds `lo`)."""
-    return [("q", _CTYPES[qtype]), ("kc", "uint32_t"), ("ks", "__half"), ("kz", "__half"),
-            ("vc", "uint32_t"), ("vs", "__half"), ("vz", "__half")]
+    return [
+        ("q", _CTYPES[qtype]),
+        ("kc", "uint32_t"),
+        ("ks", "__half"),
+        ("kz", "__half"),
+        ("vc", "uint32_t"),
+        ("vs", "__half"),
+        ("vz", "__half"),
+    ]
 
 
 def render(name: str, header: str, body: str, inputs, outputs, template, pruned: bool = True) -> str:
@@ -59,47 +67,99 @@ def render(name: str, header: str, body: str, inputs, outputs, template, pruned:
     consts = []
     for n, v in template:
         consts.append(f"  using {n} = {_CTYPES[v]};" if isinstance(v, str) else f"  constexpr int {n} = {v};")
-    return (_STANDIN + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-            + f"__global__ void {name}(\n" + ",\n".join(sig) + ") {\n" + "\n".join(consts) + "\n" + body
-            + "\n}\n} // namespace mlx::core::cu\n")
+    return (
+        _STANDIN
+        + header
+        + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+        + f"__global__ void {name}(\n"
+        + ",\n".join(sig)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n"
+        + body
+        + "\n}\n} // namespace mlx::core::cu\n"
+    )
 
 
-def tc_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, nx: int = 1,
-            pruned: bool = True) -> str:
+def tc_unit(
+    B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", fold: int = 1, nx: int = 1, pruned: bool = True
+) -> str:
     """attend_tc's translation unit (kernels/cuda/tc_attention.cu + tc_fold.cu) as tc_launch builds it."""
     qd = getattr(mx, qtype)
-    p = tc.plan(B, Hq, Lq, D, Hkv, L, qd, kspec, vspec, D ** -0.5)
+    p = tc.plan(B, Hq, Lq, D, Hkv, L, qd, kspec, vspec, D**-0.5)
     x = _CTYPES[qtype]
-    inputs = _attend_inputs(qtype) + ([("work", "int32_t"), ("after", "float")] if fold else []) \
-        + [(n, x) for n in tc_launch.TAIL[:2 * nx]]
+    inputs = (
+        _attend_inputs(qtype)
+        + ([("work", "int32_t"), ("after", "float")] if fold else [])
+        + [(n, x) for n in tc_launch.TAIL[: 2 * nx]]
+    )
     outputs = [("out", x if nx else "float"), ("lse", "float")] if fold else _PARTIALS
     body = tc_launch.constants(p.template + (("NX", nx),)) + strip(tc.sections()["attend_tc"])
-    return render("custom_kernel_vq_tc", strip(tc.header(p.bps, bool(fold), nx)), body, inputs, outputs, [],
-                  pruned)
+    return render("custom_kernel_vq_tc", strip(tc.header(p.bps, bool(fold), nx)), body, inputs, outputs, [], pruned)
 
 
 def v1_unit(B, Hq, Lq, D, Hkv, L, kspec, vspec, qtype="float16", pruned: bool = True) -> str:
     """The CUDA-core attend kernel's translation unit (section attend), as MLX would build it."""
-    p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D ** -0.5)
-    return render("custom_kernel_vq_affine_attend", _strip(attend_header(D)), _strip(sections()["attend"]),
-                  _attend_inputs(qtype) + [("lo", "int32_t")], _PARTIALS, list(p.template), pruned)
+    p = plan(B, Hq, Lq, D, Hkv, L, qtype, kspec, vspec, D**-0.5)
+    return render(
+        "custom_kernel_vq_affine_attend",
+        _strip(attend_header(D)),
+        _strip(sections()["attend"]),
+        _attend_inputs(qtype) + [("lo", "int32_t")],
+        _PARTIALS,
+        list(p.template),
+        pruned,
+    )
 
 
 def lut_unit(D: int, rows: int, bits=(2, 2, 2, 2), section: str = "lut_attend", pruned: bool = True) -> str:
     """The LUT kernel's translation unit (kernels/cuda/lut_attention.cu), as MLX would build it."""
     if section == "lloyd_encode":
-        ins, outs = [("x", "__half"), ("lv", "float")], [("c1", "uint32_t"), ("n1", "__half"), ("c2", "uint32_t"),
-                                                       ("n2", "__half")]
-        return render("custom_kernel_vq_lloyd_encode", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
-                      [("T", "float16"), ("D", D), ("B1", bits[0]), ("B2", bits[1]), ("H", 1)], pruned)
+        ins, outs = (
+            [("x", "__half"), ("lv", "float")],
+            [("c1", "uint32_t"), ("n1", "__half"), ("c2", "uint32_t"), ("n2", "__half")],
+        )
+        return render(
+            "custom_kernel_vq_lloyd_encode",
+            lut.header(),
+            lut.strip(lut.sections()[section]),
+            ins,
+            outs,
+            [("T", "float16"), ("D", D), ("B1", bits[0]), ("B2", bits[1]), ("H", 1)],
+            pruned,
+        )
     if section == "lut_reduce":
         ins, outs = [("pm", "float"), ("pl", "float"), ("pacc", "float")], [("out", "float"), ("lse", "float")]
-        return render("custom_kernel_vq_lut_reduce", lut.header(), lut.strip(lut.sections()[section]), ins, outs,
-                      [("D", D), ("VH", 1)], pruned)
-    ins = [("q", "float"), ("kc1", "uint32_t"), ("kn1", "__half"), ("kc2", "uint32_t"), ("kn2", "__half"),
-           ("vc1", "uint32_t"), ("vn1", "__half"), ("vc2", "uint32_t"), ("vn2", "__half"), ("lv", "float")]
-    return render("custom_kernel_vq_lut_attend", lut.header(), lut.strip(lut.sections()[section]), ins, _PARTIALS,
-                  lut.template(D, rows, tuple(bits), True), pruned)
+        return render(
+            "custom_kernel_vq_lut_reduce",
+            lut.header(),
+            lut.strip(lut.sections()[section]),
+            ins,
+            outs,
+            [("D", D), ("VH", 1)],
+            pruned,
+        )
+    ins = [
+        ("q", "float"),
+        ("kc1", "uint32_t"),
+        ("kn1", "__half"),
+        ("kc2", "uint32_t"),
+        ("kn2", "__half"),
+        ("vc1", "uint32_t"),
+        ("vn1", "__half"),
+        ("vc2", "uint32_t"),
+        ("vn2", "__half"),
+        ("lv", "float"),
+    ]
+    return render(
+        "custom_kernel_vq_lut_attend",
+        lut.header(),
+        lut.strip(lut.sections()[section]),
+        ins,
+        _PARTIALS,
+        lut.template(D, rows, tuple(bits), True),
+        pruned,
+    )
 
 
 def compile_unit(src: str, arch: str = "sm_90") -> str:
@@ -110,8 +170,11 @@ def compile_unit(src: str, arch: str = "sm_90") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "k.cu"
         cu.write_text(src)
-        r = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
-                            str(Path(tmp) / "k.cubin"), str(cu)], capture_output=True, text=True)
+        r = subprocess.run(
+            [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", str(Path(tmp) / "k.cubin"), str(cu)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise subprocess.CalledProcessError(r.returncode, "nvcc", r.stdout + r.stderr)
         return r.stdout + r.stderr
@@ -123,15 +186,18 @@ def ptx(src: str, arch: str = "sm_90") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cu, out = Path(tmp) / "k.cu", Path(tmp) / "k.ptx"
         cu.write_text(src)
-        subprocess.run([shutil.which("nvcc") or "nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "-o", str(out),
-                        str(cu)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [shutil.which("nvcc") or "nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "-o", str(out), str(cu)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         text = "".join(line for line in out.read_text().splitlines(keepends=True) if not line.startswith("//"))
         return re.sub(r"_INTERNAL_\w+?_k_cu_[0-9a-f]+", "_INTERNAL_", text)  # per-compile unique names
 
 
 def main(argv=None) -> int:
-    a = argparse.ArgumentParser(prog="python -m veloxquant.kernels.nvcc_check",
-                                description=__doc__.splitlines()[0])
+    a = argparse.ArgumentParser(prog="python -m veloxquant.kernels.nvcc_check", description=__doc__.splitlines()[0])
     a.add_argument("--shape", default="32/8/128", help="Hq/Hkv/D")
     a.add_argument("--seq", type=int, default=32768)
     a.add_argument("--bits", type=int, default=4)

@@ -5,6 +5,7 @@ Decode runs this once per layer per token, so op count is host time (and a
 kernel launch each on the GPU): the unmasked path skips the guards a mask
 needs, and merging is one compiled elementwise kernel per extra tier.
 """
+
 from functools import partial
 from typing import Callable, List, Optional, Tuple
 
@@ -13,8 +14,9 @@ import mlx.core as mx
 Partial = Tuple[mx.array, mx.array]  # out [B, Hq, Lq, D] (normalized, f32), lse [B, Hq, Lq]
 
 
-def partial_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      mask: Optional[mx.array] = None) -> Partial:
+def partial_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[mx.array] = None
+) -> Partial:
     """softmax(q k^T * scale) v over one tier, GQA-aware, accumulated in float32.
 
     `mask` is boolean, broadcastable to [Lq, Lk] (True = may attend).
@@ -28,8 +30,9 @@ def partial_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     return partial_from_scores(scores, mask, Lq, lambda weights: weights @ values.astype(mx.float32))
 
 
-def partial_from_scores(scores: mx.array, mask: Optional[mx.array], Lq: int,
-                        combine: Callable[[mx.array], mx.array]) -> Partial:
+def partial_from_scores(
+    scores: mx.array, mask: Optional[mx.array], Lq: int, combine: Callable[[mx.array], mx.array]
+) -> Partial:
     """The partial of one tier from its scores [B, Hkv, rep*Lq, Lk] (scaled, float32).
 
     `combine(weights)` returns sum_k weights·v [B, Hkv, rep*Lq, D]: plain values, or a

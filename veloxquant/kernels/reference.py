@@ -15,6 +15,7 @@ two share one algebra and the reference runs anywhere MLX runs (CPU included):
 No dequantized K or V is formed; codes are unpacked to float32 (this is the
 reference, not the fast path). Softmax and accumulation are float32.
 """
+
 from typing import Dict, Mapping, Tuple, Union
 
 import mlx.core as mx
@@ -85,8 +86,15 @@ def _weighted_values(p: mx.array, v_enc: Dict[str, mx.array], bits: int, group: 
     return out + (psum[..., None] * z[:, :, :, None, :]).sum(2)
 
 
-def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                             k_spec: Spec, v_spec: Spec, scale: float, hidden: int = 0) -> Tuple[mx.array, mx.array]:
+def affine_partial_attention(
+    q: mx.array,
+    k_enc: Dict[str, mx.array],
+    v_enc: Dict[str, mx.array],
+    k_spec: Spec,
+    v_spec: Spec,
+    scale: float,
+    hidden: int = 0,
+) -> Tuple[mx.array, mx.array]:
     """softmax(scale q K^T) V over one affine-coded tier, every token visible but the
     first `hidden` (a sliding window's expired tokens still held in their key group).
 
@@ -112,12 +120,22 @@ def affine_partial_attention(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dic
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 
 
-def attention_with_tail(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec,
-                        v_spec: Spec, scale: float, tail, hidden: int = 0) -> mx.array:
+def attention_with_tail(
+    q: mx.array,
+    k_enc: Dict[str, mx.array],
+    v_enc: Dict[str, mx.array],
+    k_spec: Spec,
+    v_spec: Spec,
+    scale: float,
+    tail,
+    hidden: int = 0,
+) -> mx.array:
     """What the CUDA launch answers with a tail: attention over the coded tier (but its
     first `hidden` tokens) and the dense (k, v) tiers of `tail` together, in q's dtype."""
     k = mx.concatenate([k for k, _ in tail], axis=2)
     v = mx.concatenate([v for _, v in tail], axis=2)
-    parts = [affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale, hidden),
-             partial_attention(q, k, v, scale)]
+    parts = [
+        affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale, hidden),
+        partial_attention(q, k, v, scale),
+    ]
     return merge_partials(parts).astype(q.dtype)

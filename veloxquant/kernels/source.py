@@ -1,4 +1,5 @@
 """Kernel source files: sections on '//@@ name' lines, and the text MLX is handed."""
+
 import re
 from typing import Dict
 
@@ -65,7 +66,7 @@ def _name(item: str):
             depth += (c == "<") - (c == ">")
             if c == ">" and depth == 0:
                 break
-        head = head[i + 1:]
+        head = head[i + 1 :]
     m = _NAMED.search(head)
     if not m:
         return None
@@ -116,7 +117,7 @@ def squeeze(src: str) -> str:
             continue
         parts, last = [], 0
         for m in _STRING.finditer(line):
-            parts.append(_squeeze_code(line[last:m.start()]))
+            parts.append(_squeeze_code(line[last : m.start()]))
             parts.append(m.group(0))
             last = m.end()
         parts.append(_squeeze_code(line[last:]))

@@ -6,6 +6,7 @@ them all); `dispatch` routes by this table and the compiler asks it what is veri
 lists a backend in `verified` only after its parity tests passed there on real hardware
 (docs/kernels.md, "Parity on the H200"); everywhere else the MLX-ops reference answers.
 """
+
 import os
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -60,8 +61,15 @@ def forced_attend() -> str:
     return forced if forced in KERNELS and KERNELS[forced].family == "attend" else ""
 
 
-def attend_route(shape: tuple, kspec: tuple, vspec: tuple, impl: Optional[str] = None, chunk: int = 0,
-                 hides: bool = False, backend: str = "cuda") -> str:
+def attend_route(
+    shape: tuple,
+    kspec: tuple,
+    vspec: tuple,
+    impl: Optional[str] = None,
+    chunk: int = 0,
+    hides: bool = False,
+    backend: str = "cuda",
+) -> str:
     """The attend kernel a call the family takes runs. shape: (B, Hq, Lq, D, Hkv, L). A named
     kernel (`impl`, else VELOXQUANT_CUDA_IMPL) where its scope takes the call, else v1; unnamed,
     the first of ATTEND_ORDER verified on `backend` whose scope and preference take it."""

@@ -10,6 +10,7 @@ blocks and the reduce run in the attend launch (kernels/cuda/tc_fold.cu); else
 partials and the reduce / reduce_tail launch as attend_mma's. Arithmetic here;
 the launches in tc_launch.py.
 """
+
 import math
 import os
 from functools import lru_cache
@@ -65,7 +66,7 @@ def _wavefronts(addrs, width: int) -> int:
     total = 0
     for p in range(0, 32, per_phase):
         banks: dict = {}
-        for a in addrs[p:p + per_phase]:
+        for a in addrs[p : p + per_phase]:
             for w in range(a // 4, (a + width - 1) // 4 + 1):
                 banks.setdefault(w % 32, set()).add(w)
         total += max(len(v) for v in banks.values())
@@ -83,14 +84,22 @@ def row_strides(D: int, kb: int, vb: int):
     krb, vrb = D * kb // 8, D * vb // 8
 
     def cost_k(rs):  # a 32-byte lane block is two 16-byte loads
-        return sum(_wavefronts([(l // 4 + 8 * e) * rs + (l % 4) * knb + 16 * h for l in lanes], min(knb, 16))
-                   for e in range(2) for h in range(max(1, knb // 16)))
+        return sum(
+            _wavefronts([(l // 4 + 8 * e) * rs + (l % 4) * knb + 16 * h for l in lanes], min(knb, 16))
+            for e in range(2)
+            for h in range(max(1, knb // 16))
+        )
 
     def cost_v(rs):
-        return sum(_wavefronts([(2 * (l % 4) + (e & 1) + 8 * (e >> 1)) * rs + (l // 4) * vnb for l in lanes],
-                               min(vnb, 16)) for e in range(4))
-    return (min((krb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_k(rs), rs)),
-            min((vrb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_v(rs), rs)))
+        return sum(
+            _wavefronts([(2 * (l % 4) + (e & 1) + 8 * (e >> 1)) * rs + (l // 4) * vnb for l in lanes], min(vnb, 16))
+            for e in range(4)
+        )
+
+    return (
+        min((krb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_k(rs), rs)),
+        min((vrb + p for p in (0, 16, 32, 48)), key=lambda rs: (cost_v(rs), rs)),
+    )
 
 
 def stage_bytes(D: int, kb: int, gk: int, vb: int, gv: int) -> int:
@@ -165,8 +174,9 @@ def stages_for(D: int, rows: int, kspec: tuple, vspec: tuple, bps: int, qdtype="
 
 
 @lru_cache(maxsize=512)
-def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple,
-         scale: float) -> TcPlan:
+def plan(
+    B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tuple, vspec: tuple, scale: float
+) -> TcPlan:
     """One wave of about bps blocks per SM over B*Hkv heads; each block a run of
     consecutive stages, split between its warps."""
     (kb, gk, _), (vb, gv, _) = kspec, vspec
@@ -179,9 +189,21 @@ def plan(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, qdtype, kspec: tupl
     ns = math.ceil(nstage / math.ceil(nstage / ns))
     smem = (max(NW * nst * stage_bytes(D, kb, gk, vb, gv), end_bytes(D, rows, ns)) + 127) // 128 * 128
     krs, vrs = row_strides(D, kb, vb)
-    template = (("T", qdtype), ("D", D), ("ROWS", rows), ("LQ", Lq), ("BK", kb), ("GK", gk), ("BV", vb),
-                ("GV", gv), ("QSCALE", float_bits(scale * math.log2(math.e))), ("NW", NW), ("NST", nst),
-                ("KRS", krs), ("VRS", vrs))
+    template = (
+        ("T", qdtype),
+        ("D", D),
+        ("ROWS", rows),
+        ("LQ", Lq),
+        ("BK", kb),
+        ("GK", gk),
+        ("BV", vb),
+        ("GV", gv),
+        ("QSCALE", float_bits(scale * math.log2(math.e))),
+        ("NW", NW),
+        ("NST", nst),
+        ("KRS", krs),
+        ("VRS", vrs),
+    )
     return TcPlan(bps, nst, smem, ns, template)
 
 
@@ -195,7 +217,12 @@ def sections() -> dict:
 def header(bps: int, fold: bool = False, nx: int = 0) -> str:
     """Launch bounds (see affine_attention.cu's header), the variant's switches, the
     affine helpers and mma helpers, ours."""
-    return (f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n#define VQ_FOLD {int(fold)}\n#define VQ_NX {nx}\n"
-            f"#define VQ_COUNTERS {COUNTERS}\n" + affine()["header"] + affine()["mma_header"]
-            + sections()["tc_header"] + (sections()["tc_tail_header"] if nx else "")
-            + (sections()["tc_fold_header"] if fold else ""))
+    return (
+        f"#define VQ_LAUNCH_BOUNDS {NW * 32}, {bps}\n#define VQ_FOLD {int(fold)}\n#define VQ_NX {nx}\n"
+        f"#define VQ_COUNTERS {COUNTERS}\n"
+        + affine()["header"]
+        + affine()["mma_header"]
+        + sections()["tc_header"]
+        + (sections()["tc_tail_header"] if nx else "")
+        + (sections()["tc_fold_header"] if fold else "")
+    )

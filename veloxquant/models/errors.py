@@ -1,4 +1,5 @@
 """Exception type shared by the model helpers."""
+
 from ..errors import VeloxError
 
 

@@ -84,8 +84,9 @@ def open_gguf(path: str | os.PathLike):
     try:
         return GGUFReader(path)
     except Exception as exc:  # GGUFReader raises ValueError, struct.error, IndexError, ...
-        raise ModelError(f"not a readable GGUF file (corrupt or truncated?): {path} "
-                         f"({type(exc).__name__}: {exc})") from exc
+        raise ModelError(
+            f"not a readable GGUF file (corrupt or truncated?): {path} ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -98,8 +99,7 @@ def _llama_config(meta: dict, shapes: dict) -> dict:
     a = "llama"
     n_head = int(meta[f"{a}.attention.head_count"])
     hidden = int(meta[f"{a}.embedding_length"])
-    head_dim = int(meta.get(f"{a}.attention.key_length")
-                   or meta.get(f"{a}.rope.dimension_count") or hidden // n_head)
+    head_dim = int(meta.get(f"{a}.attention.key_length") or meta.get(f"{a}.rope.dimension_count") or hidden // n_head)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -118,8 +118,7 @@ def _llama_config(meta: dict, shapes: dict) -> dict:
         "rope_scaling": None,
     }
     if meta.get(f"{a}.rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"type": "linear",
-                               "factor": _f32(meta[f"{a}.rope.scaling.factor"])}
+        cfg["rope_scaling"] = {"type": "linear", "factor": _f32(meta[f"{a}.rope.scaling.factor"])}
     elif meta.get(f"{a}.rope.scaling.type") not in (None, "none"):
         raise ModelError(f"unsupported rope scaling {meta[f'{a}.rope.scaling.type']!r}")
     if "rope_freqs" in shapes:  # Llama 3.1-style frequency factors: not stored fully in GGUF
@@ -152,8 +151,7 @@ def _gemma3_config(meta: dict, shapes: dict) -> dict:
         "query_pre_attn_scalar": scalar,
         "sliding_window": int(meta.get(f"{a}.attention.sliding_window", 512)),
         "sliding_window_pattern": pattern,
-        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                        for i in range(n_layers)],
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)],
         "max_position_embeddings": int(meta.get(f"{a}.context_length", 32768)),
         "hidden_activation": "gelu_pytorch_tanh",
         "final_logit_softcapping": None,
@@ -161,8 +159,7 @@ def _gemma3_config(meta: dict, shapes: dict) -> dict:
         "rope_scaling": None,
     }
     if meta.get(f"{a}.rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear",
-                               "factor": _f32(meta[f"{a}.rope.scaling.factor"])}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(meta[f"{a}.rope.scaling.factor"])}
     return cfg
 
 
@@ -219,8 +216,7 @@ def _convert_weights(reader, arch: str, meta: dict, dtype, progress: bool):
     cfg["vocab_size"] = int(shapes["token_embd"][0])
     cfg["tie_word_embeddings"] = "output" not in shapes
     weights = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr,
-                  disable=not progress, leave=False):
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, disable=not progress, leave=False):
         name = _hf_name(t.name, layer_names)
         w = transform(name, _dequantize(t), cfg)
         if not np.isfinite(w).all():
@@ -231,9 +227,14 @@ def _convert_weights(reader, arch: str, meta: dict, dtype, progress: bool):
     return cfg, weights
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                 dtype: str = "float16", overwrite: bool = False,
-                 progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "float16",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Convert ``gguf_path`` into an mlx-lm folder at ``out_dir`` and return its path.
 
     The folder is written next to ``out_dir`` under a temporary name and renamed at
@@ -257,8 +258,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     if progress:
         print("veloxquant: building tokenizer", file=sys.stderr, flush=True)
     tokenizer, tok_config, specials = build_tokenizer(arch, meta)
-    for key, tid in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                     ("pad_token_id", "padding_token_id")):
+    for key, tid in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         if f"tokenizer.ggml.{tid}" in meta:
             cfg[key] = int(meta[f"tokenizer.ggml.{tid}"])
     vocab = tokenizer.get_vocab()
@@ -266,8 +270,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         # Chat turns end with <end_of_turn>, not <eos>; mlx-lm stops on every id listed.
         cfg["eos_token_id"] = [cfg["eos_token_id"], vocab["<end_of_turn>"]]
     cfg["torch_dtype"] = dtype
-    cfg["veloxquant"] = {"converter_version": CONVERTER_VERSION,
-                         "source": Path(gguf_path).name}
+    cfg["veloxquant"] = {"converter_version": CONVERTER_VERSION, "source": Path(gguf_path).name}
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -275,8 +278,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         tokenizer.save(str(tmp / "tokenizer.json"))
-        for fname, obj in (("config.json", cfg), ("tokenizer_config.json", tok_config),
-                           ("special_tokens_map.json", specials)):
+        for fname, obj in (
+            ("config.json", cfg),
+            ("tokenizer_config.json", tok_config),
+            ("special_tokens_map.json", specials),
+        ):
             (tmp / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -46,16 +46,20 @@ def _byte_level_pre_tokenizer(pre: str | None):
     """The split llama.cpp applies before BPE, keyed by ``tokenizer.ggml.pre``."""
     if pre == "smollm":
         # SmolLM2 splits every digit on its own before the GPT-2 regex.
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
     if split is not None:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre not in (None, "default", "gpt2", "gpt-2"):
         # Better a close tokenizer than none: the GPT-2 regex differs only on edge cases.
         warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; using the GPT-2 split", stacklevel=3)
@@ -72,9 +76,7 @@ def _spm_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, st
     merges = []
     for token, score in rank.items():
         local = [
-            (token[:k], token[k:], score)
-            for k in range(1, len(token))
-            if token[:k] in vocab and token[k:] in vocab
+            (token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
         ]
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges.extend(local)
@@ -94,19 +96,18 @@ def _spm_model(arch: str, meta: dict[str, Any]) -> tuple[Tokenizer, list[str]]:
     vocab = {t: i for i, t in enumerate(tokens)}
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, rank), unk_token=unk,
-                               fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=_spm_merges(tokens, rank), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
     strip = []
     if arch.startswith("gemma"):
         tok.normalizer = normalizers.Replace(" ", "\u2581")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     else:
         prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                     prepend_scheme=prepend, split=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
         strip = [decoders.Strip(" ", 1, 0)] if prepend == "first" else []
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tok, tokens
 
 
@@ -115,8 +116,9 @@ def _bpe_model(meta: dict[str, Any]) -> Tokenizer:
     if "tokenizer.ggml.merges" not in meta:
         raise ModelError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
     tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -149,26 +151,36 @@ def build_tokenizer(arch: str, meta: dict[str, Any]):
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     # Control tokens (<|im_end|>, <bos>, ...) must never be split by BPE.
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    )
     # User-defined tokens (Gemma's "\n\n", "<table>") are matched whole, like llama.cpp
     # does; ones we respelled (space runs) are left to BPE, which reaches the same ids.
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, s, ty in zip(tokens, spelled, types) if ty == _USER_DEFINED and t == s]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, s, ty in zip(tokens, spelled, types)
+        if ty == _USER_DEFINED and t == s
+    ]
     if user:
         tok.add_tokens(user)
 
-    specials = {name: _token(meta, key) for name, key in (
-        ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    specials = {
+        name: _token(meta, key)
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+    }
     specials = {k: v for k, v in specials.items() if v is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if add_bos and "bos_token" in specials:
         bos, bos_id = specials["bos_token"], meta["tokenizer.ggml.bos_token_id"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)])
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
 
     chat_template = meta.get("tokenizer.chat_template")
     if chat_template is None and arch.startswith("gemma3") and "<start_of_turn>" in tokens:

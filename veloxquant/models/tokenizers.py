@@ -4,6 +4,7 @@
 runtime/eviction/model_pass.py) tokenizes its prompt with it. Kept beside the loader so the
 models layer needs nothing from the runtime that uses it.
 """
+
 import weakref
 from typing import Dict
 

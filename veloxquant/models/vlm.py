@@ -8,6 +8,7 @@ the vision tower's embeddings, say where the image tokens sit; they come from th
 
 Nothing here imports mlx_vlm: the model is read by its attributes.
 """
+
 from typing import Tuple
 
 # Config fields naming the placeholder ids whose positions carry image/video embeddings.
@@ -17,8 +18,12 @@ _IMAGE_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video
 def is_vlm(model) -> bool:
     """An mlx-vlm model: a language model under `language_model` and a vision tower feeding it embeddings."""
     lm = getattr(model, "language_model", None)
-    return lm is not None and lm is not model and hasattr(model, "get_input_embeddings") \
+    return (
+        lm is not None
+        and lm is not model
+        and hasattr(model, "get_input_embeddings")
         and type(model).__module__.startswith("mlx_vlm.")
+    )
 
 
 def text_model(model):

@@ -2,6 +2,7 @@
 
 Every node keeps `pos`, its place in the recipe file, for error messages;
 positions never take part in equality."""
+
 from typing import Optional, Tuple, Union
 
 import attrs
@@ -24,6 +25,7 @@ class Str:
 @attrs.frozen
 class Word:
     """A bare name used as a value: an enum member (axis=channel) or true/false."""
+
     name: str
     pos: Location = attrs.field(eq=False)
 
@@ -31,6 +33,7 @@ class Word:
 @attrs.frozen
 class Ref:
     """`$name`: a recipe parameter."""
+
     name: str
     pos: Location = attrs.field(eq=False)
 
@@ -45,6 +48,7 @@ class Arg:
 @attrs.frozen
 class Call:
     """`name(args)`: a stage in a pipeline, or a schedule / nested stage as a value."""
+
     name: str
     args: Tuple[Arg, ...]
     pos: Location = attrs.field(eq=False)
@@ -56,6 +60,7 @@ Value = Union[Num, Str, Word, Ref, Call]
 @attrs.frozen
 class Tier:
     """Stages shared by K and V, then optionally separate K and V chains."""
+
     stages: Tuple[Call, ...]
     keys: Optional[Tuple[Call, ...]] = None
     values: Optional[Tuple[Call, ...]] = None

@@ -4,6 +4,7 @@ Canonical: fixed key order, one spelling per value, the pipeline one tier per
 line. Full-line comments stay with the key they precede; formatting twice
 changes nothing, and the compiled plan never changes.
 """
+
 import json
 import re
 from typing import Any, Dict, List, Tuple
@@ -132,8 +133,9 @@ def _comments(src: Source) -> Dict[int, List[str]]:
     for node in src.marks.values():
         if isinstance(node, yaml.ScalarNode) and node.style in ("|", ">"):
             # the scalar ends at the start (column 0) of the first line that is not its own
-            inside_block.update(range(node.start_mark.line + 1,
-                                      node.end_mark.line + (1 if node.end_mark.column else 0)))
+            inside_block.update(
+                range(node.start_mark.line + 1, node.end_mark.line + (1 if node.end_mark.column else 0))
+            )
     key_lines = sorted(n.start_mark.line for p, n in src.marks.items() if p and p[-1] == "<key>")
     found: Dict[int, List[str]] = {}
     for i, line in enumerate(lines):
@@ -144,8 +146,11 @@ def _comments(src: Source) -> Dict[int, List[str]]:
             target = next((k for k in key_lines if k > i), len(lines) + 1)
             found.setdefault(target, []).append(stripped)
         elif re.search(r"\s#", line) and "#" not in json.dumps(src.data):
-            raise RecipeError("fmt keeps full-line comments only; this line has a comment after a value",
-                              Location(src.file, i + 1, line.index("#") + 1), "move the comment to its own line")
+            raise RecipeError(
+                "fmt keeps full-line comments only; this line has a comment after a value",
+                Location(src.file, i + 1, line.index("#") + 1),
+                "move the comment to its own line",
+            )
     return found
 
 

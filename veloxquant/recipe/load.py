@@ -1,4 +1,5 @@
 """Recipe files -> Recipe objects: schema, params, `extends`, per-layer overrides."""
+
 import re
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -62,8 +63,9 @@ def resolve(ref: str, relative_to: Optional[Path] = None, where: Optional[Locati
     hint = nearest(ref, builtin_names())
     if not hint.startswith("did you mean"):  # dozens of built-ins: point at the list rather than print it
         hint = "`veloxquant list` shows the built-in recipes"
-    raise RecipeError(f"no recipe file or built-in recipe named {quoted(ref)}", where or Location(quoted(ref)[1:-1]),
-                      hint)
+    raise RecipeError(
+        f"no recipe file or built-in recipe named {quoted(ref)}", where or Location(quoted(ref)[1:-1]), hint
+    )
 
 
 class _PipelineBudget:
@@ -75,8 +77,11 @@ class _PipelineBudget:
     def spend(self, text: str, where: Location) -> str:
         self.left -= len(text)
         if self.left < 0:
-            raise RecipeError(f"the recipe's pipelines hold more than {MAX_PIPELINE_CHARS} characters", where,
-                              "a pipeline is a few tiers of a few stages each")
+            raise RecipeError(
+                f"the recipe's pipelines hold more than {MAX_PIPELINE_CHARS} characters",
+                where,
+                "a pipeline is a few tiers of a few stages each",
+            )
         return text
 
 
@@ -90,8 +95,11 @@ def _is_file(path: Path) -> bool:
 def check_selector(selector: str, where: Location) -> None:
     for part in str(selector).split(","):
         if not _SELECTOR.match(part):
-            raise RecipeError(f"bad layer selector {brief(part.strip())}", where,
-                              "use a layer index (0, -1), a range (0-3), a list (0,2,4), 'sliding', 'full' or 'all'")
+            raise RecipeError(
+                f"bad layer selector {brief(part.strip())}",
+                where,
+                "use a layer index (0, -1), a range (0-3), a list (0,2,4), 'sliding', 'full' or 'all'",
+            )
 
 
 def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Location] = None) -> Recipe:
@@ -100,8 +108,9 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         cycle = " -> ".join(p.name for p in _chain + (path,))
         raise RecipeError(f"cyclic extends: {cycle}", _where)
     if len(_chain) >= MAX_EXTENDS:
-        raise RecipeError(f"the extends chain is more than {MAX_EXTENDS} recipes long", _where,
-                          "extend a recipe that extends fewer")
+        raise RecipeError(
+            f"the extends chain is more than {MAX_EXTENDS} recipes long", _where, "extend a recipe that extends fewer"
+        )
     src = Source(str(path), read_text(path))
     if not isinstance(src.data, dict):
         raise RecipeError("a recipe is a YAML map", src.loc(), "start with 'veloxquant: 1'")
@@ -112,8 +121,11 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
     if version is None:
         raise RecipeError("missing schema version", src.loc(), f"add 'veloxquant: {SCHEMA_VERSION}' as the first line")
     if type(version) is not int or version != SCHEMA_VERSION:
-        raise RecipeError(f"unsupported schema version {brief(version)}", src.loc("veloxquant"),
-                          f"this veloxquant reads 'veloxquant: {SCHEMA_VERSION}'")
+        raise RecipeError(
+            f"unsupported schema version {brief(version)}",
+            src.loc("veloxquant"),
+            f"this veloxquant reads 'veloxquant: {SCHEMA_VERSION}'",
+        )
     for key in ("name", "summary", "paper", "extends", "pipeline"):
         value = src.get(key)
         if value is not None and not isinstance(value, str):
@@ -157,36 +169,53 @@ def load_recipe(ref: str, _chain: Tuple[Path, ...] = (), _where: Optional[Locati
         where = src.loc("layers", selector, key=True)
         check_selector(str(selector), where)
         if str(selector) in seen:  # e.g. 0 and "0": two YAML keys, one selector
-            raise RecipeError(f"layer selector '{selector}' given twice", where,
-                              f"first given at line {seen[str(selector)]}")
+            raise RecipeError(
+                f"layer selector '{selector}' given twice", where, f"first given at line {seen[str(selector)]}"
+            )
         seen[str(selector)] = where.line
         if not isinstance(body, dict):
             raise RecipeError("a layer override is a map with 'pipeline' and/or 'params'", src.loc("layers", selector))
         for key in body:
             if key not in LAYER_KEYS:
-                raise RecipeError(f"unknown field {quoted(key)} in a layer override",
-                                  src.loc("layers", selector, key, key=True),
-                                  nearest(str(key), LAYER_KEYS))
+                raise RecipeError(
+                    f"unknown field {quoted(key)} in a layer override",
+                    src.loc("layers", selector, key, key=True),
+                    nearest(str(key), LAYER_KEYS),
+                )
         text = body.get("pipeline")
         if text is not None and not isinstance(text, str):
             raise RecipeError("'pipeline' must be a string", src.loc("layers", selector, "pipeline"))
-        sub = parse_pipeline(budget.spend(text, src.loc("layers", selector, "pipeline")),
-                             src.text_locator("layers", selector, "pipeline")) if text is not None else None
+        sub = (
+            parse_pipeline(
+                budget.spend(text, src.loc("layers", selector, "pipeline")),
+                src.text_locator("layers", selector, "pipeline"),
+            )
+            if text is not None
+            else None
+        )
         overrides = body.get("params") or {}
         if not isinstance(overrides, dict):
             raise RecipeError("'params' must be a map", src.loc("layers", selector, "params"))
         checked = {}
         for pname, value in overrides.items():
             if pname not in params:
-                raise RecipeError(f"unknown parameter {quoted(pname)}",
-                                  src.loc("layers", selector, "params", pname, key=True),
-                                  nearest(str(pname), params))
+                raise RecipeError(
+                    f"unknown parameter {quoted(pname)}",
+                    src.loc("layers", selector, "params", pname, key=True),
+                    nearest(str(pname), params),
+                )
             checked[pname] = coerce(params[pname], value, src.loc("layers", selector, "params", pname))
         layers[str(selector)] = LayerOverride(str(selector), sub, text, checked, where)
 
     return Recipe(
-        name=name, summary=src.get("summary") or (parent.summary if parent else ""),
+        name=name,
+        summary=src.get("summary") or (parent.summary if parent else ""),
         paper=src.get("paper") or (parent.paper if parent else ""),
-        params=params, pipeline=pipeline, pipeline_text=pipeline_text, layers=tuple(layers.values()),
-        path=str(path), extends=src.get("extends"), sources=((src,) + (parent.sources if parent else ())),
+        params=params,
+        pipeline=pipeline,
+        pipeline_text=pipeline_text,
+        layers=tuple(layers.values()),
+        path=str(path),
+        extends=src.get("extends"),
+        sources=((src,) + (parent.sources if parent else ())),
     )

@@ -1,4 +1,5 @@
 """Recipe parameters: typed values, per-layer schedules, `--set` overrides."""
+
 import math
 from typing import Any, Optional, Tuple, Union
 
@@ -22,6 +23,7 @@ class Schedule:
     linear(from=a, to=b) / pyramid(from=a, to=b): a straight line from layer 0
     to the last layer (PyramidKV's budget shape); a YAML list gives each layer.
     """
+
     kind: str
     start: float = 0.0
     stop: float = 0.0
@@ -66,8 +68,11 @@ def _schedule_from_text(text: str, where: Location) -> Optional[Schedule]:
     if text.strip().split("(")[0].strip() not in SCHEDULES:
         return None
     if len(text) > MAX_SCHEDULE_CHARS:
-        raise RecipeError(f"a schedule is at most {MAX_SCHEDULE_CHARS} characters, got {len(text)}", where,
-                          "e.g. linear(from=1024, to=128)")
+        raise RecipeError(
+            f"a schedule is at most {MAX_SCHEDULE_CHARS} characters, got {len(text)}",
+            where,
+            "e.g. linear(from=1024, to=128)",
+        )
     node = parse_value(text, lambda line, col: where)
     if not isinstance(node, Call):
         return None
@@ -75,8 +80,9 @@ def _schedule_from_text(text: str, where: Location) -> Optional[Schedule]:
     for i, arg in enumerate(node.args):
         key = arg.name or ("from", "to")[min(i, 1)]
         if key not in ("from", "to") or not isinstance(arg.value, Num):
-            raise RecipeError(f"{node.name}() takes numbers from= and to=", where,
-                              f"e.g. {node.name}(from=1024, to=128)")
+            raise RecipeError(
+                f"{node.name}() takes numbers from= and to=", where, f"e.g. {node.name}(from=1024, to=128)"
+            )
         try:
             args[key] = float(arg.value.value)
         except OverflowError:
@@ -112,10 +118,16 @@ def coerce(param: Param, value: Any, where: Location) -> Any:
         shown = f"a list holding {brief(odd[0])}" if odd and want in ("int", "float") else "a list"
     else:
         shown = "a map" if isinstance(value, dict) else type(value).__name__
-    extra = (", a per-layer list of numbers or a schedule such as linear(from=1024, to=128)"
-             if want in ("int", "float") else "")
-    raise RecipeError(f"parameter '{param.name}' is {want}, got {shown}",
-                      where, f"give {'an' if want == 'int' else 'a'} {want}{extra}")
+    extra = (
+        ", a per-layer list of numbers or a schedule such as linear(from=1024, to=128)"
+        if want in ("int", "float")
+        else ""
+    )
+    raise RecipeError(
+        f"parameter '{param.name}' is {want}, got {shown}",
+        where,
+        f"give {'an' if want == 'int' else 'a'} {want}{extra}",
+    )
 
 
 def declare(name: str, spec: Any, where: Location) -> Param:
@@ -123,25 +135,34 @@ def declare(name: str, spec: Any, where: Location) -> Param:
     if isinstance(spec, dict):
         unknown = set(spec) - {"default", "type", "doc"}
         if unknown or "default" not in spec:
-            what = (f"unknown key {', '.join(repr(str(k)) for k in sorted(unknown, key=str))}" if unknown
-                    else "no 'default'")
-            raise RecipeError(f"parameter '{name}' is a map but not {{default, type, doc}}: {what}", where,
-                              "write 'name: value' or 'name: {default: value, type: int, doc: ...}'; "
-                              "quote a doc that contains a comma")
+            what = (
+                f"unknown key {', '.join(repr(str(k)) for k in sorted(unknown, key=str))}"
+                if unknown
+                else "no 'default'"
+            )
+            raise RecipeError(
+                f"parameter '{name}' is a map but not {{default, type, doc}}: {what}",
+                where,
+                "write 'name: value' or 'name: {default: value, type: int, doc: ...}'; "
+                "quote a doc that contains a comma",
+            )
         default, declared = spec["default"], spec.get("type")
         if declared is not None and (not isinstance(declared, str) or declared not in TYPES):  # [int] is unhashable
-            raise RecipeError(f"parameter '{name}' has unknown type {brief(declared)}", where,
-                              "types: " + ", ".join(TYPES))
+            raise RecipeError(
+                f"parameter '{name}' has unknown type {brief(declared)}", where, "types: " + ", ".join(TYPES)
+            )
         doc = str(spec.get("doc", ""))
     else:
         default, declared, doc = spec, None, ""
     if declared is None:
         if isinstance(default, list) and not (default and all(type_of(v) in ("int", "float") for v in default)):
             odd = [v for v in default if type_of(v) not in ("int", "float")]
-            raise RecipeError(f"parameter '{name}' is a per-layer list, which holds numbers"
-                              + (f"; got {brief(odd[0])}" if odd else " (this one is empty)"), where,
-                              "give one number per layer, e.g. [256, 128, ...], or a schedule such as "
-                              "linear(from=256, to=64)")
+            raise RecipeError(
+                f"parameter '{name}' is a per-layer list, which holds numbers"
+                + (f"; got {brief(odd[0])}" if odd else " (this one is empty)"),
+                where,
+                "give one number per layer, e.g. [256, 128, ...], or a schedule such as linear(from=256, to=64)",
+            )
         if isinstance(default, list) or (isinstance(default, str) and _schedule_from_text(default, where)):
             listed = default if isinstance(default, list) else []
             declared = "int" if all(isinstance(v, int) for v in listed) else "float"

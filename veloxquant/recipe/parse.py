@@ -1,4 +1,5 @@
 """Pipeline text -> syntax tree, with errors placed in the recipe file."""
+
 from functools import lru_cache
 from typing import Callable, Tuple
 
@@ -13,17 +14,25 @@ from .limits import MAX_CALL_NESTING, MAX_PIPELINE_STAGES
 Locate = Callable[[int, int], Location]
 
 _TOKEN_WORDS = {
-    "NAME": "a stage name", "SIGNED_NUMBER": "a number", "ESCAPED_STRING": "a string",
-    "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "EQUAL": "'='", "VBAR": "'|'",
-    "__ANON_0": "'>>'", "DOLLAR": "'$'", "COLON": "':'", "SIDE": "'keys:' or 'values:'",
+    "NAME": "a stage name",
+    "SIGNED_NUMBER": "a number",
+    "ESCAPED_STRING": "a string",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "COMMA": "','",
+    "EQUAL": "'='",
+    "VBAR": "'|'",
+    "__ANON_0": "'>>'",
+    "DOLLAR": "'$'",
+    "COLON": "':'",
+    "SIDE": "'keys:' or 'values:'",
     "$END": "end of pipeline",
 }
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
-    return lark.Lark(grammar_file().read_text(), parser="lalr",
-                     start=["pipeline", "value"], propagate_positions=True)
+    return lark.Lark(grammar_file().read_text(), parser="lalr", start=["pipeline", "value"], propagate_positions=True)
 
 
 def _linecol(meta_or_token) -> Tuple[int, int]:
@@ -46,8 +55,9 @@ class _ToAst(lark.Transformer):
         try:
             value = float(text) if any(c in text for c in ".eE") else int(text)
         except ValueError as e:  # an int of more digits than Python converts
-            raise RecipeError(f"number {_short(text)} cannot be read ({str(e).split(';')[0]})",
-                              self._pos(tok)) from None
+            raise RecipeError(
+                f"number {_short(text)} cannot be read ({str(e).split(';')[0]})", self._pos(tok)
+            ) from None
         return Num(value, self._pos(tok))
 
     def string(self, items):
@@ -109,17 +119,17 @@ def _parse(text: str, start: str, locate: Locate, what: str):
     try:
         tree = _parser().parse(text, start=start)
     except lark.UnexpectedCharacters as e:
-        raise RecipeError(f"unexpected character {text[e.pos_in_stream]!r} in {what}",
-                          locate(e.line, e.column),
-                          f"expected {_expected(e.allowed)}") from None
+        raise RecipeError(
+            f"unexpected character {text[e.pos_in_stream]!r} in {what}",
+            locate(e.line, e.column),
+            f"expected {_expected(e.allowed)}",
+        ) from None
     except lark.UnexpectedToken as e:
         line, col = (e.line, e.column) if e.line and e.line > 0 else _end(text)
         problem = f"{what} ends too early" if e.token.type == "$END" else f"unexpected {str(e.token)!r} in {what}"
-        raise RecipeError(problem, locate(line, col),
-                          f"expected {_expected(e.expected)}") from None
+        raise RecipeError(problem, locate(line, col), f"expected {_expected(e.expected)}") from None
     except lark.UnexpectedEOF as e:
-        raise RecipeError(f"{what} ends too early", locate(*_end(text)),
-                          f"expected {_expected(e.expected)}") from None
+        raise RecipeError(f"{what} ends too early", locate(*_end(text)), f"expected {_expected(e.expected)}") from None
     _check_size(tree, locate, what)
     try:
         return _ToAst(locate).transform(tree)
@@ -128,10 +138,12 @@ def _parse(text: str, start: str, locate: Locate, what: str):
             raise e.orig_exc from None
         if str(e.orig_exc) == "split":
             meta = getattr(e.obj, "meta", None)
-            raise RecipeError("a split needs one 'keys:' chain and one 'values:' chain",
-                              locate(*_linecol(meta)),
-                              "write 'keys: affine(...) values: affine(...)', or drop the split to give "
-                              "keys and values the same chain") from None
+            raise RecipeError(
+                "a split needs one 'keys:' chain and one 'values:' chain",
+                locate(*_linecol(meta)),
+                "write 'keys: affine(...) values: affine(...)', or drop the split to give "
+                "keys and values the same chain",
+            ) from None
         raise
 
 
@@ -146,12 +158,17 @@ def _check_size(tree: lark.Tree, locate: Locate, what: str) -> None:
         if node.data in ("stage", "call"):
             calls, depth = calls + 1, depth + 1
             if depth > MAX_CALL_NESTING:
-                raise RecipeError(f"stage calls nest more than {MAX_CALL_NESTING} deep in {what}",
-                                  locate(*_linecol(node.meta)),
-                                  "a stage argument holds a value or one stage, e.g. residual(lloydmax(bits=2))")
+                raise RecipeError(
+                    f"stage calls nest more than {MAX_CALL_NESTING} deep in {what}",
+                    locate(*_linecol(node.meta)),
+                    "a stage argument holds a value or one stage, e.g. residual(lloydmax(bits=2))",
+                )
             if calls > MAX_PIPELINE_STAGES:
-                raise RecipeError(f"{what} has more than {MAX_PIPELINE_STAGES} stage calls",
-                                  locate(*_linecol(node.meta)), "a pipeline is a few tiers of a few stages each")
+                raise RecipeError(
+                    f"{what} has more than {MAX_PIPELINE_STAGES} stage calls",
+                    locate(*_linecol(node.meta)),
+                    "a pipeline is a few tiers of a few stages each",
+                )
         stack.extend((child, depth) for child in node.children)
 
 

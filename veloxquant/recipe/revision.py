@@ -6,6 +6,7 @@ any parent it `extends` by a relative path inside the same revision, and then
 loaded like any recipe file. Errors name the revision, never the temporary
 folder.
 """
+
 import re
 import shutil
 import subprocess
@@ -36,8 +37,9 @@ def _git(args, cwd: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=False, check=False)
     except FileNotFoundError:
-        raise VeloxError("reading a recipe from a git revision needs the 'git' command, "
-                         "which is not installed") from None
+        raise VeloxError(
+            "reading a recipe from a git revision needs the 'git' command, which is not installed"
+        ) from None
 
 
 def _repo_paths(rev: str, path: str, cwd: Path) -> Tuple[Path, str]:
@@ -47,8 +49,9 @@ def _repo_paths(rev: str, path: str, cwd: Path) -> Tuple[Path, str]:
         raise VeloxError(f"'{rev}:{path}' reads a git revision, but {cwd} is not inside a git repository")
     found = _git(["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd)
     if found.returncode:
-        raise VeloxError(f"'{rev}:{path}': no git revision '{rev}' in this repository "
-                         "(try a branch, a tag, a commit hash or HEAD~N)")
+        raise VeloxError(
+            f"'{rev}:{path}': no git revision '{rev}' in this repository (try a branch, a tag, a commit hash or HEAD~N)"
+        )
     prefix = _git(["rev-parse", "--show-prefix"], cwd).stdout.decode().strip()
     # git reads REV:PATH relative to the top, and REV:./PATH relative to the current folder.
     rel = str(PurePosixPath(prefix) / path[2:]) if path.startswith("./") else path
@@ -69,8 +72,10 @@ def materialized(ref: str, cwd: Optional[Path] = None) -> Iterator[Tuple[Path, s
     try:
         first = _show(rev, rel, top)
         if first is None:
-            raise VeloxError(f"'{ref}': revision '{rev}' has no file '{rel}' (paths are relative to the "
-                             "repository's top folder; write REV:./PATH for one relative to this folder)")
+            raise VeloxError(
+                f"'{ref}': revision '{rev}' has no file '{rel}' (paths are relative to the "
+                "repository's top folder; write REV:./PATH for one relative to this folder)"
+            )
         queue, seen = [(rel, first)], set()
         while queue:  # the file, then each parent it extends by a relative path in the same revision
             name, data = queue.pop()

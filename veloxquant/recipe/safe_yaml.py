@@ -7,6 +7,7 @@ laughs": each level names the one below nine times), and nesting deep enough to
 overflow the stack (PyYAML composes recursively). Each is refused here, at the
 place in the file that crosses the bound, before anything walks the document.
 """
+
 from typing import Any, Dict
 
 import yaml
@@ -36,11 +37,12 @@ class BoundedLoader(yaml.SafeLoader):
         if self.check_event(AliasEvent):
             event = self.peek_event()
             if event.anchor in self._open_anchors:
-                self._refuse(f"the alias *{event.anchor} is inside the value &{event.anchor} names, "
-                             "so it would repeat forever", event.start_mark)
+                self._refuse(
+                    f"the alias *{event.anchor} is inside the value &{event.anchor} names, so it would repeat forever",
+                    event.start_mark,
+                )
             node = super().compose_node(parent, index)  # an undefined alias is PyYAML's error
-            self._count(self._size[id(node)], self._height[id(node)], event.start_mark,
-                        f"the alias *{event.anchor}")
+            self._count(self._size[id(node)], self._height[id(node)], event.start_mark, f"the alias *{event.anchor}")
             return node
         event = self.peek_event()
         self._depth += 1
@@ -55,8 +57,13 @@ class BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
             if opened:
                 self._open_anchors.discard(event.anchor)
-        children = node.value if isinstance(node, yaml.SequenceNode) else \
-            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        children = (
+            node.value
+            if isinstance(node, yaml.SequenceNode)
+            else [n for pair in node.value for n in pair]
+            if isinstance(node, yaml.MappingNode)
+            else []
+        )
         self._size[id(node)] = 1 + sum(self._size[id(c)] for c in children)
         self._height[id(node)] = 1 + max((self._height[id(c)] for c in children), default=0)
         self._count(1, 0, event.start_mark, "this file")
@@ -65,8 +72,10 @@ class BoundedLoader(yaml.SafeLoader):
     def _count(self, size: int, height: int, mark, what: str) -> None:
         self._total += size
         if self._total > MAX_YAML_NODES:
-            self._refuse(f"{what} makes the recipe hold more than {MAX_YAML_NODES} YAML values "
-                         "(aliases count once per use)", mark)
+            self._refuse(
+                f"{what} makes the recipe hold more than {MAX_YAML_NODES} YAML values (aliases count once per use)",
+                mark,
+            )
         if self._depth + height > MAX_YAML_DEPTH:
             self._refuse(f"{what} makes maps and lists nest more than {MAX_YAML_DEPTH} deep", mark)
 
@@ -78,8 +87,9 @@ class BoundedLoader(yaml.SafeLoader):
         except (ValueError, OverflowError):
             chunks = None
         if chunks is None or any(0xD800 <= ord(c) <= 0xDFFF for chunk in chunks for c in chunk):
-            raise yaml.scanner.ScannerError("while scanning a quoted string", start_mark,
-                                            "an escape names no Unicode character", self.get_mark())
+            raise yaml.scanner.ScannerError(
+                "while scanning a quoted string", start_mark, "an escape names no Unicode character", self.get_mark()
+            )
         return chunks
 
     def construct_object(self, node, deep=False):
@@ -94,7 +104,8 @@ class BoundedLoader(yaml.SafeLoader):
             reason = f" ({str(e).split(';')[0]})" if isinstance(e, ValueError) else ""
             what = brief(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
             raise yaml.constructor.ConstructorError(
-                None, None, f"cannot read {what} as {tag}{reason}", node.start_mark) from None
+                None, None, f"cannot read {what} as {tag}{reason}", node.start_mark
+            ) from None
 
 
 def load_value(text: str) -> Any:

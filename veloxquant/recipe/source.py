@@ -1,4 +1,5 @@
 """YAML with positions: every value keeps the file line/column it came from."""
+
 import bisect
 from collections.abc import Hashable
 from typing import Any, Dict, Tuple
@@ -23,20 +24,27 @@ class Source:
             loader = BoundedLoader(text)  # checks the characters first: may raise ReaderError
             node = loader.get_single_node()
             if node is None:
-                raise RecipeError("the recipe file is empty", Location(file, 1, 1),
-                                  "a recipe starts with 'veloxquant: 1' and a 'name:'")
+                raise RecipeError(
+                    "the recipe file is empty",
+                    Location(file, 1, 1),
+                    "a recipe starts with 'veloxquant: 1' and a 'name:'",
+                )
             self._walk(node, (), loader)
             self.data = loader.construct_document(node)
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             problem = str(e.problem or e.context)
-            raise RecipeError(problem if isinstance(e, YamlLimitError) else f"invalid YAML: {problem}",
-                              self._index_location(mark.index) if mark else Location(file),
-                              _yaml_hint(problem)) from None
+            raise RecipeError(
+                problem if isinstance(e, YamlLimitError) else f"invalid YAML: {problem}",
+                self._index_location(mark.index) if mark else Location(file),
+                _yaml_hint(problem),
+            ) from None
         except yaml.reader.ReaderError as e:  # a character YAML does not allow (NUL, most control codes)
-            raise RecipeError(f"invalid YAML: character U+{e.character:04X} is not allowed in a YAML file",
-                              self._index_location(e.position),
-                              "remove it, or write it as an escape inside a double-quoted string") from None
+            raise RecipeError(
+                f"invalid YAML: character U+{e.character:04X} is not allowed in a YAML file",
+                self._index_location(e.position),
+                "remove it, or write it as an escape inside a double-quoted string",
+            ) from None
         finally:
             if loader is not None:
                 loader.dispose()
@@ -57,14 +65,16 @@ class Source:
             seen = {}
             for key_node, value_node in node.value:
                 if not isinstance(key_node, yaml.ScalarNode):
-                    raise RecipeError("a key must be a name or a number, not a map or a list",
-                                      self._at(key_node, path))
+                    raise RecipeError("a key must be a name or a number, not a map or a list", self._at(key_node, path))
                 key = loader.construct_object(key_node)
                 if not isinstance(key, Hashable):  # e.g. `? !!set a`
                     raise RecipeError("a key must be a name or a number", self._at(key_node, path))
                 if key in seen:
-                    raise RecipeError(f"duplicate key {quoted(key)}", self._at(key_node, path + (key,)),
-                                      f"first given at line {seen[key]}")
+                    raise RecipeError(
+                        f"duplicate key {quoted(key)}",
+                        self._at(key_node, path + (key,)),
+                        f"first given at line {seen[key]}",
+                    )
                 seen[key] = self._index_location(key_node.start_mark.index).line
                 self.marks[path + (key, "<key>")] = key_node
                 self._walk(value_node, path + (key,), loader)
@@ -100,8 +110,10 @@ class Source:
             def rough(line: int, col: int) -> Location:
                 if base.line + line - 1 > last:
                     return base
-                return Location(self.file, base.line + line - 1,
-                                (base.column + shift + col - 1) if line == 1 else col, field)
+                return Location(
+                    self.file, base.line + line - 1, (base.column + shift + col - 1) if line == 1 else col, field
+                )
+
             return rough
         value, raw = node.value, where
         placed = sorted(raw)  # offsets in the value that have a place in the file
@@ -119,6 +131,7 @@ class Source:
                 if newline != -1:
                     index = min(index, newline)
             return attrs.evolve(self._index_location(index), field=field)
+
         return locate
 
     def _align(self, node: yaml.ScalarNode):
@@ -139,8 +152,11 @@ class Source:
             if c.isspace():
                 continue
             while j < end and self.text[j] != c:
-                skip = self.text[j].isspace() or (node.style == '"' and self.text[j] == "\\") \
-                    or (node.style == "'" and self.text[j] == "'")  # escapes: \" and ''
+                skip = (
+                    self.text[j].isspace()
+                    or (node.style == '"' and self.text[j] == "\\")
+                    or (node.style == "'" and self.text[j] == "'")
+                )  # escapes: \" and ''
                 if not skip:
                     return None
                 j += 1
@@ -162,8 +178,10 @@ def _yaml_hint(problem: str) -> str:
     if "'\\t'" in problem:
         return "YAML indents with spaces, not tabs"
     if "mapping values are not allowed" in problem:
-        return ("check this line's indentation; a value that contains ': ' (such as a 'keys:' split) "
-                "must be quoted or written as a block ('pipeline: |')")
+        return (
+            "check this line's indentation; a value that contains ': ' (such as a 'keys:' split) "
+            "must be quoted or written as a block ('pipeline: |')"
+        )
     if "constructor for the tag" in problem or "base64" in problem or "as a timestamp" in problem:
         return "a recipe holds plain YAML values (maps, lists, strings, numbers): remove the '!' tag"
     if "digits" in problem:
@@ -171,8 +189,13 @@ def _yaml_hint(problem: str) -> str:
     return ""
 
 
-_BOMS = (("utf-32", b"\xff\xfe\x00\x00"), ("utf-32", b"\x00\x00\xfe\xff"),
-         ("utf-16", b"\xff\xfe"), ("utf-16", b"\xfe\xff"), ("utf-8-sig", b"\xef\xbb\xbf"))
+_BOMS = (
+    ("utf-32", b"\xff\xfe\x00\x00"),
+    ("utf-32", b"\x00\x00\xfe\xff"),
+    ("utf-16", b"\xff\xfe"),
+    ("utf-16", b"\xfe\xff"),
+    ("utf-8-sig", b"\xef\xbb\xbf"),
+)
 
 
 def read_text(path) -> str:
@@ -186,17 +209,23 @@ def read_text(path) -> str:
     except OSError as e:
         raise RecipeError(f"cannot read recipe: {e.strerror or e}", where) from None
     if len(data) > MAX_FILE_BYTES:
-        raise RecipeError(f"the recipe file is larger than {MAX_FILE_BYTES >> 20} MiB", Location(str(path), 1, 1),
-                          "a recipe is a few lines of YAML")
+        raise RecipeError(
+            f"the recipe file is larger than {MAX_FILE_BYTES >> 20} MiB",
+            Location(str(path), 1, 1),
+            "a recipe is a few lines of YAML",
+        )
     encoding = next((enc for enc, bom in _BOMS if data.startswith(bom)), "utf-8")
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as e:
-        before = data[:e.start].decode(encoding, "replace").removeprefix("\ufeff")
+        before = data[: e.start].decode(encoding, "replace").removeprefix("\ufeff")
         line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
-        raise RecipeError(f"the recipe is not {encoding.upper().replace('-SIG', '')} text: byte "
-                          f"0x{data[e.start]:02x} cannot be decoded ({e.reason})", Location(str(path), line, column),
-                          "save the recipe as UTF-8") from None
+        raise RecipeError(
+            f"the recipe is not {encoding.upper().replace('-SIG', '')} text: byte "
+            f"0x{data[e.start]:02x} cannot be decoded ({e.reason})",
+            Location(str(path), line, column),
+            "save the recipe as UTF-8",
+        ) from None
 
 
 def _field(path: Tuple) -> str:

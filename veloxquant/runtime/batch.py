@@ -11,6 +11,7 @@ The tiers do the array work (runtime/kinds/tier.py, "batch rows"); this module o
 Which plans may batch is declared by compiler/batching.py; a refused plan raises here, never
 computes a batch that would change a sequence's output.
 """
+
 from typing import List, Optional
 
 import mlx.core as mx
@@ -99,8 +100,10 @@ def extend(cache, other) -> None:
             starts.append(t.start)
     start = min(starts, default=end)
     like = ta.held_arrays() or tb.held_arrays()
-    parts = [t.rows_padded_front((t.start - start) if t.count else end - start, c.left.size, like)
-             for c, t in ((a, ta), (b, tb))]
+    parts = [
+        t.rows_padded_front((t.start - start) if t.count else end - start, c.left.size, like)
+        for c, t in ((a, ta), (b, tb))
+    ]
     ta.set_rows({k: mx.concatenate([p[k] for p in parts], axis=0) for k in like}, start, end - start)
     a.left = mx.concatenate([a.left, b.left])
     a.right = None

@@ -14,6 +14,7 @@ kept, coded or scored, and prepare/finalize only count. Each sequence so holds, 
 it would alone (compiler/batching.py declares which chains these are). The array work is the
 tiers' (runtime/kinds/tier_rows.py, "ragged rows"); this module keeps the counts and routes.
 """
+
 from typing import List, Optional
 
 import mlx.core as mx
@@ -143,8 +144,9 @@ def _real(cache, n: int, consume: bool = True) -> np.ndarray:
     return real
 
 
-def _mask(cache, counts: np.ndarray, starts: np.ndarray, first_q: np.ndarray, n: int,
-          window: Optional[int] = None) -> mx.array:
+def _mask(
+    cache, counts: np.ndarray, starts: np.ndarray, first_q: np.ndarray, n: int, window: Optional[int] = None
+) -> mx.array:
     """`window`: mlx-lm's for the layer; each tier's own (TieredCache.windows: a recent(n) whose spill
     is dropped sees n+1 keys back) narrows it."""
     """[B, 1, n, keys] over the held tiers in tier order (a tier's width is its longest row): a key is

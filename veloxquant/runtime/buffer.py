@@ -9,6 +9,7 @@ the end is reached or more than `step` forgotten tokens are held: a window
 moves once per `step` tokens and holds at most window + `step` slots.
 `nbytes` is the allocated buffer: the memory really held.
 """
+
 from typing import Optional
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ class Buffer:
     def view(self) -> Optional[mx.array]:
         if self.data is None or (self.lo == 0 and self.used == self.data.shape[2]):
             return self.data
-        return self.data[:, :, self.lo:self.lo + self.used]
+        return self.data[:, :, self.lo : self.lo + self.used]
 
     def append(self, x: mx.array) -> None:
         n = x.shape[2]
@@ -51,7 +52,7 @@ class Buffer:
             self.data, self.lo = None, 0
         elif self.step is None:
             # mx.array copies: a slice would keep the whole old buffer alive.
-            self.data = mx.array(self.data[:, :, self.lo + n:])
+            self.data = mx.array(self.data[:, :, self.lo + n :])
         else:
             self.lo += n
 

@@ -5,6 +5,7 @@ A new block of tokens is placed in the tiers at once (so the block attends to
 itself exactly); overflow moves on between tiers lazily, when the cache is
 next touched ("settling"), so a block never loses its own context mid-chunk.
 """
+
 from operator import attrgetter
 from typing import List, Optional, Tuple
 
@@ -64,8 +65,9 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         # Copies start settled, MiniCache partners too (a copy and an original read later continue
         # alike); frozen plan, dtype and layout verdicts are shared, tiers/arrays/coordinator copied.
         self._settle() or [t.settle_group() for t in self.tiers]
-        return copy_sharing(self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows",
-                                                "_tail_layouts"))
+        return copy_sharing(
+            self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows", "_tail_layouts")
+        )
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
@@ -136,15 +138,24 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
                 k, v = held[0].decoded(queries.dtype)
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
             return merge_partials([answer()]).astype(queries.dtype)
-        answered = [t.answer(queries, scale) for t in held] if seen else \
-            [self._answer(t, queries, scale, first_q, Lq) if n else t.answer(queries, scale)
-             for t, n in zip(held, needs)]
+        answered = (
+            [t.answer(queries, scale) for t in held]
+            if seen
+            else [
+                self._answer(t, queries, scale, first_q, Lq) if n else t.answer(queries, scale)
+                for t, n in zip(held, needs)
+            ]
+        )
         rest = [t for t, a in zip(held, answered) if a is None]
         if len(rest) == len(held):
             return decoded_attention.dense(self, held, queries, scale, first_q, needs)
         answers = [a for a in answered if a is not None]
-        if len(answers) == 1 and rest and getattr(answers[0], "folds_tail", False) \
-                and (seen or not any(n for n, a in zip(needs, answered) if a is None)):
+        if (
+            len(answers) == 1
+            and rest
+            and getattr(answers[0], "folds_tail", False)
+            and (seen or not any(n for n, a in zip(needs, answered) if a is None))
+        ):
             tail = fused.tail(rest, queries, self.dtype, self._tail_layouts)
             if tail:
                 return answers[0](tail)  # the kernel's reduce also attends over the 16-bit tiers
@@ -174,8 +185,9 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
                 return None  # every held token is older than the one query
             return create_causal_mask(N, self.offset) if return_array else "causal"
         # Each span masks by position, with its tier's horizon.
-        return mx.concatenate([self._position_mask(mx.arange(s, e), self.offset, N, _min(window, h))
-                               for s, e, h in spans], axis=1)
+        return mx.concatenate(
+            [self._position_mask(mx.arange(s, e), self.offset, N, _min(window, h)) for s, e, h in spans], axis=1
+        )
 
     @property
     def state(self) -> List[mx.array]:
@@ -233,7 +245,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
             if e - s == n:  # the whole block (every decode step): no slice ops
                 self.tiers[i].append(keys, values, s, *scored)
             else:
-                self.tiers[i].append(keys[:, :, s - start:e - start], values[:, :, s - start:e - start], s, *scored)
+                self.tiers[i].append(keys[:, :, s - start : e - start], values[:, :, s - start : e - start], s, *scored)
 
     def _settle(self) -> None:
         if not self._unsettled:

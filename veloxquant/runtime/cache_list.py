@@ -4,6 +4,7 @@ The recipe's caches sit in the attention entries; a non-attention layer's state 
 MambaCache) is the model's own, passed through untouched; caches that later layers attend over are
 marked as lending (runtime/shared_kv.py). For the usual layout the list is just the recipe's caches.
 """
+
 from typing import List, Optional
 
 from ..compiler import Plan
@@ -26,8 +27,10 @@ def assemble(plan: Plan, caches: List[TieredCache], kept: Optional[list]) -> lis
         own = kept[slot] if kept is not None and slot < len(kept) else None
         if own is None or type(own).__name__ != kind:
             found = "nothing" if own is None else type(own).__name__
-            raise VeloxError(f"layer {slot}: the plan keeps the model's own {kind} there, but the model's cache "
-                             f"list has {found} (the model is not the one the plan was made for)")
+            raise VeloxError(
+                f"layer {slot}: the plan keeps the model's own {kind} there, but the model's cache "
+                f"list has {found} (the model is not the one the plan was made for)"
+            )
         out.append(own)
     for cache, readers in zip(caches, shape.readers):
         cache.lends = len(readers) > 1

@@ -6,6 +6,7 @@ Saving records, per array, [CRC-32 of its bytes, dtype, shape] under
 `arrays`, and a CRC-32 of every other metadata entry under `crc`; loading
 verifies both before anything is rebuilt and names what does not match.
 """
+
 import json
 import zlib
 from typing import Dict, Optional

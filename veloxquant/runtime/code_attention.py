@@ -12,6 +12,7 @@ there the codes are read once per step instead of decoded and rotated back.
 Longer blocks (prefill chunks) decode once and run the fused SDPA, which never
 materialises their scores.
 """
+
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -38,15 +39,31 @@ def tier_partial(tier, queries: mx.array, scale: float, mask: Optional[mx.array]
     if k_codec.positional:
         # Pre-RoPE key codes re-rotate by position: the keys start at tier.start and the
         # queries are the newest positions this tier holds (the tier that takes new tokens).
-        return codes_partial_attention(queries, k_enc, v_enc, k_codec, v_codec, scale, mask,
-                                       key_start=tier.start, first_q=tier.end - queries.shape[2])
+        return codes_partial_attention(
+            queries,
+            k_enc,
+            v_enc,
+            k_codec,
+            v_codec,
+            scale,
+            mask,
+            key_start=tier.start,
+            first_q=tier.end - queries.shape[2],
+        )
     return codes_partial_attention(queries, k_enc, v_enc, k_codec, v_codec, scale, mask)
 
 
-def codes_partial_attention(queries: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array],
-                            k_codec: Codec, v_codec: Codec, scale: float,
-                            mask: Optional[mx.array] = None, key_start: int = 0,
-                            first_q: Optional[int] = None) -> Partial:
+def codes_partial_attention(
+    queries: mx.array,
+    k_enc: Dict[str, mx.array],
+    v_enc: Dict[str, mx.array],
+    k_codec: Codec,
+    v_codec: Codec,
+    scale: float,
+    mask: Optional[mx.array] = None,
+    key_start: int = 0,
+    first_q: Optional[int] = None,
+) -> Partial:
     """softmax(scores(q) * scale) v over one coded tier, GQA-aware, in float32.
 
     `mask`: boolean, broadcastable to [Lq, Lk] (True = may attend). `key_start`, `first_q`:

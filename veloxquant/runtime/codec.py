@@ -1,4 +1,5 @@
 """A codec: transform stages then a store stage, for one tensor of one tier."""
+
 import copy
 import re
 from functools import lru_cache
@@ -48,7 +49,8 @@ class Codec:
         self.scored = getattr(self.store, "scored", False)  # salient: routes tokens by scores the cache gives
         self.fitted: Dict[str, mx.array] = {}
         self.compilable = not (self.trivial or self.positional or self.fits or self.scored) and all(
-            getattr(r, "compilable", True) for r in self.residuals)
+            getattr(r, "compilable", True) for r in self.residuals
+        )
         # A verified CUDA kernel that codes a block in one launch (Lloyd-Max stores): decode steps
         # append a token per layer, and the ops of an encode cost more host time than the launch.
         self.kernel_encode = None if self.trivial else dispatch.encode_kernel(self)
@@ -104,7 +106,7 @@ class Codec:
         x = self._store_decode({k: v for k, v in enc.items() if not _RESIDUAL.match(k)}, mx.float32)
         for i, inner in enumerate(self.residuals):
             prefix = f"r{i}."
-            x = _corrected(inner, x, {k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)})
+            x = _corrected(inner, x, {k[len(prefix) :]: v for k, v in enc.items() if k.startswith(prefix)})
         for t in reversed(self.transforms):
             x = self._inverse(t, x, start)
         return x.astype(dtype)
@@ -116,16 +118,20 @@ class Codec:
         kept before RoPE (`unrope` alone) in a store that re-applies RoPE in its scores (`scores_at`)."""
         if self.positional:
             return len(self.transforms) == 1 and not self.residuals and hasattr(self.store, "scores_at")
-        return (all(hasattr(t, "query") for t in self.transforms) and hasattr(self.store, "scores")
-                and all(hasattr(r, "scores") for r in self.residuals))
+        return (
+            all(hasattr(t, "query") for t in self.transforms)
+            and hasattr(self.store, "scores")
+            and all(hasattr(r, "scores") for r in self.residuals)
+        )
 
     @property
     def linear_transforms(self) -> bool:
         """The transforms are orthogonal maps: a weighted sum may be un-transformed once, after summing."""
         return all(hasattr(t, "query") for t in self.transforms)
 
-    def scores(self, q: mx.array, enc: Dict[str, mx.array], key_start: int = 0,
-               query_pos: Optional[mx.array] = None) -> mx.array:
+    def scores(
+        self, q: mx.array, enc: Dict[str, mx.array], key_start: int = 0, query_pos: Optional[mx.array] = None
+    ) -> mx.array:
         """<q, decoded key> for q [B, H, M, D] -> [B, H, M, L] (float32), from the codes: the
         query is transformed once, then each stage (store, residuals) adds its own estimate.
         Pre-RoPE stores get the keys' first position and each query row's position [M]."""
@@ -160,7 +166,7 @@ class Codec:
         parts = [{k: v for k, v in enc.items() if not _RESIDUAL.match(k)}]
         for i in range(len(self.residuals)):
             prefix = f"r{i}."
-            parts.append({k[len(prefix):]: v for k, v in enc.items() if k.startswith(prefix)})
+            parts.append({k[len(prefix) :]: v for k, v in enc.items() if k.startswith(prefix)})
         return parts
 
     def units(self) -> Dict[str, int]:

@@ -13,6 +13,7 @@ Codes the coder cannot shrink (i.i.d. uniform ones: tables and header then
 cost more than they save) are saved packed under NAME, as without entropy
 stages, so a coded file is never larger than the packed one.
 """
+
 import zlib
 from typing import Dict, Iterable, List, Tuple
 
@@ -49,7 +50,7 @@ def encode(arrays: Dict[str, mx.array], sides: Dict[str, CodecPlan]) -> Dict[str
     """A tier's saved arrays ({"k.codes": ...}) with coded arrays in place of packed codes."""
     out = dict(arrays)
     for side, codec in sides.items():
-        held = [k[len(side) + 1:] for k in arrays if k.startswith(f"{side}.")]
+        held = [k[len(side) + 1 :] for k in arrays if k.startswith(f"{side}.")]
         for name, bits, _ in coded_arrays(codec, held):
             key = f"{side}.{name}"
             if key not in out:
@@ -78,8 +79,11 @@ def decode(arrays: Dict[str, mx.array], sides: Dict[str, CodecPlan], tokens: int
     naming the array that does not decode."""
     out = dict(arrays)
     for side, codec in sides.items():
-        held = {k[len(side) + 1:].rsplit(".", 1)[0] if k.endswith(tuple(f".{p}" for p in PARTS))
-                else k[len(side) + 1:] for k in arrays if k.startswith(f"{side}.")}
+        held = {
+            k[len(side) + 1 :].rsplit(".", 1)[0] if k.endswith(tuple(f".{p}" for p in PARTS)) else k[len(side) + 1 :]
+            for k in arrays
+            if k.startswith(f"{side}.")
+        }
         for name, bits, units in coded_arrays(codec, held):
             key = f"{side}.{name}"
             parts = {p: out.pop(f"{key}.{p}", None) for p in PARTS}

@@ -10,6 +10,7 @@ layer i before layer j in every step and all layers of a group route tokens
 the same way; the Link checks that, and refuses reads or trims that would let
 a reuse layer drift from its anchor's codes.
 """
+
 import copy
 import weakref
 from typing import List, Optional
@@ -57,27 +58,33 @@ class Link:
         if problem:
             raise VeloxError(problem)
         codes = tier.buffers[side]["codes"].view()
-        return codes[:, :, start - tier.start:end - tier.start]
+        return codes[:, :, start - tier.start : end - tier.start]
 
     def problem(self, start: int, end: int) -> Optional[str]:
         anchor, mine = self.coordinator.cache(self.anchor), self.coordinator.cache(self.layer)
         tier = self._anchor_tier()
         if anchor.offset < mine.offset:
-            return (f"layer {self.layer} reuses layer {self.anchor}'s xquant codes, but layer {self.anchor} has seen "
-                    f"{anchor.offset} positions and layer {self.layer} {mine.offset}: the anchor was trimmed or "
-                    f"skipped alone; {TRIM_HINT}")
+            return (
+                f"layer {self.layer} reuses layer {self.anchor}'s xquant codes, but layer {self.anchor} has seen "
+                f"{anchor.offset} positions and layer {self.layer} {mine.offset}: the anchor was trimmed or "
+                f"skipped alone; {TRIM_HINT}"
+            )
         if start < end and not (tier.start <= start and end <= tier.end):
             held = f"{tier.start}-{tier.end - 1}" if tier.count else "none"
-            return (f"layer {self.layer} reads layer {self.anchor}'s xquant codes for positions {start}-{end - 1}, "
-                    f"but layer {self.anchor} holds codes for {held}; {TRIM_HINT}")
+            return (
+                f"layer {self.layer} reads layer {self.anchor}'s xquant codes for positions {start}-{end - 1}, "
+                f"but layer {self.anchor} holds codes for {held}; {TRIM_HINT}"
+            )
         return None
 
     def check_trim(self, start: int, end: int) -> None:
         """A reuse layer may drop positions only once its anchor has dropped them too."""
         if start < self._anchor_tier().end:
-            raise VeloxError(f"refused: trimming layer {self.layer} would drop its xquant params for positions "
-                             f"{start}-{end - 1} while its anchor, layer {self.anchor}, still holds their codes; "
-                             f"{TRIM_HINT}, anchors first")
+            raise VeloxError(
+                f"refused: trimming layer {self.layer} would drop its xquant params for positions "
+                f"{start}-{end - 1} while its anchor, layer {self.anchor}, still holds their codes; "
+                f"{TRIM_HINT}, anchors first"
+            )
 
 
 class Coordinator:
@@ -137,7 +144,9 @@ class Coordinator:
 
 def link_groups(plan: Plan, caches: List) -> Optional[Coordinator]:
     """One coordinator for the model when its plan has cross-layer groups, allocated budgets or a model pass."""
-    if not any(layer.share or model_pass.NEED in layer.needs or any(allocates(t.route) for t in layer.tiers)
-               for layer in plan.layers):
+    if not any(
+        layer.share or model_pass.NEED in layer.needs or any(allocates(t.route) for t in layer.tiers)
+        for layer in plan.layers
+    ):
         return None
     return Coordinator(plan, caches)

@@ -6,6 +6,7 @@ compiled functions) cannot be copied. Everything else goes through `memo`, so a
 deep copy of a model's list of caches keeps its cross-layer coordinator and
 links inside the copy, never pointing back at the original.
 """
+
 import copy
 import weakref
 

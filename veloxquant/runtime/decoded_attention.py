@@ -1,5 +1,6 @@
 """Attention over the tiers a cache decodes (those whose `answer` was None), masked by
 position where a tier holds tokens some query must not see (TieredCache._needs_mask)."""
+
 from typing import List
 
 import mlx.core as mx

@@ -7,6 +7,7 @@ folded into the kernel's reduce (`reduce_tail`: two launches for the layer).
 The launch parameters are resolved once per (tier length, query shape) and
 kept on the tier; a decode step only calls them.
 """
+
 from typing import List, Optional
 
 import mlx.core as mx
@@ -16,6 +17,7 @@ from ..kernels import cuda, dispatch
 
 class KernelAnswer:
     """A tier's answer from the kernel: `()` -> partial (out f32, lse), `(tail)` -> final output."""
+
     __slots__ = ("run", "queries", "k_enc", "v_enc", "hidden")
     folds_tail = True  # TieredCache hands it the layer's 16-bit tiers when they are all it has besides
 
@@ -43,8 +45,9 @@ def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
     k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
     if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
         return None
-    return cuda.launcher(tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale,
-                         hides=hides)
+    return cuda.launcher(
+        tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, hides=hides
+    )
 
 
 def tail(rest: List, queries: mx.array, dtype, layouts: dict):

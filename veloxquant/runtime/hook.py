@@ -5,6 +5,7 @@ mlx-lm model files import `scaled_dot_product_attention` by name from
 it. Caches with `attend` answer attention themselves (seeing real queries);
 any other cache falls through to mlx-lm's original function.
 """
+
 import sys
 from typing import Dict
 
@@ -13,9 +14,11 @@ from .eviction import model_pass, protected
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
-NOT_ROUTED = ("this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
-              "through it (the attention hook is not installed for this model): load a saved cache with "
-              "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first")
+NOT_ROUTED = (
+    "this '{recipe}' cache scores tokens by the model's real attention, but attention did not come "
+    "through it (the attention hook is not installed for this model): load a saved cache with "
+    "veloxquant.load_prompt_cache(path, model=model), or call veloxquant.install(model) first"
+)
 EPOCH = [0]  # bumped by every install/uninstall: caches trust the hook only within one epoch (EPOCH[0])
 
 

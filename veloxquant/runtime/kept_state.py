@@ -1,6 +1,7 @@
 """Saving and restoring the state caches a hybrid model's non-attention layers keep (ArraysCache,
 MambaCache), which veloxquant passes through untouched: their arrays go in the cache file beside the
 recipe's (named `s{layer}.{entry}`, covered by the same checksums), rebuilt as the same mlx-lm class."""
+
 from typing import Dict, List, Tuple
 
 import mlx.core as mx
@@ -17,8 +18,10 @@ def save(kept: List[Tuple[int, object]], arrays: Dict[str, mx.array]) -> List[Di
     out = []
     for slot, c in kept:
         if any(getattr(c, name, None) is not None for name in _BATCH):
-            raise VeloxError(f"layer {slot}: its {type(c).__name__} is in the middle of a batch (left padding or "
-                             "lengths set); save a cache of one sequence")
+            raise VeloxError(
+                f"layer {slot}: its {type(c).__name__} is in the middle of a batch (left padding or "
+                "lengths set); save a cache of one sequence"
+            )
         held = [j for j, a in enumerate(c.cache) if a is not None]
         for j in held:
             arrays[f"s{slot}.{j}"] = c.cache[j]
@@ -32,8 +35,10 @@ def load(records: List[Dict], arrays: Dict[str, mx.array], n_slots: int) -> List
     for r in records:
         cls = getattr(mlx_cache, r["class"], None) if r["class"] in KEPT else None
         if cls is None or not 0 <= r["layer"] < n_slots:
-            raise ValueError(f"layer {r['layer']}: {r['class']} is not a state cache veloxquant keeps "
-                             "(or this mlx-lm has no such class)")
+            raise ValueError(
+                f"layer {r['layer']}: {r['class']} is not a state cache veloxquant keeps "
+                "(or this mlx-lm has no such class)"
+            )
         c = cls(int(r["size"]))
         for j in r["held"]:
             c.cache[j] = arrays[f"s{r['layer']}.{j}"]

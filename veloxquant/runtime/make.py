@@ -1,4 +1,5 @@
 """Recipe + model -> the per-layer caches mlx-lm is handed as `prompt_cache`."""
+
 from typing import Iterable, List, Union
 
 from ..compiler import ModelShape, Plan, compile_recipe
@@ -35,8 +36,14 @@ def caches_for(plan: Plan) -> List[TieredCache]:
     return caches
 
 
-def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable[str] = (),
-                      use_hook: bool = True, tokenizer=None, images: str = "keep") -> list:
+def make_prompt_cache(
+    model,
+    recipe: Union[str, Recipe] = "fp16",
+    sets: Iterable[str] = (),
+    use_hook: bool = True,
+    tokenizer=None,
+    images: str = "keep",
+) -> list:
     """`model`'s cache list under `recipe` (a built-in name or a path): a TieredCache for each attention
     cache of the model's own make_cache(); a hybrid model's non-attention state caches are its own,
     untouched; Gemma 4's KV-shared layers attend over their owners' caches (compiler/layout.py).
@@ -57,8 +64,10 @@ def make_prompt_cache(model, recipe: Union[str, Recipe] = "fp16", sets: Iterable
     plan = plan_for(model, recipe, sets, use_hook)
     vlm, lm = is_vlm(model), text_model(model)
     if vlm and any(model_pass.NEED in layer.needs for layer in plan.layers):
-        raise VeloxError(f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run an "
-                         "mlx-vlm language model on token ids without the prompt's image embeddings: not supported")
+        raise VeloxError(
+            f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run an "
+            "mlx-vlm language model on token ids without the prompt's image embeddings: not supported"
+        )
     caches = prompt_caches(lm, plan, tokenizer)
     if vlm and images == "keep":
         protected.attach(lm, caches, image_token_ids(model))
@@ -71,9 +80,11 @@ def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
     """A fresh cache list for `model` from its compiled `plan`, laid out as the model's own make_cache()
     lays it out (make_prompt_cache, and `veloxquant serve` for each sequence; the hook is the caller's)."""
     if not plan.shape.trivial_layout and any(model_pass.NEED in layer.needs for layer in plan.layers):
-        raise VeloxError(f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run this "
-                         "model's non-attention or KV-shared layers outside their own caches: not supported "
-                         "on this layout (see `veloxquant explain --model`)")
+        raise VeloxError(
+            f"recipe '{plan.recipe}' scores tokens by a pass through the model, which would run this "
+            "model's non-attention or KV-shared layers outside their own caches: not supported "
+            "on this layout (see `veloxquant explain --model`)"
+        )
     caches = caches_for(plan)
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))

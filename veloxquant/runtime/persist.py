@@ -4,6 +4,7 @@ The file carries the compiled plan (JSON) and its fingerprint; loading rebuilds
 the caches from that plan and refuses a file whose plan does not match the
 recipe asked for, or whose arrays do not fit the plan.
 """
+
 import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -26,8 +27,11 @@ def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]
     size in bytes. A hybrid model's own state caches in the list are saved beside the recipe's."""
     everything, caches = caches, recipe_caches(caches)
     plan = getattr(caches[0], "plan_root", None) if caches else None
-    if plan is None or len(kept_caches(everything)) + len(caches) != len(everything) \
-            or len(everything) != len(plan.shape.slots or plan.layers):
+    if (
+        plan is None
+        or len(kept_caches(everything)) + len(caches) != len(everything)
+        or len(everything) != len(plan.shape.slots or plan.layers)
+    ):
         raise VeloxError("save_prompt_cache takes the caches made by veloxquant.make_prompt_cache")
     arrays: Dict[str, mx.array] = {}
     layers = []
@@ -43,8 +47,13 @@ def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]
                 arrays[f"{i}.{t}.{name}"] = arr
             tiers.append([tier.start, tier.count])
         layers.append({"offset": cache.offset, "dtype": str(cache.dtype).split(".")[-1], "tiers": tiers})
-    meta = {"format": FORMAT, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
-            "plan": json.dumps(plan.to_dict(), default=str), "layers": json.dumps(layers)}
+    meta = {
+        "format": FORMAT,
+        "fingerprint": plan.fingerprint,
+        "recipe": plan.recipe,
+        "plan": json.dumps(plan.to_dict(), default=str),
+        "layers": json.dumps(layers),
+    }
     if plan.shape.shard:  # a sharded model's rank holds its own kv heads: loaded on that rank of that world only
         meta["rank"], meta["world"] = (str(v) for v in plan.shape.shard)
     if not plan.shape.trivial_layout:
@@ -54,8 +63,7 @@ def save_prompt_cache(path: str, caches: list, metadata: Optional[Dict[str, str]
     return Path(path).stat().st_size
 
 
-def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
-                      model=None) -> Tuple[list, Dict[str, str]]:
+def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None, model=None) -> Tuple[list, Dict[str, str]]:
     """Rebuild the caches saved at `path`, laid out as make_prompt_cache laid them out; returns
     (caches, user metadata).
 
@@ -67,8 +75,10 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
     except (OSError, RuntimeError, ValueError) as e:
         raise CacheFileError(f"{path}: not a readable safetensors cache file ({e})") from None
     if meta.get("format") != FORMAT:
-        raise CacheFileError(f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r}; "
-                             "files saved before checksums (/1) must be saved again)")
+        raise CacheFileError(
+            f"{path}: not a veloxquant cache (format {meta.get('format')!r}, expected {FORMAT!r}; "
+            "files saved before checksums (/1) must be saved again)"
+        )
     damaged = checksums.problem(arrays, meta)
     if damaged:
         raise CacheFileError(f"{path}: {damaged}")
@@ -82,10 +92,14 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None,
     if expect_fingerprint is not None and expect_fingerprint != plan.fingerprint:
         raise CacheFileError(
             f"{path}: made by recipe '{plan.recipe}' (fingerprint {plan.fingerprint}); the recipe asked for "
-            f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead.")
+            f"compiles to fingerprint {expect_fingerprint}. Re-run the prompt with this recipe instead."
+        )
     shard = tuple(int(meta[k]) for k in ("rank", "world") if k in meta)
-    problem = sharding.mismatch(shard) or ("" if shard == plan.shape.shard else "rank/world metadata differ "
-                                           f"from the stored plan's {plan.shape.shard} (corrupt file)")
+    problem = sharding.mismatch(shard) or (
+        ""
+        if shard == plan.shape.shard
+        else f"rank/world metadata differ from the stored plan's {plan.shape.shard} (corrupt file)"
+    )
     if problem:
         raise CacheFileError(f"{path}: {problem}")
     _check_model(path, plan, model)
@@ -127,20 +141,35 @@ def _check_model(path: str, plan, model) -> None:
     if model is not None:
         shape = ModelShape.from_model(model)
         mine = (shape.n_kv_heads, shape.head_dim, shape.windows, shape.slots, shape.readers, shape.shard)
-        if mine != (plan.shape.n_kv_heads, plan.shape.head_dim, plan.shape.windows, plan.shape.slots,
-                    plan.shape.readers, plan.shape.shard):
+        if mine != (
+            plan.shape.n_kv_heads,
+            plan.shape.head_dim,
+            plan.shape.windows,
+            plan.shape.slots,
+            plan.shape.readers,
+            plan.shape.shard,
+        ):
             raise CacheFileError(
                 f"{path}: made for a model with {len(plan.shape.head_dim)} layers, kv heads "
                 f"{_runs(plan.shape.n_kv_heads)}, head_dim {_runs(plan.shape.head_dim)}; the model given has "
                 f"{len(shape.head_dim)} layers, kv heads {_runs(shape.n_kv_heads)}, head_dim {_runs(shape.head_dim)}"
-                + ("" if mine[3:5] == (plan.shape.slots, plan.shape.readers) else
-                   f"; cache layout: the file's {plan.shape.layout_text()}, the model's {shape.layout_text()}")
-                + ("" if shape.shard == plan.shape.shard else
-                   f"; sharding: the file's {_sharded(plan.shape.shard)}, the model's {_sharded(shape.shard)}"))
+                + (
+                    ""
+                    if mine[3:5] == (plan.shape.slots, plan.shape.readers)
+                    else f"; cache layout: the file's {plan.shape.layout_text()}, the model's {shape.layout_text()}"
+                )
+                + (
+                    ""
+                    if shape.shard == plan.shape.shard
+                    else f"; sharding: the file's {_sharded(plan.shape.shard)}, the model's {_sharded(shape.shard)}"
+                )
+            )
     elif any("attention" in layer.needs for layer in plan.layers) and not hook.any_installed():
-        raise VeloxError(f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
-                         "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
-                         "and the hook is installed for it")
+        raise VeloxError(
+            f"{path}: recipe '{plan.recipe}' scores tokens by the model's real attention, which needs "
+            "the attention hook: pass the model (veloxquant.load_prompt_cache(path, model=model)) "
+            "and the hook is installed for it"
+        )
 
 
 def _sharded(shard) -> str:

@@ -15,6 +15,7 @@ global group (every rank runs the same steps, so the calls pair up):
 
 Saved files carry the rank and world size; a load on another is refused (persist.py).
 """
+
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -53,9 +54,11 @@ def mismatch(shard: Tuple[int, ...]) -> str:
     r, n = here()
     if (r, n) == (rank, world) or (not shard and n > 1):
         return ""  # an unsharded model may run replicated on every rank of a group
-    return (f"made on rank {rank} of a model sharded over {world} ranks; this process is rank {r} of {n}"
-            + ("" if world == n else " (the world size differs: run it with the same number of ranks, "
-               "e.g. mlx.launch -n %d)" % world))
+    return f"made on rank {rank} of a model sharded over {world} ranks; this process is rank {r} of {n}" + (
+        ""
+        if world == n
+        else " (the world size differs: run it with the same number of ranks, e.g. mlx.launch -n %d)" % world
+    )
 
 
 def gather_heads(shard: Tuple[int, ...], x: mx.array) -> mx.array:
@@ -69,7 +72,7 @@ def my_heads(shard: Tuple[int, ...], values: list) -> list:
     if not shard:
         return values
     per = len(values) // shard[1]
-    return values[shard[0] * per:(shard[0] + 1) * per]
+    return values[shard[0] * per : (shard[0] + 1) * per]
 
 
 def mean_heads(shard: Tuple[int, ...], x: mx.array, axis: int) -> mx.array:

@@ -9,6 +9,7 @@ reads the tokens its owner keeps. The registry holds weak references: the model 
 its pass (it hands them on to the shared layers), and once the pass returns they are freed, so no key
 block outlives the step outside the caches' nbytes.
 """
+
 import weakref
 
 _LENT = weakref.WeakKeyDictionary()  # lending cache -> a weak reference to the keys its own attention call last got

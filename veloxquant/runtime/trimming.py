@@ -6,6 +6,7 @@ trim(n) rewinds exactly min(n, offset) positions, or, where the layer cannot,
 is_trimmable() is False and trim changes nothing and returns 0. Which recipe
 trims when: docs/architecture.md, "Trimming and deep copies".
 """
+
 from ..compiler.groups import shared_tiers
 from .eviction import deferred
 
@@ -42,7 +43,7 @@ def trim(cache, n: int) -> int:
             newest.drop_back(take)
         else:  # granular tiers hold whole groups: trimmable() checked nothing is missing before them
             k, v, start = newest.take_back(whole, cache.dtype)
-            refill = (k[:, :, :whole - take], v[:, :, :whole - take], start)
+            refill = (k[:, :, : whole - take], v[:, :, : whole - take], start)
         left -= take
     cache.offset -= n
     deferred.rewind(cache, n)  # decode queries held unscored (evict(slack)): the newest n are gone

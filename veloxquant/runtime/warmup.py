@@ -13,6 +13,7 @@ Afterwards this process holds every variant built, and MLX's on-disk PTX cache
 process only loads them. Variants follow the context: warm up at the context the
 generation will run at (a tier crossing 8192 tokens at head_dim 128 changes chunk size).
 """
+
 import time
 from typing import Iterable, Set, Tuple, Union
 
@@ -33,8 +34,13 @@ def _vocab(model) -> int:
     return int(size) or 1000
 
 
-def warmup(model, recipe: Union[str, Recipe] = "fp16", context: int = 4096, decode: int = DECODE_STEPS,
-           sets: Iterable[str] = ()) -> Tuple[Set[tuple], float]:
+def warmup(
+    model,
+    recipe: Union[str, Recipe] = "fp16",
+    context: int = 4096,
+    decode: int = DECODE_STEPS,
+    sets: Iterable[str] = (),
+) -> Tuple[Set[tuple], float]:
     """Run `recipe` once on `model` at `context` tokens and `decode` decode steps, so the
     kernels a generation of that shape needs are compiled. Returns (the kernel variants the
     run launched, seconds). `sets`: recipe parameter overrides (NAME=VALUE), as make_prompt_cache."""

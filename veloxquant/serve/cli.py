@@ -4,8 +4,14 @@
 def add_serve_args(p) -> None:
     p.add_argument("recipe", help="recipe file or built-in name")
     p.add_argument("--model", help="mlx-lm model folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a recipe parameter (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a recipe parameter (repeatable)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-tokens", type=int, help="default completion length (mlx_lm.server's --max-tokens)")
@@ -18,4 +24,5 @@ def add_serve_args(p) -> None:
 
 def cmd_serve(args) -> int:
     from .server import serve
+
     return serve(args)

@@ -7,6 +7,7 @@ reuse, continuous batching) is mlx-lm's own. The server batches when the recipe'
 (compiler/batching.py: fp16 today); any other recipe is served one sequence at a time, and the log and the
 status endpoint give the reason.
 """
+
 import argparse
 import json
 import logging
@@ -30,13 +31,34 @@ log = logging.getLogger("veloxquant.serve")
 
 def server_args(model: str, **overrides) -> argparse.Namespace:
     """mlx_lm.server's command-line namespace with its defaults (mlx-lm 0.32.2), `overrides` applied."""
-    args = {"model": model, "adapter_path": None, "host": "127.0.0.1", "port": 8080, "allowed_origins": "*",
-            "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False, "log_level": "INFO",
-            "chat_template": "", "use_default_chat_template": False, "temp": 0.0, "top_p": 1.0, "top_k": 0,
-            "min_p": 0.0, "max_tokens": 512, "chat_template_args": {}, "decode_concurrency": 32,
-            "prompt_concurrency": 8, "prefill_step_size": 2048, "prompt_cache_size": 10,
-            "prompt_cache_bytes": None, "kv_bits": None, "kv_group_size": 64,
-            "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "pipeline": False}
+    args = {
+        "model": model,
+        "adapter_path": None,
+        "host": "127.0.0.1",
+        "port": 8080,
+        "allowed_origins": "*",
+        "draft_model": None,
+        "num_draft_tokens": 3,
+        "trust_remote_code": False,
+        "log_level": "INFO",
+        "chat_template": "",
+        "use_default_chat_template": False,
+        "temp": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_tokens": 512,
+        "chat_template_args": {},
+        "decode_concurrency": 32,
+        "prompt_concurrency": 8,
+        "prefill_step_size": 2048,
+        "prompt_cache_size": 10,
+        "prompt_cache_bytes": None,
+        "kv_bits": None,
+        "kv_group_size": 64,
+        "quantized_kv_start": DEFAULT_QUANTIZED_KV_START,
+        "pipeline": False,
+    }
     args.update({k: v for k, v in overrides.items() if v is not None})
     return argparse.Namespace(**args)
 
@@ -54,8 +76,10 @@ class RecipeModelProvider(ModelProvider):
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         if model_path not in ("default_model", self.cli_args.model):
-            raise ValueError(f"this server serves {self.cli_args.model} under recipe '{self.plan_name}'; "
-                             f"ask for model 'default_model' (or that path), not {model_path!r}")
+            raise ValueError(
+                f"this server serves {self.cli_args.model} under recipe '{self.plan_name}'; "
+                f"ask for model 'default_model' (or that path), not {model_path!r}"
+            )
         return super().load("default_model", None, "default_model")
 
     @property
@@ -77,19 +101,31 @@ class RecipeModelProvider(ModelProvider):
         unmergeable = [c for c in caches if not hasattr(c, "merge")]
         self.serial_reason = batch_refusal(plan) or (
             f"{type(unmergeable[0]).__name__} has no merge(), so mlx-lm serves requests one at a time"
-            if unmergeable else None)
+            if unmergeable
+            else None
+        )
         self.is_batchable = self.serial_reason is None
         self.context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        log.info("veloxquant: model %s, recipe '%s', fingerprint %s, %d layers", model_path, plan.recipe,
-                 plan.fingerprint, len(plan.layers))
+        log.info(
+            "veloxquant: model %s, recipe '%s', fingerprint %s, %d layers",
+            model_path,
+            plan.recipe,
+            plan.fingerprint,
+            len(plan.layers),
+        )
         if self.serial_reason:
             log.info("veloxquant: serving one sequence at a time: %s", self.serial_reason)
 
     def status(self) -> dict:
-        return {"recipe": self.plan_name, "fingerprint": self.plan.fingerprint if self.plan else None,
-                "model": self.cli_args.model, "batched": bool(self.is_batchable),
-                "serving": "batched" if self.is_batchable else f"one sequence at a time: {self.serial_reason}",
-                "context": self.context, "last_sequence": self.last_sequence}
+        return {
+            "recipe": self.plan_name,
+            "fingerprint": self.plan.fingerprint if self.plan else None,
+            "model": self.cli_args.model,
+            "batched": bool(self.is_batchable),
+            "serving": "batched" if self.is_batchable else f"one sequence at a time: {self.serial_reason}",
+            "context": self.context,
+            "last_sequence": self.last_sequence,
+        }
 
 
 class ReportingPromptCache(LRUPromptCache):
@@ -115,8 +151,13 @@ class ReportingPromptCache(LRUPromptCache):
     def insert_cache(self, model, tokens, prompt_cache, **kwargs):
         report = cache_report(prompt_cache)
         report = {k: report[k] for k in ("tokens", "cache_bytes", "fp16_bytes", "ratio")}
-        log.info("veloxquant: sequence of %d tokens holds %s bytes (fp16: %s, ratio %.3f)", report["tokens"],
-                 f"{report['cache_bytes']:,}", f"{report['fp16_bytes']:,}", report["ratio"] or 0.0)
+        log.info(
+            "veloxquant: sequence of %d tokens holds %s bytes (fp16: %s, ratio %.3f)",
+            report["tokens"],
+            f"{report['cache_bytes']:,}",
+            f"{report['fp16_bytes']:,}",
+            report["ratio"] or 0.0,
+        )
         super().insert_cache(model, tokens, prompt_cache, **kwargs)
         self.provider.last_sequence = report
         self.stored = {"sequences": len(self), "bytes": self.nbytes}
@@ -147,13 +188,16 @@ class RecipeHandler(APIHandler):
         super().validate_model_parameters()
         asked = [f for f in RECIPE_FIELDS if f in self.body]
         if asked:
-            raise ValueError(f"request field {asked[0]!r}: the recipe is fixed when the server starts "
-                             "(veloxquant serve RECIPE --set NAME=VALUE); a request cannot change it")
+            raise ValueError(
+                f"request field {asked[0]!r}: the recipe is fixed when the server starts "
+                "(veloxquant serve RECIPE --set NAME=VALUE); a request cannot change it"
+            )
 
 
 def check_recipe(recipe_ref, sets, model_path: str):
     """Load and compile the recipe for the model (its weights left lazy): errors before the server starts."""
     from ..models import load_model
+
     recipe = load_recipe(recipe_ref)
     model, _ = load_model(model_path, lazy=True)
     plan_for(model, recipe, sets)  # the --set values are checked as the plan applies them
@@ -162,14 +206,24 @@ def check_recipe(recipe_ref, sets, model_path: str):
 
 def serve(args) -> int:
     from ..models.default import default_model_path
+
     model_path = str(args.model or default_model_path())
     recipe = check_recipe(args.recipe, args.sets, model_path)
-    cli_args = server_args(model_path, host=args.host, port=args.port, max_tokens=args.max_tokens,
-                           temp=args.temp, prefill_step_size=args.prefill_step_size,
-                           prompt_cache_size=args.prompt_cache_size, chat_template=args.chat_template,
-                           log_level=args.log_level)
-    logging.basicConfig(level=getattr(logging, cli_args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s - %(levelname)s - %(message)s")
+    cli_args = server_args(
+        model_path,
+        host=args.host,
+        port=args.port,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+        chat_template=args.chat_template,
+        log_level=args.log_level,
+    )
+    logging.basicConfig(
+        level=getattr(logging, cli_args.log_level.upper(), logging.INFO),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
     provider = RecipeModelProvider(cli_args, recipe, args.sets)
     prompt_cache = ReportingPromptCache(provider, cli_args.prompt_cache_size)
     generator = RecipeResponseGenerator(provider, prompt_cache)

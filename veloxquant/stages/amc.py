@@ -11,6 +11,7 @@ affine min/max codes with a float16 scale and zero per token and head group.
 No token is ever dropped. The runtime is runtime/kinds/amc_side.py (a side of the
 latent tier, attending in latent space); this module is the arithmetic.
 """
+
 import math
 from typing import Dict, Tuple
 
@@ -30,6 +31,7 @@ TIERS = ("high", "mid", "low")
 @attrs.frozen
 class Amc:
     """AMC: tokens routed by L1 saliency to High/Mid/Low latent tiers of falling rank and precision; no eviction."""
+
     k_high: float = attrs.field(default=0.2, validator=in_range(0.0, 1.0))
     k_mid: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0))
     high_rank: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
@@ -56,8 +58,11 @@ class Amc:
         return ""
 
     def check_heads(self, n_kv_heads: int, head_dim: int) -> str:
-        return f"heads={self.heads} does not divide the {n_kv_heads} kv heads" \
-            if self.heads and n_kv_heads % self.heads else ""
+        return (
+            f"heads={self.heads} does not divide the {n_kv_heads} kv heads"
+            if self.heads and n_kv_heads % self.heads
+            else ""
+        )
 
     def heads_per_group(self, n_kv_heads: int) -> int:
         return self.heads or n_kv_heads
@@ -77,8 +82,10 @@ class Amc:
         if self.heads != 1:
             return float("nan")
         shares = (self.k_high, self.k_mid, 1.0 - self.k_high - self.k_mid)
-        return sum(p * (r * b if b == FLOAT else r * b + 32) for p, (_, r, b) in zip(shares, self.tiers(head_dim))) \
+        return (
+            sum(p * (r * b if b == FLOAT else r * b + 32) for p, (_, r, b) in zip(shares, self.tiers(head_dim)))
             / head_dim
+        )
 
     # --- the basis and the routing --------------------------------------------------------
     def fit(self, x: mx.array) -> Dict[str, mx.array]:
@@ -87,8 +94,11 @@ class Amc:
         hg = self.heads_per_group(H)
         mean, _, evecs = principal_axes(x, hg, self.center)
         basis = np.ascontiguousarray(evecs, dtype=np.float16)  # descending variance
-        return {"basis": mx.array(basis), "mean": mx.array(mean.astype(np.float16)),
-                "widths": mx.array(np.full(hg * D, FLOAT, np.uint8))}
+        return {
+            "basis": mx.array(basis),
+            "mean": mx.array(mean.astype(np.float16)),
+            "widths": mx.array(np.full(hg * D, FLOAT, np.uint8)),
+        }
 
     @staticmethod
     def saliency(x: mx.array) -> mx.array:

@@ -24,6 +24,7 @@ scale and zero per token): theta=1 is that codec on x - c·a everywhere.
 Tokens arriving after the prompt keep the anchor share: the ones a projection
 serves worst become anchors; the others get no residual (no queries to rank them).
 """
+
 import math
 from typing import Tuple
 
@@ -41,6 +42,7 @@ BLOCK = 1024  # tokens projected at once
 @attrs.frozen
 class Anchor:
     """AnchorKV: anchors in float16, other tokens as anchor index + coefficient, quantized residuals under theta."""
+
     anchors: float = attrs.field(default=0.125, validator=in_range(0.0, 1.0))
     theta: float = attrs.field(default=0.25, validator=in_range(0.0, 1.0))
     bits: int = attrs.field(default=4, validator=in_range(1, 8))
@@ -115,7 +117,7 @@ class Anchor:
         sq = mx.maximum(mx.sum(a * a, axis=-1), 1e-30)[:, :, None]  # |a|^2 [B, H, 1, A]
         out = []
         for s in range(0, x.shape[2], BLOCK):  # [BLOCK x anchors] at a time: a long prompt's peak stays flat
-            dots = x[:, :, s:s + BLOCK].astype(mx.float32) @ a.swapaxes(-1, -2)  # [B, H, b, A]
+            dots = x[:, :, s : s + BLOCK].astype(mx.float32) @ a.swapaxes(-1, -2)  # [B, H, b, A]
             idx = mx.argmax(mx.abs(dots) * mx.rsqrt(sq), axis=-1)  # the anchor explaining most energy
             coeff = mx.take_along_axis(dots, idx[..., None], axis=-1)[..., 0] / mx.take_along_axis(sq[:, :, 0], idx, -1)
             out.append((idx.astype(mx.uint16), coeff.astype(mx.float16)))

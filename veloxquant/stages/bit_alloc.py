@@ -6,6 +6,7 @@ with sum_i b_i <= budget. beta = 4 is the high-rate rule (each bit quarters the
 error); KVTC's default is 3.5. Any stage may call `allocate` to turn a spectrum
 into widths; the `latent` store does with `budget=`.
 """
+
 from typing import Optional, Sequence
 
 import numpy as np
@@ -24,8 +25,13 @@ def parse_choices(text: str) -> tuple:
     return out
 
 
-def allocate(variances: Sequence[float], budget: int, choices: Sequence[int], beta: float = 4.0,
-             distortion: Optional[Sequence[float]] = None) -> np.ndarray:
+def allocate(
+    variances: Sequence[float],
+    budget: int,
+    choices: Sequence[int],
+    beta: float = 4.0,
+    distortion: Optional[Sequence[float]] = None,
+) -> np.ndarray:
     """Widths (int array, one per component) minimising the distortion proxy within `budget` bits.
 
     `distortion[b]`: the error of a unit-variance component coded in b bits, in place of beta**-b
@@ -34,15 +40,17 @@ def allocate(variances: Sequence[float], budget: int, choices: Sequence[int], be
     remainder one extra bit for the first components."""
     v = np.asarray(variances, dtype=np.float64)
     n, choices = len(v), sorted(set(int(c) for c in choices))
-    cost = (lambda b: float(distortion[b])) if distortion is not None else (lambda b: beta ** -b)
+    cost = (lambda b: float(distortion[b])) if distortion is not None else (lambda b: beta**-b)
     if 0 not in choices:
         raise ValueError("the choices must include 0 (a component may always be dropped)")
     budget = int(min(budget, n * choices[-1]))
     # best[i, c]: least distortion of the first i components with at most c bits.
     best = np.zeros((n + 1, budget + 1))
     for i in range(n):
-        options = [np.concatenate([np.full(min(b, budget + 1), np.inf), best[i, :max(budget + 1 - b, 0)]])
-                   + v[i] * cost(b) for b in choices]
+        options = [
+            np.concatenate([np.full(min(b, budget + 1), np.inf), best[i, : max(budget + 1 - b, 0)]]) + v[i] * cost(b)
+            for b in choices
+        ]
         best[i + 1] = np.min(options, axis=0)
     widths, c = np.zeros(n, dtype=np.int64), budget
     for i in reversed(range(n)):  # the smallest width that stays optimal: earlier components get the rest

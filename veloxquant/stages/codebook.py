@@ -5,6 +5,7 @@ b-bit indices into the Lloyd-Max codebook of the distribution its scaled
 components follow after a Hadamard rotation (gaussian), or of a residual's
 (laplace). `residual(inner)` codes what the stages before it left over.
 """
+
 from functools import lru_cache
 from typing import Dict
 
@@ -19,7 +20,7 @@ from .registry import choices, in_range, stage
 def lloyd_levels(grid: np.ndarray, pdf: np.ndarray, bits: int, iters: int) -> np.ndarray:
     """MSE-optimal levels for a density sampled on `grid` (Lloyd's algorithm, started at its quantiles)."""
     pdf = pdf / pdf.sum()
-    levels = np.interp((np.arange(2 ** bits) + 0.5) / 2 ** bits, np.cumsum(pdf), grid)
+    levels = np.interp((np.arange(2**bits) + 0.5) / 2**bits, np.cumsum(pdf), grid)
     for _ in range(iters):
         edges = (levels[1:] + levels[:-1]) / 2
         cell = np.searchsorted(edges, grid)
@@ -32,7 +33,7 @@ def lloyd_levels(grid: np.ndarray, pdf: np.ndarray, bits: int, iters: int) -> np
 def lloyd_max(bits: int, dist: str) -> np.ndarray:
     """MSE-optimal levels for a unit-variance gaussian or laplace source (Lloyd's algorithm)."""
     grid = np.linspace(-8, 8, 200001)
-    pdf = np.exp(-grid ** 2 / 2) if dist == "gaussian" else np.exp(-np.sqrt(2) * np.abs(grid))
+    pdf = np.exp(-(grid**2) / 2) if dist == "gaussian" else np.exp(-np.sqrt(2) * np.abs(grid))
     return lloyd_levels(grid, pdf, bits, 300)
 
 
@@ -40,6 +41,7 @@ def lloyd_max(bits: int, dist: str) -> np.ndarray:
 @attrs.frozen
 class LloydMax:
     """Per-vector L2 norm (float16) + b-bit Lloyd-Max codes of the normalised components."""
+
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     dist: str = attrs.field(default="gaussian", validator=choices("gaussian", "laplace"))
 
@@ -66,7 +68,7 @@ class LloydMax:
         x = x.astype(mx.float32)
         D = x.shape[-1]
         norms = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True)).astype(mx.float16)
-        unit = x * (D ** 0.5) / mx.maximum(norms.astype(mx.float32), 1e-12)  # unit-variance components
+        unit = x * (D**0.5) / mx.maximum(norms.astype(mx.float32), 1e-12)  # unit-variance components
         levels = self._levels()
         edges = (levels[1:] + levels[:-1]) / 2
         codes = mx.sum(unit[..., None] > edges, axis=-1).astype(mx.uint32)
@@ -76,7 +78,7 @@ class LloydMax:
         codes = enc["codes"]
         D = codes.shape[-1] * 32 // self.bits
         unit = self._levels()[unpack(codes, self.bits, D)]
-        return (unit * enc["norms"].astype(mx.float32) / D ** 0.5).astype(dtype)
+        return (unit * enc["norms"].astype(mx.float32) / D**0.5).astype(dtype)
 
     def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
         """<q, decoded key> for q [B, H, M, D] (float32, in this store's domain) -> [B, H, M, L].
@@ -86,7 +88,7 @@ class LloydMax:
         key is rebuilt at full scale or rotated back."""
         D = q.shape[-1]
         unit = self._levels()[unpack(enc["codes"], self.bits, D)]
-        scale = enc["norms"].astype(mx.float32).swapaxes(-1, -2) / D ** 0.5  # [B, H, 1, L]
+        scale = enc["norms"].astype(mx.float32).swapaxes(-1, -2) / D**0.5  # [B, H, 1, L]
         return (q @ unit.swapaxes(-1, -2)) * scale
 
 
@@ -94,6 +96,7 @@ class LloydMax:
 @attrs.frozen
 class Residual:
     """Codes the error left by the store before it with another store stage."""
+
     inner: object = attrs.field(default=None)
 
     def check_head_dim(self, head_dim: int) -> str:

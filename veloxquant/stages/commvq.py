@@ -23,6 +23,7 @@ Scores (`scores_at`) apply RoPE exactly at each key's own position: the codes
 are summed per stage into the complex pairs, rotated by e^{i theta n} (one
 complex multiply per pair) and dotted with the post-RoPE query.
 """
+
 import math
 from typing import Dict, Optional
 
@@ -74,6 +75,7 @@ def _m_step(x: np.ndarray, A: np.ndarray, B: np.ndarray, C: int, old: np.ndarray
 class CommVQ(rp.BoundPreRope):
     """Additive VQ of pre-RoPE keys with RoPE-commutative codewords (EM-trained); RoPE re-applied exactly
     in the scores."""
+
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     half_bits: int = attrs.field(default=6, validator=in_range(2, 8))
     iters: int = attrs.field(default=6, validator=in_range(1, 200))
@@ -166,9 +168,9 @@ class CommVQ(rp.BoundPreRope):
         """(codes [B, H, L, 2R] int32: A0, B0, A1, B1, ..., norms [B, H, L, 1] float32)."""
         R, h = self.stages(D), self.half_bits
         stream = unpack(enc["codes"], 1, self._stream_bits(D))
-        halves = stream[..., :2 * R * h].reshape(*stream.shape[:-1], 2 * R, h)
+        halves = stream[..., : 2 * R * h].reshape(*stream.shape[:-1], 2 * R, h)
         codes = mx.sum(halves << mx.arange(h, dtype=mx.uint32), axis=-1).astype(mx.int32)
-        n16 = mx.sum(stream[..., 2 * R * h:2 * R * h + NORM_BITS] << mx.arange(NORM_BITS, dtype=mx.uint32), axis=-1)
+        n16 = mx.sum(stream[..., 2 * R * h : 2 * R * h + NORM_BITS] << mx.arange(NORM_BITS, dtype=mx.uint32), axis=-1)
         return codes, n16.astype(mx.uint16).view(mx.float16).astype(mx.float32)[..., None]
 
     def _pairs(self, enc, D: int):
@@ -194,8 +196,9 @@ class CommVQ(rp.BoundPreRope):
     def _stream_D(self, enc) -> int:
         return 2 * self._t()["re"].shape[-1]
 
-    def scores_at(self, q: mx.array, enc: Dict[str, mx.array], spec, key_start: int,
-                  query_pos: mx.array = None) -> mx.array:
+    def scores_at(
+        self, q: mx.array, enc: Dict[str, mx.array], spec, key_start: int, query_pos: mx.array = None
+    ) -> mx.array:
         """q (post-RoPE) . R(n) k_n for keys at positions key_start.. : the codewords commute with
         RoPE, so each key's summed pairs take one complex rotation e^{i theta n} before the dot."""
         D = q.shape[-1]

@@ -7,6 +7,7 @@ entropy chain is zero or more code transforms (`delta`) then one coder (`rans`).
 Both work on unpacked codes `q` of shape [B, H, L, D] (token axis 2), integers
 in [0, 2**bits), as numpy arrays (constriction takes and returns numpy arrays).
 """
+
 from typing import Dict
 
 import attrs
@@ -43,6 +44,7 @@ class Rans:
     table=channel keeps one table per (batch, head, channel) -- CacheGen's
     per-channel distributions; table=tensor one table for the whole array
     (less table overhead for short caches)."""
+
     table: str = attrs.field(default="channel", validator=choices("channel", "tensor"))
 
     coder = True
@@ -64,8 +66,9 @@ class Rans:
         """{"rans": uint32 words, "freq": uint8 [contexts, 2**bits]}: the coder's real output."""
         rows = self._rows(q).astype(np.int64)
         alphabet = 1 << bits
-        counts = np.bincount((np.arange(rows.shape[0])[:, None] * alphabet + rows).ravel(),
-                             minlength=rows.shape[0] * alphabet).reshape(rows.shape[0], alphabet)
+        counts = np.bincount(
+            (np.arange(rows.shape[0])[:, None] * alphabet + rows).ravel(), minlength=rows.shape[0] * alphabet
+        ).reshape(rows.shape[0], alphabet)
         # Quantize each row to uint8 (max TABLE_MAX), never rounding a seen symbol to 0;
         # encoder and decoder both build their models from this stored table.
         peak = np.maximum(counts.max(axis=1, keepdims=True), 1)
@@ -82,8 +85,9 @@ class Rans:
         contexts = 1 if self.table == "tensor" else shape[0] * shape[1] * shape[3]
         freq, words = arrays["freq"], arrays["rans"]
         if freq.dtype != np.uint8 or freq.shape != (contexts, alphabet):
-            raise ValueError(f"frequency table has shape {freq.shape} ({freq.dtype}), expected ({contexts}, "
-                             f"{alphabet}) (uint8)")
+            raise ValueError(
+                f"frequency table has shape {freq.shape} ({freq.dtype}), expected ({contexts}, {alphabet}) (uint8)"
+            )
         if freq.sum(axis=1).min(initial=1) == 0:
             raise ValueError("frequency table has an empty row")
         n = int(np.prod(shape)) // contexts

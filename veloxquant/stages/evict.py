@@ -5,6 +5,7 @@ Each kv head keeps its own token set, so these tiers store positions per
 (`attend` sees the real queries); `score=proxy` uses keys as queries instead,
 the approximation other libraries ship, so the two can be compared.
 """
+
 import attrs
 
 from .registry import choices, in_range, stage
@@ -23,6 +24,7 @@ def _sinks_below_budget(instance, attribute, value):
 
 class _PerHeadRoute:
     """Takes every token offered; the tier itself decides what leaves (nothing spills on)."""
+
     bounded = False
     spills = False
     per_head = True
@@ -76,6 +78,7 @@ class Evict(_PerHeadRoute):
     tokens SnapKV's vote picks (the last `vote_window` prompt queries,
     max-pooled over `vote_pool`); the rest by `score` (runtime/eviction/scorers/votes.py).
     """
+
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     score: str = attrs.field(default="mass", validator=_known_scorer)
@@ -126,6 +129,7 @@ class Snap(_PerHeadRoute):
     positions are always kept; later tokens are appended and never evicted.
     layers, strength, heads, alpha: budget allocation, as for `evict`.
     """
+
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     window: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
     pool: int = attrs.field(default=7, validator=in_range(1, 1 << 10))

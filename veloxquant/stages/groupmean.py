@@ -7,6 +7,7 @@ store and followed by `residual(...)`, the residual stage codes only what
 varies (RaBitQ's centroid, NSNQuant's channel mean): `groupmean(64) |
 residual(rabitq)`. Costs 16/group bits per element (one float16 row per group).
 """
+
 from typing import Dict
 
 import attrs
@@ -19,6 +20,7 @@ from .registry import in_range, stage
 @attrs.frozen
 class GroupMean:
     """Per-channel mean of each group of `group` tokens (float16); residual stages code the rest."""
+
     group: int = attrs.field(default=64, validator=in_range(2, 4096))
 
     codes = False

@@ -12,6 +12,7 @@ for bit. Codes are packed per width ("lo.codes" holds the heads at lo bits,
 and so on; a width no head got holds an empty array); scales and zeros are
 float16 per group, as `affine`'s.
 """
+
 from typing import Dict, List, Optional
 
 import attrs
@@ -46,6 +47,7 @@ def allocate(entropy: np.ndarray, widths: List[int], target: float) -> np.ndarra
 class HeadBits:
     """Affine codes at lo/mid/hi bits per kv head, allocated once from the entropy of real attention
     to meet `target`."""
+
     lo: int = attrs.field(default=2, validator=in_range(1, 8))
     mid: int = attrs.field(default=3, validator=in_range(1, 8))
     hi: int = attrs.field(default=4, validator=in_range(1, 8))

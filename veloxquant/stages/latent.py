@@ -24,6 +24,7 @@ quant=gauss  -- Lloyd-Max levels of a unit gaussian on the latent standardised b
                 prompt mean and deviation: no metadata per token, the budget is codes.
 runtime/kinds/latent_tier.py holds them and attends in latent space; this is the arithmetic.
 """
+
 import math
 from functools import lru_cache
 from typing import Dict, Tuple
@@ -63,6 +64,7 @@ def latent_width(instance, attribute, value):
 @attrs.frozen
 class Latent:
     """Low-rank latents on a basis fitted at the end of the prompt; attention runs in latent space."""
+
     rank: int = attrs.field(default=0, validator=in_range(0, 1 << 16))
     energy: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     heads: int = attrs.field(default=1, validator=in_range(0, 1 << 10))
@@ -95,8 +97,10 @@ class Latent:
         if self.rank and self.energy:
             raise ValueError("give rank= or energy=, not both")
         if self.calibrated and self.layers > 1:
-            raise ValueError("calibrated=true takes one basis per layer from the artifact: it cannot be shared "
-                             "across layers (layers=1)")
+            raise ValueError(
+                "calibrated=true takes one basis per layer from the artifact: it cannot be shared "
+                "across layers (layers=1)"
+            )
 
     @property
     def token_multiple(self) -> int:
@@ -129,8 +133,10 @@ class Latent:
             return float("nan")
         hi = math.ceil(self.hi_fraction * self.rank)
         meta = 32 / self.group if self.quant == "minmax" else 0.0
-        return sum(n * (b if b == FLOAT else b + meta)
-                   for n, b in ((hi, self.hi_bits), (self.rank - hi, self.lo_bits))) / head_dim
+        return (
+            sum(n * (b if b == FLOAT else b + meta) for n, b in ((hi, self.hi_bits), (self.rank - hi, self.lo_bits)))
+            / head_dim
+        )
 
     # --- the basis ----------------------------------------------------------------
     def widths(self, spectra: np.ndarray, weights=None, heads: int = 1) -> np.ndarray:
@@ -140,7 +146,7 @@ class Latent:
         if self.budget:
             variances = (spectra if weights is None else spectra * weights).mean(axis=0)
             if self.rank:
-                variances = variances[:self.rank]
+                variances = variances[: self.rank]
             table = lloyd_distortions() if self.rule == "lloyd" else None
             w = allocate(variances, self.budget * heads, parse_choices(self.choices), self.beta, table)
             return np.concatenate([w, np.zeros(n - len(w), np.int64)])
@@ -176,8 +182,11 @@ class Latent:
             weights = np.maximum(weights / np.maximum(weights.mean(axis=1, keepdims=True), 1e-30), 1e-6)
         w = self.widths(evals, weights, hg)
         keep = np.flatnonzero(w)
-        out = {"basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
-               "mean": mx.array(mean.astype(np.float16)), "widths": mx.array(w[keep].astype(np.uint8))}
+        out = {
+            "basis": mx.array(np.ascontiguousarray(evecs[:, :, keep], dtype=np.float16)),
+            "mean": mx.array(mean.astype(np.float16)),
+            "widths": mx.array(w[keep].astype(np.uint8)),
+        }
         return {**out, "keep": mx.array(keep.astype(np.uint16))} if self.calibrated else out
 
     # --- a calibrated basis (veloxquant calibrate) --------------------------------------
@@ -190,14 +199,17 @@ class Latent:
 
     def for_calibration(self):
         """The stage as the artifact's key sees it: what the axes depend on (budgets may change freely)."""
-        return Latent(budget=1, heads=self.heads, center=self.center, calibrated=True, corpus=self.corpus,
-                      tokens=self.tokens)
+        return Latent(
+            budget=1, heads=self.heads, center=self.center, calibrated=True, corpus=self.corpus, tokens=self.tokens
+        )
 
     def axes(self) -> mx.array:
         if not self._artifact:
-            raise CalibrationError("stage 'latent' with calibrated=true is not bound to a calibration artifact: "
-                                   "run `veloxquant calibrate RECIPE` and make caches with "
-                                   "veloxquant.make_prompt_cache")
+            raise CalibrationError(
+                "stage 'latent' with calibrated=true is not bound to a calibration artifact: "
+                "run `veloxquant calibrate RECIPE` and make caches with "
+                "veloxquant.make_prompt_cache"
+            )
         return slot_arrays(self._artifact, self._slot)["axes"]
 
     # --- latents <-> codes ------------------------------------------------------------
@@ -211,8 +223,10 @@ class Latent:
             return {}
         loc = mx.mean(z, axis=(0, 2))
         std = mx.sqrt(mx.mean(mx.square(z - loc[:, None]), axis=(0, 2)))
-        return {"loc": mx.contiguous(loc.astype(mx.float16)),
-                "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16))}
+        return {
+            "loc": mx.contiguous(loc.astype(mx.float16)),
+            "std": mx.contiguous(mx.maximum(std, 1e-6).astype(mx.float16)),
+        }
 
     def _standard(self, stats: Dict[str, mx.array], idx: np.ndarray):
         """(loc, std) of the components idx as [1, G, 1, n, 1] (they broadcast over [B, G, groups, n, tokens])."""
@@ -239,8 +253,9 @@ class Latent:
             lo, hi = mx.min(zb, axis=-1, keepdims=True), mx.max(zb, axis=-1, keepdims=True)
             levels = (1 << b) - 1
             scale, zero = ((hi - lo) / levels).astype(mx.float16), lo.astype(mx.float16)
-            q = mx.clip(mx.round((zb - zero.astype(mx.float32)) / mx.maximum(scale.astype(mx.float32), 1e-12)),
-                        0, levels)
+            q = mx.clip(
+                mx.round((zb - zero.astype(mx.float32)) / mx.maximum(scale.astype(mx.float32), 1e-12)), 0, levels
+            )
             out[f"c{b}.codes"] = pack(q, b).reshape(B, G, n_groups, -1)
             out[f"c{b}.scales"], out[f"c{b}.zeros"] = scale.squeeze(-1), zero.squeeze(-1)
         return out
@@ -262,8 +277,10 @@ class Latent:
                     loc, std = self._standard(stats, idx)
                     zb = mx.array(lloyd_max(b, "gaussian"))[q] * std + loc
                 else:
-                    zb = (q.astype(mx.float32) * enc[f"c{b}.scales"].astype(mx.float32)[..., None]
-                          + enc[f"c{b}.zeros"].astype(mx.float32)[..., None])
+                    zb = (
+                        q.astype(mx.float32) * enc[f"c{b}.scales"].astype(mx.float32)[..., None]
+                        + enc[f"c{b}.zeros"].astype(mx.float32)[..., None]
+                    )
             parts.append(zb.swapaxes(-1, -2).reshape(B, G, n_groups * self.group, n))
             order.append(idx)
         z = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
@@ -274,12 +291,20 @@ class Latent:
         """Tokens per unit of axis 2 of each latent array."""
         out = {}
         for b, _ in self.classes(widths):
-            names = ("f16",) if b == FLOAT else (f"c{b}.codes",) if self.quant == "gauss" else \
-                (f"c{b}.codes", f"c{b}.scales", f"c{b}.zeros")
+            names = (
+                ("f16",)
+                if b == FLOAT
+                else (f"c{b}.codes",)
+                if self.quant == "gauss"
+                else (f"c{b}.codes", f"c{b}.scales", f"c{b}.zeros")
+            )
             out.update({name: self.group for name in names})
         return out
 
     def coded_names(self, names) -> Tuple[Tuple[str, int, int], ...]:
         """(array, code width, tokens per unit) of the integer codes among `names` (for entropy coding)."""
-        return tuple((n, int(n[1:-len(".codes")]), self.group) for n in sorted(names)
-                     if n.startswith("c") and n.endswith(".codes"))
+        return tuple(
+            (n, int(n[1 : -len(".codes")]), self.group)
+            for n in sorted(names)
+            if n.startswith("c") and n.endswith(".codes")
+        )

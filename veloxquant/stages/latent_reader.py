@@ -16,6 +16,7 @@ process, like the Lloyd-Max levels). The values are the same arithmetic as `deco
 (levels·std + loc, or q·scale + zero, in float32): equal bit for bit
 (tests/test_latent_reader.py).
 """
+
 from functools import lru_cache, partial
 from typing import Dict, Tuple
 
@@ -42,16 +43,19 @@ def _tables(widths: Tuple[int, ...], group: int, gauss: bool):
         order.extend(idx.tolist())
     bit = np.arange(group)[None, :] * w[:, None]  # [r, group]: each code's first bit in its component
     lo = offset[:, None] + bit // 32
-    out = [mx.array(lo.reshape(-1).astype(np.int32)),
-           mx.array(np.minimum(lo + 1, start - 1).reshape(-1).astype(np.int32)),
-           mx.array((bit % 32).astype(np.uint32)), mx.array(((1 << w) - 1).astype(np.uint32)[:, None])]
+    out = [
+        mx.array(lo.reshape(-1).astype(np.int32)),
+        mx.array(np.minimum(lo + 1, start - 1).reshape(-1).astype(np.int32)),
+        mx.array((bit % 32).astype(np.uint32)),
+        mx.array(((1 << w) - 1).astype(np.uint32)[:, None]),
+    ]
     inverse = np.argsort(np.array(order))
     out.append(None if (inverse == np.arange(len(w))).all() else mx.array(inverse.astype(np.int32)))
     if gauss:  # one row of Lloyd-Max levels per component, padded to the widest
         K = 1 << max(widths)
         levels = np.zeros((len(w), K), np.float32)
         for c, b in enumerate(widths):
-            levels[c, :1 << b] = lloyd_max(int(b), "gaussian")
+            levels[c, : 1 << b] = lloyd_max(int(b), "gaussian")
         out += [mx.array(levels.reshape(-1)), mx.array((np.arange(len(w)) * K).astype(np.uint32)[:, None])]
     else:
         out += [None, None]

@@ -7,6 +7,7 @@ fitted once, when it is sealed (it reaches the tier whole), and never refitted.
 Cost r·16/D + r·16/chunk bits per element. `rank=0` holds nothing: the codec
 is its store alone, bit for bit.
 """
+
 from typing import Dict
 
 import attrs
@@ -19,6 +20,7 @@ from .registry import in_range, stage
 @attrs.frozen
 class LowRank:
     """Per chunk of `chunk` tokens and head, the rank-r SVD of the store's error (float16 factors)."""
+
     rank: int = attrs.field(default=2, validator=in_range(0, 64))
     chunk: int = attrs.field(default=64, validator=in_range(1, 1 << 12))
 

@@ -14,6 +14,7 @@ Scores from codes, with q in the store's domain: <q, x> = n1/sqrt(D) * (<q, m> +
 n2/sqrt(D) * <H q, y>) -- the query is rotated once, no key is rotated back.
 (Son, Choi, Yoo, NSNQuant, NeurIPS 2025, arXiv:2505.18231.)
 """
+
 import math
 from functools import lru_cache
 from typing import Dict
@@ -46,10 +47,11 @@ def _norm(x: mx.array) -> mx.array:
 @attrs.frozen
 class NSN:
     """Normalize-shift-normalize per token group, Hadamard, one universal 8-dim codebook (1 or 2 bits/element)."""
+
     bits: int = attrs.field(default=2, validator=choices(1, 2))
     group: int = attrs.field(default=64, validator=in_range(2, 4096))
     piece: int = attrs.field(default=8, validator=choices(8))
-    seed: int = attrs.field(default=1234, validator=in_range(0, 2 ** 31 - 1))
+    seed: int = attrs.field(default=1234, validator=in_range(0, 2**31 - 1))
 
     codes = False  # codebook indices (and sign masks), not scalar levels: no entropy stage applies
 
@@ -85,8 +87,12 @@ class NSN:
         book = self._book()
         target = mx.abs(pieces) if self.bits == 2 else pieces
         dist = mx.sum(book * book, -1) - 2 * (target @ book.T)  # [B, H, L, P, C]
-        enc = {"codes": pack(mx.argmin(dist, axis=-1).astype(mx.uint32), 8),
-               "n1": n1.astype(mx.float16), "n2": n2.astype(mx.float16), "mean": m.astype(mx.float16)}
+        enc = {
+            "codes": pack(mx.argmin(dist, axis=-1).astype(mx.uint32), 8),
+            "n1": n1.astype(mx.float16),
+            "n2": n2.astype(mx.float16),
+            "mean": m.astype(mx.float16),
+        }
         if self.bits == 2:
             enc["signs"] = pack(y > 0, 1)
         return enc
@@ -110,7 +116,10 @@ class NSN:
     def scores(self, q: mx.array, enc: Dict[str, mx.array]) -> mx.array:
         D = q.shape[-1]
         y = self._rotated(enc)
-        shaped = (q @ _hadamard_matrix(D)) @ y.swapaxes(-1, -2) * (enc["n2"].astype(mx.float32).swapaxes(-1, -2)
-                                                                  / math.sqrt(D))
+        shaped = (
+            (q @ _hadamard_matrix(D))
+            @ y.swapaxes(-1, -2)
+            * (enc["n2"].astype(mx.float32).swapaxes(-1, -2) / math.sqrt(D))
+        )
         shift = mx.repeat(q @ enc["mean"].astype(mx.float32).swapaxes(-1, -2), self.group, axis=-1)
         return (shaped + shift) * (enc["n1"].astype(mx.float32).swapaxes(-1, -2) / math.sqrt(D))

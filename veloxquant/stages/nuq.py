@@ -8,6 +8,7 @@ never need re-coding. The levels are float16 arrays the tier really holds
 it) have stable per-channel distributions, which is what makes frozen
 per-channel levels work (KVQuant, arXiv:2401.18079).
 """
+
 from typing import Dict
 
 import attrs
@@ -21,6 +22,7 @@ from .registry import in_range, stage
 @attrs.frozen
 class Nuq:
     """Per-channel non-uniform (Lloyd-Max) levels fitted on the first block coded, then frozen; b-bit codes."""
+
     bits: int = attrs.field(default=3, validator=in_range(1, 8))
     iters: int = attrs.field(default=12, validator=in_range(0, 100))
 

@@ -11,6 +11,7 @@ with `bits` each -- the paper's split is 4 levels, 4 bits then 2 bits
 packed bit stream, padded to whole 32-bit words (the padding is held and counted).
 Scores go through decode (angles multiply along the tree: no per-code table).
 """
+
 import math
 from functools import lru_cache
 from typing import Dict, List
@@ -36,6 +37,7 @@ def angle_levels(level: int, bits: int) -> np.ndarray:
 class Polar:
     """Recursive polar transform: level-1 angles at first_bits, deeper angles at bits (Lloyd-Max),
     last radii float16."""
+
     levels: int = attrs.field(default=4, validator=in_range(1, 8))
     first_bits: int = attrs.field(default=4, validator=in_range(1, 8))
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
@@ -59,8 +61,10 @@ class Polar:
 
     def check_head_dim(self, head_dim: int) -> str:
         if head_dim % (1 << self.levels):
-            return (f"{self.levels} levels halve head_dim {self.levels} times; "
-                    f"{head_dim} is not divisible by {1 << self.levels}")
+            return (
+                f"{self.levels} levels halve head_dim {self.levels} times; "
+                f"{head_dim} is not divisible by {1 << self.levels}"
+            )
         return ""
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
@@ -93,7 +97,7 @@ class Polar:
         starts = np.cumsum([0] + [n * b for n, b in widths])
         for level in range(self.levels, 0, -1):
             n, b = widths[level - 1]
-            bits = stream[..., int(starts[level - 1]):int(starts[level])].reshape(*stream.shape[:-1], n, b)
+            bits = stream[..., int(starts[level - 1]) : int(starts[level])].reshape(*stream.shape[:-1], n, b)
             code = mx.sum(bits << mx.arange(b, dtype=mx.uint32), axis=-1)
             if level == 1:
                 theta = (code.astype(mx.float32) + 0.5) * (2 * math.pi / (1 << b))

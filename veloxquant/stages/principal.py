@@ -3,6 +3,7 @@
 float64 throughout: the second-moment matrix by numpy's matmul (BLAS), the
 eigenvectors by MLX's LAPACK on its CPU stream (see symmetric_eigh for why).
 """
+
 import mlx.core as mx
 import numpy as np
 

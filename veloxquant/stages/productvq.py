@@ -9,6 +9,7 @@ centroids). The query takes the dual transform H(q * lambda), which keeps
 q.k, and scores read a table of piece-centroid products: table[p, c] =
 <q'_p, centroid_c>, score = sum over pieces of table[p, code_p].
 """
+
 import math
 from typing import Dict
 
@@ -35,7 +36,7 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
         d2 = np.minimum(d2, np.sum((sample - cent[-1]) ** 2, axis=1))
     cent = np.stack(cent)
     for _ in range(KMEANS_ITERS):
-        assign = np.argmin((x ** 2).sum(1)[:, None] - 2 * x @ cent.T + (cent ** 2).sum(1)[None], axis=1)
+        assign = np.argmin((x**2).sum(1)[:, None] - 2 * x @ cent.T + (cent**2).sum(1)[None], axis=1)
         sums = np.zeros_like(cent)
         np.add.at(sums, assign, x)
         counts = np.bincount(assign, minlength=k)[:, None]
@@ -67,6 +68,7 @@ class PieceCodes:
 @attrs.frozen
 class ProductVQ(PieceCodes):
     """Calibrated smoothing + Hadamard + product VQ (one index per piece); scores through a piece-centroid table."""
+
     piece: int = attrs.field(default=8, validator=in_range(2, 64))
     centroids: int = attrs.field(default=256, validator=in_range(2, 256))
     corpus: str = "austen:emma"
@@ -95,8 +97,10 @@ class ProductVQ(PieceCodes):
 
     def _t(self) -> Dict[str, mx.array]:
         if not self._artifact:
-            raise CalibrationError("stage 'pvq' is not bound to a calibration artifact: run `veloxquant calibrate "
-                                   "RECIPE` and make caches with veloxquant.make_prompt_cache")
+            raise CalibrationError(
+                "stage 'pvq' is not bound to a calibration artifact: run `veloxquant calibrate "
+                "RECIPE` and make caches with veloxquant.make_prompt_cache"
+            )
         return slot_arrays(self._artifact, self._slot)
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:

@@ -23,6 +23,7 @@ per-query piece-centroid look-up table for every older key. window <= 0: all
 keys take the approximation (at relative distance 0); window >= the length:
 every key exact RoPE.
 """
+
 from typing import Dict, Optional
 
 import attrs
@@ -51,6 +52,7 @@ def pair_energy(queries: np.ndarray, n_kv_heads: int, spec) -> np.ndarray:
 @attrs.frozen
 class QueryAwareVQ(PieceCodes, rp.BoundPreRope):
     """Product VQ of pre-RoPE keys, assigned by real queries' pair energies (beta blend); windowed-RoPE scores."""
+
     piece: int = attrs.field(default=8, validator=in_range(2, 64))
     centroids: int = attrs.field(default=256, validator=in_range(2, 256))
     beta: float = attrs.field(default=0.5, converter=float, validator=in_range(0.0, 1.0))
@@ -117,8 +119,7 @@ class QueryAwareVQ(PieceCodes, rp.BoundPreRope):
         own = codes + (mx.arange(H * P, dtype=mx.int32) * C).reshape(H, 1, P)  # each head, piece: its own book
         return book.reshape(H * P * C, d)[own].reshape(*codes.shape[:-1], P * d).astype(dtype)
 
-    def scores_at(self, q: mx.array, enc: Dict[str, mx.array], spec, key_start: int,
-                  query_pos: mx.array) -> mx.array:
+    def scores_at(self, q: mx.array, enc: Dict[str, mx.array], spec, key_start: int, query_pos: mx.array) -> mx.array:
         """Windowed RoPE: exact for keys within `window` of each query row, else the fixed offset."""
         B, H, M, D = q.shape
         codes = self._codes(enc, D)
@@ -129,11 +130,12 @@ class QueryAwareVQ(PieceCodes, rp.BoundPreRope):
         n = key_start + L - lo
         if n <= 0:
             return scores
-        keys = rp.rotate_at(self.decode({"codes": enc["codes"][:, :, L - n:]}, mx.float32), spec,
-                            mx.arange(lo, lo + n))
+        keys = rp.rotate_at(
+            self.decode({"codes": enc["codes"][:, :, L - n :]}, mx.float32), spec, mx.arange(lo, lo + n)
+        )
         exact = q @ keys.swapaxes(-1, -2)  # [B, H, M, n]
         near = (query_pos[:, None] - mx.arange(lo, lo + n)[None]) < self.window
-        return mx.concatenate([scores[..., :L - n], mx.where(near, exact, scores[..., L - n:])], axis=-1)
+        return mx.concatenate([scores[..., : L - n], mx.where(near, exact, scores[..., L - n :])], axis=-1)
 
     def _table_scores(self, q: mx.array, codes: mx.array) -> mx.array:
         """<q, decoded key> through a [P, C] table per query row: one look-up per piece."""

@@ -18,6 +18,7 @@ sum D(b) with the widths' mean = target -- the measured curves, not RateQuant's
 fitted alpha * beta^-b proxy. Equal curves give equal widths. The widths are artifact arrays, so they enter the plan's
 fingerprint with its content hash; `bits_per_element` (explain) shows the target.
 """
+
 from typing import Dict, Optional, Tuple
 
 import attrs
@@ -38,8 +39,7 @@ def _softmax(s: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def allocate_widths(errors: np.ndarray, lo: int, target: float,
-                    weights: Optional[np.ndarray] = None) -> np.ndarray:
+def allocate_widths(errors: np.ndarray, lo: int, target: float, weights: Optional[np.ndarray] = None) -> np.ndarray:
     """errors [sites, widths] (widths lo, lo+1, ...): the widths minimising the summed error with
     their mean = target, each site's width counted `weights` times (integers: the tokens a site
     holds, in units; none = 1 each), clipped to what the widths allow."""
@@ -78,6 +78,7 @@ def site_weights(helds: np.ndarray, context: int) -> Optional[np.ndarray]:
 @attrs.frozen
 class RateBits:
     """Lloyd-Max codes (per-vector norm) at a per-layer width from measured attention-output error (calibrated)."""
+
     target: float = attrs.field(default=3.0, validator=in_range(1.0, 8.0))
     lo: int = attrs.field(default=2, validator=in_range(1, 8))
     hi: int = attrs.field(default=4, validator=in_range(1, 8))
@@ -114,8 +115,9 @@ class RateBits:
         return f"{head_dim} channels of {bad[0]} bits do not fill 32-bit words" if bad else ""
 
     # --- calibration -----------------------------------------------------
-    def fit(self, x: np.ndarray, q: np.ndarray, layer: Dict[str, np.ndarray], side: str,
-            window: Optional[int] = None) -> Dict[str, np.ndarray]:
+    def fit(
+        self, x: np.ndarray, q: np.ndarray, layer: Dict[str, np.ndarray], side: str, window: Optional[int] = None
+    ) -> Dict[str, np.ndarray]:
         """D_l(b) for b = lo..hi: attention-output error of the last QUERIES real queries.
         `x`, `q`: the samples in this stage's domain; `layer`: the raw q, k, v; `side`: "k" or "v";
         `window`: the layer's sliding window (its queries see only that many keys)."""
@@ -127,7 +129,7 @@ class RateBits:
         mask = np.arange(N)[None] <= pos[:, None]
         if window:
             mask &= np.arange(N)[None] > pos[:, None] - window
-        scale = D ** -0.5
+        scale = D**-0.5
         qh = qr[:, -n:].reshape(H, rep * n, D)
         qs = q[:, -n:].reshape(H, rep * n, D)  # the same queries in this stage's domain (keys)
         exact_s = np.where(np.tile(mask, (rep, 1)), qh @ k.transpose(0, 2, 1) * scale, -np.inf)
@@ -144,7 +146,7 @@ class RateBits:
                 moved = _softmax(exact_s - (qs @ err.transpose(0, 2, 1)) * scale) @ v - ref
             else:
                 moved = weights @ err  # in the stage's domain: orthogonal transforms keep its size
-            errors.append(float(np.mean(np.sum(moved ** 2, -1)) / np.mean(np.sum(ref ** 2, -1))))
+            errors.append(float(np.mean(np.sum(moved**2, -1)) / np.mean(np.sum(ref**2, -1))))
         return {"errors": np.array(errors, dtype=np.float32), "held": np.array([window or 0], dtype=np.int64)}
 
     @classmethod
@@ -161,7 +163,7 @@ class RateBits:
             lo = min(s[3].lo for s in sites)
             errors = np.full((len(sites), max(s[3].hi for s in sites) - lo + 1), np.inf)
             for row, s in enumerate(sites):  # a site's own range; widths outside it cost infinity
-                errors[row, s[3].lo - lo:s[3].hi - lo + 1] = fits[s]["errors"]
+                errors[row, s[3].lo - lo : s[3].hi - lo + 1] = fits[s]["errors"]
             weights = site_weights(np.array([fits[s].get("held", [0])[0] for s in sites]), sites[0][3].context)
             widths = allocate_widths(errors, lo, float(np.mean([s[3].target for s in sites])), weights)
             out.update({s: {**fits[s], "bits": np.array([w], dtype=np.int32)} for s, w in zip(sites, widths)})
@@ -170,8 +172,10 @@ class RateBits:
     # --- coding at the allocated width ----------------------------------------
     def width(self) -> int:
         if not self._artifact:
-            raise CalibrationError("stage 'ratebits' is not bound to a calibration artifact: run `veloxquant "
-                                   "calibrate RECIPE` and make caches with veloxquant.make_prompt_cache")
+            raise CalibrationError(
+                "stage 'ratebits' is not bound to a calibration artifact: run `veloxquant "
+                "calibrate RECIPE` and make caches with veloxquant.make_prompt_cache"
+            )
         key = (self._artifact, self._slot)
         if key not in _WIDTHS:  # read once: encode runs every decode step
             _WIDTHS[key] = int(slot_arrays(self._artifact, self._slot)["bits"][0].item())

@@ -18,6 +18,7 @@ whole instead of letting the repeat pass rank its words like context.
 probe=latest replaces the repeat pass by the newest real query's weights, every
 step: TOVA, bit for bit.
 """
+
 import attrs
 
 from .evict import HEAD_RULES, LAYER_RULES, _PerHeadRoute, _room_after_protected, _sinks_below_budget
@@ -37,6 +38,7 @@ class Reconstruct(_PerHeadRoute):
     (heads=score: kv heads compete on the repeat scores, as the paper's
     non-uniform head budgets do).
     """
+
     budget: int = attrs.field(default=256, validator=in_range(1, 1 << 24))
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
@@ -69,7 +71,9 @@ class Reconstruct(_PerHeadRoute):
     def explain_pass(self) -> str:
         if self.probe != "context":
             return "probe=latest: scored by the newest real query's weights every step (TOVA)"
-        return (f"once, at the end of the prompt, the cache side runs the model on 'Repeat the previous context "
-                f"exactly.' + the context (chunks of {self.chunk} tokens) after what each layer holds "
-                "(runtime/eviction/model_pass.py); score = max attention a context token receives from those repeat "
-                "queries (over the queries and its GQA group); the pass's own K/V are discarded")
+        return (
+            f"once, at the end of the prompt, the cache side runs the model on 'Repeat the previous context "
+            f"exactly.' + the context (chunks of {self.chunk} tokens) after what each layer holds "
+            "(runtime/eviction/model_pass.py); score = max attention a context token receives from those repeat "
+            "queries (over the queries and its GQA group); the pass's own K/V are discarded"
+        )

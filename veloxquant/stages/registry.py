@@ -7,6 +7,7 @@ Families say where a stage may stand in a tier:
   residual  -- after a store: codes what the stages before it left over
   entropy   -- after a store that yields integer codes
 """
+
 import importlib
 import pkgutil
 from pathlib import Path
@@ -58,9 +59,11 @@ def stage(name: str, family: str, needs: Tuple[str, ...] = ()):
 
 def choices(*allowed):
     """An enum-like param (str or int values): validated, and listed in errors and docs."""
+
     def check(instance, attribute, value):
         if value not in allowed:
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+
     check.json_schema = {"enum": list(allowed)}  # read by `veloxquant schema`
     return check
 
@@ -69,6 +72,7 @@ def in_range(lo, hi):
     def check(instance, attribute, value):
         if not (lo <= value <= hi):
             raise ValueError(f"must be between {lo} and {hi}")
+
     check.json_schema = {"minimum": lo, "maximum": hi}  # read by `veloxquant schema`
     return check
 

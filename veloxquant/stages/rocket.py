@@ -9,6 +9,7 @@ tokens) to rank pages, then those channels of the keys in the best pages rank
 tokens. The page summaries are real arrays, counted in the bytes.
 tokens=0 turns stage 2 off: SnapKV exactly.
 """
+
 import attrs
 
 from .evict import Snap
@@ -19,6 +20,7 @@ from .registry import in_range, stage
 @attrs.frozen
 class Rocket(Snap):
     """SnapKV once, then each decode step exact attention over the `tokens` survivors the query's top channels pick."""
+
     tokens: int = attrs.field(default=64, validator=in_range(0, 1 << 24))
     page: int = attrs.field(default=16, validator=in_range(1, 1 << 12))
     channels: int = attrs.field(default=16, validator=in_range(1, 1 << 12))
@@ -28,8 +30,10 @@ class Rocket(Snap):
     def explain_decode(self) -> str:
         if not self.tokens:
             return "stage 2 off: attends to every survivor (SnapKV)"
-        return (f"each decode step attends exactly to {self.tokens} survivors per kv head, picked by the query's top "
-                f"{self.channels} channels over pages of {self.page} (max/min key summaries: 2 keys per page held)")
+        return (
+            f"each decode step attends exactly to {self.tokens} survivors per kv head, picked by the query's top "
+            f"{self.channels} channels over pages of {self.page} (max/min key summaries: 2 keys per page held)"
+        )
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()

@@ -9,6 +9,7 @@ RoPE is one complex multiplication per pair. `unrope.rotate` (mx.fast.rope) is
 the reference these are pinned to (tests/test_commvq.py); unlike it, they take
 one position per row rather than a contiguous run.
 """
+
 from typing import Dict, Tuple
 
 import mlx.core as mx
@@ -68,12 +69,15 @@ class BoundPreRope:
 
     def _t(self) -> Dict[str, mx.array]:
         if not self._artifact:
-            raise CalibrationError(f"stage '{self.stage_name}' is not bound to a calibration artifact: run "
-                                   "`veloxquant calibrate RECIPE` and make caches with veloxquant.make_prompt_cache")
+            raise CalibrationError(
+                f"stage '{self.stage_name}' is not bound to a calibration artifact: run "
+                "`veloxquant calibrate RECIPE` and make caches with veloxquant.make_prompt_cache"
+            )
         return slot_arrays(self._artifact, self._slot)
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
-            raise VeloxError(f"{self.stage_name} has no RoPE settings: make the caches with "
-                             "veloxquant.make_prompt_cache(model, ...)")
+            raise VeloxError(
+                f"{self.stage_name} has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)"
+            )
         return self._rope

@@ -10,6 +10,7 @@ The matrix is a constant regenerated from `seed` (QR of a seeded Gaussian),
 shared by every layer and cache: it is not held by a cache, so it is not in a
 cache's bytes; `explain` lists it with the other constants.
 """
+
 from functools import lru_cache
 
 import attrs
@@ -31,7 +32,8 @@ def orthogonal_matrix(n: int, seed: int) -> mx.array:
 @attrs.frozen
 class Rotation:
     """Seeded Haar-random orthogonal rotation of head_dim (a constant, regenerated from the seed)."""
-    seed: int = attrs.field(default=42, validator=in_range(0, 2 ** 31 - 1))
+
+    seed: int = attrs.field(default=42, validator=in_range(0, 2**31 - 1))
 
     def check_head_dim(self, head_dim: int) -> str:
         return ""

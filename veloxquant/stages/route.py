@@ -3,6 +3,7 @@
 Tiers are listed newest first. A new block of tokens is offered to each tier
 in order; what a tier declines or spills continues to the next.
 """
+
 import attrs
 
 from .registry import in_range, stage
@@ -12,6 +13,7 @@ from .registry import in_range, stage
 @attrs.frozen
 class Sink:
     """The first `n` positions of the sequence, kept forever (attention sinks)."""
+
     n: int = attrs.field(default=4, validator=in_range(0, 1 << 20))
 
     bounded = True
@@ -29,6 +31,7 @@ class Sink:
 @attrs.frozen
 class Recent:
     """A window of the newest `n` tokens; older ones spill to the next tier in chunks."""
+
     n: int = attrs.field(default=128, validator=in_range(0, 1 << 24))
 
     bounded = True

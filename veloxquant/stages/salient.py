@@ -10,6 +10,7 @@ so attention over them is exact like any tier's. The choice is held per chunk
 as a bit mask (uint32 words, counted). Branch arrays are stored one row per
 chunk (their rows of that chunk side by side), so every array counts chunks.
 """
+
 from typing import Dict, Optional
 
 import attrs
@@ -28,6 +29,7 @@ def _fraction(instance, attribute, value):
 @attrs.frozen
 class Salient:
     """Per chunk and head, the `fraction` of tokens with most normalized attention through `hi`, the rest `lo`."""
+
     hi: object = attrs.field(default=None)
     lo: object = attrs.field(default=None)
     fraction: float = attrs.field(default=0.25, validator=_fraction)
@@ -53,8 +55,9 @@ class Salient:
         return out
 
     def bits_per_element(self, head_dim: int) -> float:
-        return sum(n * inner.bits_per_element(head_dim) for _, inner, n in self._branches()) / self.chunk \
-            + self.chunk / (head_dim * self.chunk)
+        return sum(
+            n * inner.bits_per_element(head_dim) for _, inner, n in self._branches()
+        ) / self.chunk + self.chunk / (head_dim * self.chunk)
 
     def check_head_dim(self, head_dim: int) -> str:
         if self.chunk % 32:
@@ -65,8 +68,7 @@ class Salient:
             if getattr(inner, "fitted_once", False) or getattr(inner, "scored", False):
                 return f"'{inner.stage_name}' cannot be a branch of salient"
             if n == 0 or n % inner.token_multiple:
-                return (f"its {side} branch gets {n} tokens of each chunk, not whole groups of "
-                        f"{inner.token_multiple}")
+                return f"its {side} branch gets {n} tokens of each chunk, not whole groups of {inner.token_multiple}"
             problem = getattr(inner, "check_head_dim", lambda d: "")(head_dim)
             if problem:
                 return problem
@@ -83,13 +85,13 @@ class Salient:
         B, H, L, D = x.shape
         G, C = L // self.chunk, self.chunk
         s = scores.astype(mx.float32).reshape(B, H, G, C)
-        top = mx.argpartition(-s, kth=self.n_hi - 1, axis=-1)[..., :self.n_hi]
+        top = mx.argpartition(-s, kth=self.n_hi - 1, axis=-1)[..., : self.n_hi]
         mask = mx.put_along_axis(mx.zeros((B, H, G, C), dtype=mx.uint32), top, mx.array(1, dtype=mx.uint32), axis=-1)
         order = self._order(mask)
         moved = mx.take_along_axis(x.reshape(B, H, G, C, D), order[..., None], axis=3)
         out, at = {"mask": pack(mask, 1)}, 0
         for side, inner, n in self._branches():
-            part = moved[:, :, :, at:at + n].reshape(B, H, G * n, D)
+            part = moved[:, :, :, at : at + n].reshape(B, H, G * n, D)
             for k, v in inner.encode(part).items():  # rows of one chunk side by side: axis 2 counts chunks
                 out[f"{side}.{k}"] = v.reshape(B, H, G, -1)
             at += n

@@ -10,6 +10,7 @@ params: the `evict` fields the scorer reads. `evict` keeps the routing fields
 scorer parameter set away from its default on a scorer that does not read it is
 an error naming the scorers that do.
 """
+
 from typing import Callable, Dict, FrozenSet, Tuple
 
 import attrs
@@ -35,25 +36,28 @@ def _morph_rows(route) -> Dict[str, Tuple[int, ...]]:
 
 _WEIGHTS = frozenset({"weights"})
 _QUERIES = frozenset({"queries"})
-SPECS: Dict[str, ScorerSpec] = {s.name: s for s in (
-    ScorerSpec("mass", _WEIGHTS),
-    ScorerSpec("mean", _WEIGHTS, ("pool",)),
-    ScorerSpec("current", _WEIGHTS),
-    ScorerSpec("chunk", _WEIGHTS, ("chunk",)),
-    ScorerSpec("curd", _WEIGHTS, ("rank",)),
-    ScorerSpec("keyformer", _WEIGHTS, ("tau",)),
-    ScorerSpec("morph", _WEIGHTS, ("window",), _morph_rows),
-    ScorerSpec("expected", _QUERIES, ("window",)),
-    ScorerSpec("qfilters", _QUERIES, ("window",)),
-    ScorerSpec("proxy", frozenset({"new_keys"})),
-    ScorerSpec("knorm"),
-    ScorerSpec("keydiff"),
-    ScorerSpec("lagkv", params=("chunk",)),
-    ScorerSpec("nested", params=("window", "beta", "tau", "kappa")),
-    ScorerSpec("newest"),
-    ScorerSpec("window", _QUERIES, ("window", "pool"), selectable=False),
-    ScorerSpec("reconstruct", frozenset({"model_pass"}), ("chunk", "sinks"), selectable=False),
-)}
+SPECS: Dict[str, ScorerSpec] = {
+    s.name: s
+    for s in (
+        ScorerSpec("mass", _WEIGHTS),
+        ScorerSpec("mean", _WEIGHTS, ("pool",)),
+        ScorerSpec("current", _WEIGHTS),
+        ScorerSpec("chunk", _WEIGHTS, ("chunk",)),
+        ScorerSpec("curd", _WEIGHTS, ("rank",)),
+        ScorerSpec("keyformer", _WEIGHTS, ("tau",)),
+        ScorerSpec("morph", _WEIGHTS, ("window",), _morph_rows),
+        ScorerSpec("expected", _QUERIES, ("window",)),
+        ScorerSpec("qfilters", _QUERIES, ("window",)),
+        ScorerSpec("proxy", frozenset({"new_keys"})),
+        ScorerSpec("knorm"),
+        ScorerSpec("keydiff"),
+        ScorerSpec("lagkv", params=("chunk",)),
+        ScorerSpec("nested", params=("window", "beta", "tau", "kappa")),
+        ScorerSpec("newest"),
+        ScorerSpec("window", _QUERIES, ("window", "pool"), selectable=False),
+        ScorerSpec("reconstruct", frozenset({"model_pass"}), ("chunk", "sinks"), selectable=False),
+    )
+}
 
 
 def declare(spec: ScorerSpec) -> ScorerSpec:
@@ -79,5 +83,7 @@ def check_params(route, defaults: Dict[str, object]) -> None:
     for name in sorted(scorer_params() - set(reads)):
         if getattr(route, name) != defaults[name]:
             users = ", ".join(n for n in selectable() if name in SPECS[n].params)
-            raise ValueError(f"{name}={getattr(route, name)} is a parameter of score={users}, "
-                             f"not of score={route.score} (it reads {', '.join(reads) or 'none'})")
+            raise ValueError(
+                f"{name}={getattr(route, name)} is a parameter of score={users}, "
+                f"not of score={route.score} (it reads {', '.join(reads) or 'none'})"
+            )

@@ -11,6 +11,7 @@ Both estimators are linear in q, so `decode` returns the vector that gives
 exactly that estimate (the reference decode-then-attend path) and `scores`
 evaluates it from the sign bits without forming that vector at full width.
 """
+
 import math
 from functools import lru_cache
 from typing import Dict
@@ -41,8 +42,9 @@ def _signs(codes: mx.array, n: int) -> mx.array:
 @attrs.frozen
 class QJL:
     """1-bit JL sketch sign(S k) of m = factor * head_dim rows + ||k|| (float16); unbiased scores from the bits."""
+
     factor: float = attrs.field(default=1.0, validator=in_range(0.25, 8.0))
-    seed: int = attrs.field(default=7, validator=in_range(0, 2 ** 31 - 1))
+    seed: int = attrs.field(default=7, validator=in_range(0, 2**31 - 1))
 
     codes = False  # sign bits, not quantizer indices: no entropy stage applies
     token_multiple = 1

@@ -10,6 +10,7 @@ error is weighted per channel by the mean squared query of that channel (real
 queries, gathered by runtime/eviction/saliency.py): the expected error of q·k, i.e.
 the attention-score error, rather than key MSE. Decoding un-permutes.
 """
+
 from typing import Dict, Optional, Tuple
 
 import attrs
@@ -32,6 +33,7 @@ def _clips(instance, attribute, value):
 @attrs.frozen
 class Skvq:
     """Per-token group codes over range-sorted channels (order frozen from the first chunk), clip searched per group."""
+
     bits: int = attrs.field(default=2, validator=in_range(1, 8))
     group: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
     clips: str = attrs.field(default="1.0,0.95,0.9,0.85,0.8,0.75", validator=_clips)
@@ -62,7 +64,7 @@ class Skvq:
         return "" if (head_dim * self.bits) % 32 == 0 else f"{head_dim} channels of {self.bits} bits do not fill words"
 
     def fit(self, x: mx.array, scores: Optional[mx.array] = None) -> Dict[str, mx.array]:
-        first = x[:, :, :self.chunk].astype(mx.float32)
+        first = x[:, :, : self.chunk].astype(mx.float32)
         spread = mx.max(first, axis=2) - mx.min(first, axis=2)  # [B, H, D]
         D = x.shape[-1]
         order = mx.argsort(spread, axis=-1) if self.reorder else mx.broadcast_to(mx.arange(D), spread.shape)
@@ -98,7 +100,7 @@ class Skvq:
         B, H, L, W = codes.shape
         D = W * 32 // self.bits
         q = unpack(codes, self.bits, D).astype(mx.float32).reshape(B, H, L, D // self.group, self.group)
-        moved = (q * enc["scales"].astype(mx.float32)[..., None] + enc["zeros"].astype(mx.float32)[..., None])
+        moved = q * enc["scales"].astype(mx.float32)[..., None] + enc["zeros"].astype(mx.float32)[..., None]
         order = mx.broadcast_to(fitted["order"].astype(mx.int32)[:, :, None, :], (B, H, L, D))
         out = mx.put_along_axis(mx.zeros((B, H, L, D)), order, moved.reshape(B, H, L, D), axis=-1)
         return out.astype(dtype)

@@ -15,6 +15,7 @@ layer keeps its own float16 vector for that token, counted in its bytes.
 and hold their tokens in float16 as they came (a lone slerp layer is a lossless
 passthrough). The runtime is runtime/kinds/merged_tier.py; this module is the arithmetic.
 """
+
 from typing import Tuple
 
 import attrs
@@ -29,6 +30,7 @@ PARALLEL = 1e-4  # radians; closer than this, SLERP is the plain average of the 
 @attrs.frozen
 class Slerp:
     """MiniCache: a group of adjacent layers shares one SLERP-merged direction per token, each keeps its magnitudes."""
+
     layers: int = attrs.field(default=2, validator=in_range(1, 8))
     start: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
     t: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))

@@ -8,6 +8,7 @@ float16, so the decoded element is the original to float16 precision. A fixed
 count per vector keeps the arrays rectangular: the bytes are exactly what is
 held. `fraction=0` holds nothing: the codec is its store alone, bit for bit.
 """
+
 from typing import Dict
 
 import attrs
@@ -25,6 +26,7 @@ def _fraction(instance, attribute, value):
 @attrs.frozen
 class Sparse:
     """Per token and head, the round(fraction x head_dim) largest errors of the store, kept as (index, float16)."""
+
     fraction: float = attrs.field(default=0.01, validator=_fraction)
 
     codes = False

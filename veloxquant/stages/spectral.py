@@ -8,6 +8,7 @@ Stored per token: the components' Lloyd-Max codes of (x - mean) B / sigma, as
 one packed bit stream (no per-token metadata). Scores rotate the query once
 (q B * sigma) and read the codes' levels; keys are never rotated back.
 """
+
 from functools import lru_cache
 from typing import Dict
 
@@ -30,14 +31,14 @@ def _tables():
     edges = np.full((MAX_BITS + 1, 256), np.inf, np.float32)
     dist = np.zeros(MAX_BITS + 1)
     grid = np.linspace(-8, 8, 40001)
-    pdf = np.exp(-grid ** 2 / 2)
+    pdf = np.exp(-(grid**2) / 2)
     pdf /= pdf.sum()
     dist[0] = 1.0
     for b in range(1, MAX_BITS + 1):
         lv = lloyd_max(b, "gaussian")
-        levels[b, :lv.size] = lv
-        edges[b, :lv.size - 1] = (lv[1:] + lv[:-1]) / 2
-        dist[b] = float(np.sum(pdf * (grid - lv[np.searchsorted(edges[b, :lv.size - 1], grid)]) ** 2))
+        levels[b, : lv.size] = lv
+        edges[b, : lv.size - 1] = (lv[1:] + lv[:-1]) / 2
+        dist[b] = float(np.sum(pdf * (grid - lv[np.searchsorted(edges[b, : lv.size - 1], grid)]) ** 2))
     return levels, edges, dist
 
 
@@ -57,6 +58,7 @@ def water_fill(variances: np.ndarray, total: int) -> np.ndarray:
 @attrs.frozen
 class Spectral:
     """Calibrated per-head PCA basis + Lloyd-Max codes per component, widths by water-filling (bits on average)."""
+
     bits: int = attrs.field(default=3, validator=in_range(1, MAX_BITS))
     corpus: str = "austen:emma"
     tokens: int = attrs.field(default=4096, validator=in_range(64, 1 << 20))
@@ -99,14 +101,20 @@ class Spectral:
             weight = np.mean(np.einsum("hmd,hde->hme", q, basis) ** 2, axis=1)
             weight = np.maximum(weight / weight.mean(axis=1, keepdims=True), 1e-6)
         bits = np.stack([water_fill(v, self.bits * D) for v in var * weight])
-        return {"mean": mean.astype(np.float32), "basis": basis.astype(np.float32),
-                "sigma": np.sqrt(var).astype(np.float32), "bits": bits.astype(np.int32)}
+        return {
+            "mean": mean.astype(np.float32),
+            "basis": basis.astype(np.float32),
+            "sigma": np.sqrt(var).astype(np.float32),
+            "bits": bits.astype(np.int32),
+        }
 
     # --- runtime ------------------------------------------------------------
     def _t(self) -> Dict[str, mx.array]:
         if not self._artifact:
-            raise CalibrationError("stage 'spectral' is not bound to a calibration artifact: run `veloxquant "
-                                   "calibrate RECIPE` and make caches with veloxquant.make_prompt_cache")
+            raise CalibrationError(
+                "stage 'spectral' is not bound to a calibration artifact: run `veloxquant "
+                "calibrate RECIPE` and make caches with veloxquant.make_prompt_cache"
+            )
         t = slot_arrays(self._artifact, self._slot)
         if "pick" not in t:  # derived once: where each component's bits sit in the packed stream
             t.update(_layout(np.array(t["bits"])))
@@ -167,8 +175,13 @@ def _layout(bits: np.ndarray) -> Dict[str, mx.array]:
         place[h, own] = np.arange(own.size)
     if len({p.size for p in pick}) != 1:
         raise CalibrationError("calibrated bit widths differ in total between heads (damaged artifact)")
-    return {"pick": mx.array(np.stack(pick)), "place": mx.array(place), "count": mx.array(2 ** bits.astype(np.int32)),
-            "levels_flat": mx.array(levels.ravel()), "edges_flat": mx.array(edges.ravel())}
+    return {
+        "pick": mx.array(np.stack(pick)),
+        "place": mx.array(place),
+        "count": mx.array(2 ** bits.astype(np.int32)),
+        "levels_flat": mx.array(levels.ravel()),
+        "edges_flat": mx.array(edges.ravel()),
+    }
 
 
 def _quantize(z: mx.array, bits: mx.array, count: mx.array, edges_flat: mx.array) -> mx.array:

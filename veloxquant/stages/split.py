@@ -10,6 +10,7 @@ split is recorded per chunk as a bit mask (uint32 words, counted in the
 bytes); a listed one costs nothing. Decoding scatters both parts back, so
 q·k = q_hi·k_hi + q_lo·k_lo exactly: the two branches' scores add.
 """
+
 from typing import Dict, Optional, Tuple
 
 import attrs
@@ -29,6 +30,7 @@ def _fraction(instance, attribute, value):
 class Split:
     """Channels split per chunk: the `fraction` with most spread (or listed ones) through `hi`,
     the rest through `lo`."""
+
     hi: object = attrs.field(default=None)
     lo: object = attrs.field(default=None)
     fraction: float = attrs.field(default=0.25, validator=_fraction)
@@ -49,6 +51,7 @@ class Split:
     @property
     def token_multiple(self) -> int:
         import math
+
         return math.lcm(self.chunk if self.by != "list" else 1, self.hi.token_multiple, self.lo.token_multiple)
 
     def listed(self) -> Tuple[int, ...]:
@@ -101,7 +104,7 @@ class Split:
         spread = mx.max(g, axis=3) - mx.min(g, axis=3) if self.by == "range" else mx.var(g, axis=3)
         if q2 is not None:
             spread = spread * q2[:, :, None, :]
-        top = mx.argpartition(-spread, kth=self.n_hi(D) - 1, axis=-1)[..., :self.n_hi(D)]
+        top = mx.argpartition(-spread, kth=self.n_hi(D) - 1, axis=-1)[..., : self.n_hi(D)]
         mask = mx.put_along_axis(mx.zeros(spread.shape, dtype=mx.uint32), top, mx.array(1, dtype=mx.uint32), axis=-1)
         return self._order_of(mask), pack(mask, 1)
 

@@ -3,6 +3,7 @@
 A store encodes x [B, H, L, D] into named arrays whose axis 2 counts token
 units (one token, or a group of tokens), and decodes them back.
 """
+
 from typing import Dict
 
 import attrs
@@ -55,6 +56,7 @@ class Affine:
     axis=token groups `group` channels of one token; axis=channel groups
     `group` tokens of one channel (KIVI's keys). Scales and zeros are float16.
     """
+
     bits: int = attrs.field(default=4, validator=in_range(1, 8))
     group: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
     axis: str = attrs.field(default="token", validator=choices("token", "channel"))

@@ -17,6 +17,7 @@ the end of the prompt; later tokens keep the same channels. Without queries
 (the tier saw none) the keys' magnitude alone ranks. ratio=0 keeps every
 channel: float16 latents are the keys themselves.
 """
+
 from functools import lru_cache
 from typing import Dict, Optional
 
@@ -42,6 +43,7 @@ def pruned(head_dim: int, ratio: float) -> int:
 @attrs.frozen
 class Think:
     """ThinK: prune each kv head's key channels with the lowest query-weighted magnitude at the prompt's end."""
+
     ratio: float = attrs.field(default=0.5, validator=in_range(0.0, 0.99))
     window: int = attrs.field(default=32, validator=in_range(1, 1 << 16))
     bits: int = attrs.field(default=16, validator=latent_width)
@@ -68,8 +70,11 @@ class Think:
         return ""
 
     def check_heads(self, n_kv_heads: int, head_dim: int) -> str:
-        return f"ratio={self.ratio} prunes every channel of a {head_dim}-channel head" \
-            if pruned(head_dim, self.ratio) >= head_dim else ""
+        return (
+            f"ratio={self.ratio} prunes every channel of a {head_dim}-channel head"
+            if pruned(head_dim, self.ratio) >= head_dim
+            else ""
+        )
 
     def heads_per_group(self, n_kv_heads: int) -> int:
         return 1
@@ -89,8 +94,11 @@ class Think:
         r = D - pruned(D, self.ratio)
         keep = np.sort(np.argsort(-energy, axis=1, kind="stable")[:, :r], axis=1)  # [H, r], channel order
         basis = mx.array(keep.astype(np.uint8 if D <= 256 else np.uint16))
-        return {"basis": basis, "mean": mx.zeros((H, D), mx.float16),
-                "widths": mx.array(np.full(r, self.bits, np.uint8))}
+        return {
+            "basis": basis,
+            "mean": mx.zeros((H, D), mx.float16),
+            "widths": mx.array(np.full(r, self.bits, np.uint8)),
+        }
 
     # --- the kept channels <-> codes (the latent store's) --------------------------------
     def stats(self, z: mx.array) -> Dict[str, mx.array]:

@@ -1,4 +1,5 @@
 """Transform stages: invertible maps applied to values before they are stored."""
+
 import math
 from functools import lru_cache
 

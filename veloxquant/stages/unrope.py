@@ -11,6 +11,7 @@ scale) are read per layer by `ModelShape.from_model` (Gemma 3 has two bases,
 Llama 3 scaled frequencies) and bound into the stage by the compiler, so they
 enter the plan's fingerprint and a saved cache rebuilds with them.
 """
+
 from typing import Optional, Tuple
 
 import attrs
@@ -26,6 +27,7 @@ RopeSpec = Tuple[int, bool, Optional[float], float, Optional[Tuple[float, ...]]]
 def rope_spec(module) -> Tuple[Optional[RopeSpec], str]:
     """An mlx-lm RoPE module's settings, or (None, why it cannot be inverted)."""
     import mlx.nn as nn
+
     name = type(module).__name__
     if isinstance(module, nn.RoPE):
         return (int(module.dims), bool(module.traditional), float(module.base), float(module.scale), None), ""
@@ -42,22 +44,35 @@ def _freeze(spec):
     if spec is None:
         return None
     dims, trad, base, scale, freqs = spec
-    return (int(dims), bool(trad), None if base is None else float(base), float(scale),
-            None if freqs is None else tuple(float(f) for f in freqs))
+    return (
+        int(dims),
+        bool(trad),
+        None if base is None else float(base),
+        float(scale),
+        None if freqs is None else tuple(float(f) for f in freqs),
+    )
 
 
 def rotate(x: mx.array, spec: RopeSpec, start: int, inverse: bool = False) -> mx.array:
     """RoPE (or its inverse: the same rotation by minus the angle) of tokens at positions start, start+1, ..."""
     dims, traditional, base, scale, freqs = spec
     sign = -1.0 if inverse else 1.0
-    return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=sign * scale, offset=start,
-                        freqs=None if freqs is None else mx.array(freqs, dtype=mx.float32))
+    return mx.fast.rope(
+        x,
+        dims,
+        traditional=traditional,
+        base=base,
+        scale=sign * scale,
+        offset=start,
+        freqs=None if freqs is None else mx.array(freqs, dtype=mx.float32),
+    )
 
 
 @stage("unrope", "transform")
 @attrs.frozen
 class Unrope:
     """Keys coded before RoPE: the rotation is undone by position before the store and re-applied on decode."""
+
     _rope: Optional[tuple] = attrs.field(default=None, alias="_rope", converter=_freeze)
 
     positional = True  # encode/decode take the position of the first token
@@ -75,6 +90,7 @@ class Unrope:
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
-            raise VeloxError("unrope has no RoPE settings: make the caches with "
-                             "veloxquant.make_prompt_cache(model, ...)")
+            raise VeloxError(
+                "unrope has no RoPE settings: make the caches with veloxquant.make_prompt_cache(model, ...)"
+            )
         return self._rope

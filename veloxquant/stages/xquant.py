@@ -6,6 +6,7 @@ per-group scale and zero, least-squares fitted to the anchor's codes, plus an
 optional 1-bit residual (sign, with one magnitude per group) for the drift.
 Which role a layer plays is decided by the compiler (LayerPlan.share).
 """
+
 from typing import Dict
 
 import attrs
@@ -20,6 +21,7 @@ from .store import Affine
 @attrs.frozen
 class XQuant(Affine):
     """Affine codes that `layers` adjacent layers share: the first quantizes, the rest fit their own scale/zero."""
+
     layers: int = attrs.field(default=2, validator=in_range(1, 8))
     residual_bits: int = attrs.field(default=0, validator=in_range(0, 1))
 

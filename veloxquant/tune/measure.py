@@ -6,6 +6,7 @@ cache's held bytes (`nbytes` of its arrays) compared with fp16's for the same
 tokens. Plain data in, plain data out: the same function runs in this process
 or as a Ray task (a worker loads the model once and keeps it).
 """
+
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -35,14 +36,21 @@ def measure(model, recipe_text: str, sl: Slice, base_dir: Optional[str] = None) 
     nll = tokens = held = base = 0
     try:
         for w in sl.windows:
-            r = window_nll(model, lambda: make_prompt_cache(model, recipe), list(w), sl.prefix,
-                           sl.prefill_chunk, sl.score_chunk)
+            r = window_nll(
+                model, lambda: make_prompt_cache(model, recipe), list(w), sl.prefix, sl.prefill_chunk, sl.score_chunk
+            )
             nll, tokens = nll + r["nll"], tokens + r["tokens"]
             held, base = held + r["cache_bytes"], base + fp16_bytes(shape, r["context"])
     finally:
         uninstall(model)
-    return {"nll": nll, "tokens": tokens, "ppl": math.exp(nll / tokens), "cache_bytes": held,
-            "fp16_bytes": base, "ratio": held / base}
+    return {
+        "nll": nll,
+        "tokens": tokens,
+        "ppl": math.exp(nll / tokens),
+        "cache_bytes": held,
+        "fp16_bytes": base,
+        "ratio": held / base,
+    }
 
 
 def recipe_from_text(text: str, base_dir: Optional[str] = None):
@@ -65,10 +73,13 @@ def measure_task(model_ref: Optional[str], recipe_text: str, sl: Slice) -> Dict[
     return measure(model, recipe_text, sl)
 
 
-def slices(tokens: Sequence[int], calib_windows: int, heldout_windows: int, prefix: int,
-           score_tokens: int) -> List[Slice]:
+def slices(
+    tokens: Sequence[int], calib_windows: int, heldout_windows: int, prefix: int, score_tokens: int
+) -> List[Slice]:
     """Calibration windows from the first half of the corpus, held-out windows from the second."""
     half = len(tokens) // 2
     length = prefix + score_tokens + 1
-    return [Slice("calibration", tuple(map(tuple, windows(tokens[:half], calib_windows, length))), prefix),
-            Slice("held-out", tuple(map(tuple, windows(tokens[half:], heldout_windows, length))), prefix)]
+    return [
+        Slice("calibration", tuple(map(tuple, windows(tokens[:half], calib_windows, length))), prefix),
+        Slice("held-out", tuple(map(tuple, windows(tokens[half:], heldout_windows, length))), prefix),
+    ]

@@ -12,6 +12,7 @@ recipe text and the slice, so an interrupted or repeated run skips what it
 already measured (resumable). `budget_minutes` stops new calibration
 measurements; the held-out confirmation always runs.
 """
+
 import hashlib
 import json
 import sys
@@ -63,8 +64,16 @@ def key_of(text: str, sl: Slice, model: str) -> str:
 
 
 class Search:
-    def __init__(self, model_ref, shape, slices: Sequence[Slice], state: State, ray=None,
-                 deadline: Optional[float] = None, progress: bool = True):
+    def __init__(
+        self,
+        model_ref,
+        shape,
+        slices: Sequence[Slice],
+        state: State,
+        ray=None,
+        deadline: Optional[float] = None,
+        progress: bool = True,
+    ):
         self.model_ref, self.shape, self.state, self.ray, self.deadline = model_ref, shape, state, ray, deadline
         self.calib, self.held = slices
         self.progress = progress
@@ -75,8 +84,14 @@ class Search:
         """The time by which `share` of the budget is spent (None without a budget)."""
         return self.started + share * (self.deadline - self.started) if self.deadline else None
 
-    def measure(self, items: List[Tuple[str, str]], sl: Slice, what: str, stop_at_deadline: bool,
-                deadline: Optional[float] = None) -> Dict[str, dict]:
+    def measure(
+        self,
+        items: List[Tuple[str, str]],
+        sl: Slice,
+        what: str,
+        stop_at_deadline: bool,
+        deadline: Optional[float] = None,
+    ) -> Dict[str, dict]:
         """{text: result} for (label, text) items on a slice; cached ones come from the state file.
         With stop_at_deadline, no new measurement starts after `deadline` (default: the budget's end)."""
         deadline = deadline or self.deadline
@@ -86,8 +101,15 @@ class Search:
         todo = [(label, t) for label, t in items if t not in out]
         if stop_at_deadline and deadline and time.time() > deadline:
             todo = []
-        bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=f"tune {what}", unit="recipe",
-                   file=sys.stderr, disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(items),
+            initial=len(items) - len(todo),
+            desc=f"tune {what}",
+            unit="recipe",
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         try:
             calls = [(self.model_ref, t, sl) for _, t in todo]
             if self.ray is None and stop_at_deadline:  # serial: stop between measurements when time is up
@@ -121,8 +143,10 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     calib, held = search.calib, search.held
     fp16 = builtin_text("fp16")
     builtins = {n: builtin_text(n) for n in builtin_names() if n != "fp16" and not needs_artifact(n)}
-    fitting = {c.base: e for c, e in shortlist([Candidate(n) for n in builtins], search.shape, search.context,
-                                                max_ratio, floor=0.0)}
+    fitting = {
+        c.base: e
+        for c, e in shortlist([Candidate(n) for n in builtins], search.shape, search.context, max_ratio, floor=0.0)
+    }
     entries: Dict[str, Entry] = {}
     first = [("fp16", fp16)] + [(f"built-in {n}", builtins[n]) for n in builtins if n in fitting]
     for label, t in first:
@@ -132,8 +156,9 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     for c, _ in short:
         entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
     # The grid gets 70% of the time budget, so per-layer mixes of its best are measured too.
-    results = search.measure([(e.label, e.text) for e in entries.values()], calib, "calibration", True,
-                             search.until(GRID_SHARE))
+    results = search.measure(
+        [(e.label, e.text) for e in entries.values()], calib, "calibration", True, search.until(GRID_SHARE)
+    )
     cand_of = {c.yaml("candidate"): c for c, _ in short}
 
     def fits(text):
@@ -142,8 +167,9 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
 
     best = _best([t for t in cand_of if fits(t)], results)
     if best is not None:  # per-layer mixes of the best parameters
-        extra = [c for c, _ in shortlist(list(mixes(cand_of[best])), search.shape, search.context, max_ratio,
-                                         floor=0.8)][:8]
+        extra = [
+            c for c, _ in shortlist(list(mixes(cand_of[best])), search.shape, search.context, max_ratio, floor=0.8)
+        ][:8]
         for c in extra:
             cand_of[c.yaml("candidate")] = c
             entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
@@ -155,8 +181,13 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
         confirm.append((entries[best].label, best))
     held_results = search.measure(confirm, held, "held-out", False)
     entries = {t: attrs.evolve(e, heldout=held_results.get(t)) for t, e in entries.items()}
-    return {"entries": entries, "best": best, "candidate": cand_of.get(best), "fp16": fp16,
-            "front": pareto([e for e in entries.values() if e.calib])}
+    return {
+        "entries": entries,
+        "best": best,
+        "candidate": cand_of.get(best),
+        "fp16": fp16,
+        "front": pareto([e for e in entries.values() if e.calib]),
+    }
 
 
 def _best(texts, results) -> Optional[str]:

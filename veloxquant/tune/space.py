@@ -11,6 +11,7 @@ not depend on values; eviction recipes, which need real attention, fall back
 to tokens per tier x bits per element), to skip the ones that cannot fit. The
 bytes `tune` reports are those held while perplexity was measured.
 """
+
 import itertools
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -134,8 +135,9 @@ def _plan_ratio(plan, context: int) -> float:
             if n is None and not t.drops:  # unbounded tiers allocate in steps: the slack is held too
                 held_tokens = -(-take // UNBOUNDED_STEP) * UNBOUNDED_STEP
             if not t.drops:
-                per = (codec_bits(t.keys, layer.head_dim, layer.role)
-                       + codec_bits(t.values, layer.head_dim, layer.role)) / 2
+                per = (
+                    codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)
+                ) / 2
                 bits += held_tokens * (per if per == per else 16.0)  # NaN: the model's dtype, counted as 16-bit
                 if getattr(route, "per_head", False):
                     bits += take * 64 / (2 * layer.head_dim)  # 8 bytes per token and head, of positions and scores
@@ -147,8 +149,9 @@ def _plan_ratio(plan, context: int) -> float:
     return held / base if base else None
 
 
-def shortlist(cands: List[Candidate], shape: ModelShape, context: int, max_ratio: float,
-              floor: float = 0.6) -> List[Tuple[Candidate, float]]:
+def shortlist(
+    cands: List[Candidate], shape: ModelShape, context: int, max_ratio: float, floor: float = 0.6
+) -> List[Tuple[Candidate, float]]:
     """Candidates whose bytes lie in [floor x budget, budget], most bytes first (more bytes
     usually means lower perplexity); the measurement decides. Plan-based estimates (eviction
     recipes) are uncertain, so they may exceed the budget by 10% here."""

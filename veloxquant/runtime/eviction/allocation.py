@@ -25,6 +25,7 @@ heads=adakv (Ada-KV): a layer's H * B tokens go to the heads whose tokens
 On a sharded model (runtime/sharding.py) a layer's breadth is the mean over all
 ranks' heads and head budgets are split over all heads, gathered, as unsharded.
 """
+
 from typing import Dict, List
 
 import mlx.core as mx

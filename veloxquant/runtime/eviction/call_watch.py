@@ -1,6 +1,7 @@
 """Watching what a model class's __call__ is fed, reversibly: model_pass records the prompt's ids,
 protected the image placeholders' positions. Each watcher keeps its own originals, so one can be
 installed or removed without the other."""
+
 import inspect
 from typing import Callable, Dict
 
@@ -24,6 +25,7 @@ class CallWatch:
             def arg(name):
                 i = at.get(name)
                 return kwargs.get(name, args[i] if i is not None and len(args) > i else None)
+
             observe(arg, args, kwargs)
             return original(self, *args, **kwargs)
 

@@ -11,6 +11,7 @@ gives as its steps would have (tests/test_deferred.py pins it against the
 per-step path). Decode then costs what an unscored layer costs, plus one
 concatenated query per step (docs/eviction.md, "Decode speed: slack").
 """
+
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -21,9 +22,13 @@ ALLOWED_NEEDS = frozenset({"weights"})  # scorers fed only this step's weights (
 def defers(listeners: List, Lq: int) -> bool:
     """This step's scoring can wait: one query, and every listening tier cuts with slack, once its
     prompt is over (no budgets still being collected), from weights alone."""
-    return Lq == 1 and bool(listeners) and all(
-        t.route.slack and not t.route.once and not t.collecting and t.needs <= ALLOWED_NEEDS
-        for t, _ in listeners)
+    return (
+        Lq == 1
+        and bool(listeners)
+        and all(
+            t.route.slack and not t.route.once and not t.collecting and t.needs <= ALLOWED_NEEDS for t, _ in listeners
+        )
+    )
 
 
 def hold(cache, queries: mx.array, first_q: int) -> None:
@@ -57,7 +62,7 @@ def take(cache) -> Optional[Tuple[mx.array, int]]:
 def rewind(cache, n: int) -> None:
     """A trim of n positions: the newest n held queries are forgotten, unscored."""
     held = _held(cache)
-    cache.held_queries = held[:max(0, len(held) - n)]
+    cache.held_queries = held[: max(0, len(held) - n)]
 
 
 def nbytes(cache) -> int:

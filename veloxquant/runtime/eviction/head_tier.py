@@ -7,6 +7,7 @@ memory and count in nbytes. Once the coordinator gives heads unequal budgets
 (Ada-KV), the first eviction makes the tier ragged (runtime/eviction/ragged.py): each
 head's tokens held flat, no padding; the arrays below are then padded views.
 """
+
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -47,7 +48,8 @@ class HeadTier(KindBase):
         # buffers then cost one concatenation per append, not a regrowth and copy.
         step = UNBOUNDED_STEP if plan.route.once else None
         self.buffers: Dict[str, Dict[str, Buffer]] = {
-            side: {name: Buffer(step) for name in codec.units()} for side, codec in self.codecs.items()}
+            side: {name: Buffer(step) for name in codec.units()} for side, codec in self.codecs.items()
+        }
         self.meta = {name: Buffer(step) for name in (*META, *self.scorer.token_state)}
         self.count = 0  # tokens per head
         self.decided = False  # `once` routes (SnapKV) decide a single time
@@ -170,8 +172,9 @@ class HeadTier(KindBase):
         `offset` (positions seen) places the protected recent window."""
         if self.ragged is not None or (self.budgets is not None and len(set(self.budgets)) > 1):
             return keep_ragged(self, priority, offset, budget)
-        budget = min(budget or protected_room(self, self.head_budgets()[0] if self.budgets else self.budget, offset),
-                     self.count)
+        budget = min(
+            budget or protected_room(self, self.head_budgets()[0] if self.budgets else self.budget, offset), self.count
+        )
         if getattr(self.route, "shared_heads", False):  # heads hold the same tokens: one ranking
             priority = mx.broadcast_to(sharding.mean_heads(self.shard, priority, 1), priority.shape)  # all ranks' heads
         recent = getattr(self.route, "recent", 0)
@@ -242,8 +245,9 @@ class HeadTier(KindBase):
     def nbytes(self) -> int:
         held = sum(b.nbytes for bufs in (*self.buffers.values(), self.meta) for b in bufs.values())
         # per-head lengths and allocated budgets (the int32 arrays saved) and the ragged index arrays
-        books = (self.ragged.nbytes if self.ragged is not None else 0) + \
-            (self.budget_array.nbytes if self.budget_array is not None else 0)
+        books = (self.ragged.nbytes if self.ragged is not None else 0) + (
+            self.budget_array.nbytes if self.budget_array is not None else 0
+        )
         return held + self.scorer.nbytes + books
 
     # --- persistence ----------------------------------------------------
@@ -268,7 +272,7 @@ class HeadTier(KindBase):
         self.count = count
         self.decided = True  # saving ends the prompt (persist calls finish_prompt first)
         self.uniform = False  # what was evicted before saving is not known here
-        self.scorer.load({k[len("scorer."):]: v for k, v in arrays.items() if k.startswith("scorer.")})
+        self.scorer.load({k[len("scorer.") :]: v for k, v in arrays.items() if k.startswith("scorer.")})
         self.collecting = False  # a saved prompt is over: its budgets were allocated (or are fixed)
         self.meta.pop("seen", None)
         if "alloc.budgets" in arrays:

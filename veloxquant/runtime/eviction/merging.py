@@ -16,6 +16,7 @@ Keys are kept as they were. Nothing extra is held: merged values replace the
 survivors' values (re-encoded by the tier's codec), so the bytes stay those of
 the kept tokens.
 """
+
 import mlx.core as mx
 
 BLOCK = 256  # evicted tokens whose similarities to the survivors are held at once
@@ -25,8 +26,16 @@ def _unit(k: mx.array) -> mx.array:
     return k / mx.maximum(mx.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
 
 
-def merged_values(keys: mx.array, values: mx.array, scores: mx.array, kept: mx.array, gone: mx.array,
-                  targets: int, how: str, offset: int) -> mx.array:
+def merged_values(
+    keys: mx.array,
+    values: mx.array,
+    scores: mx.array,
+    kept: mx.array,
+    gone: mx.array,
+    targets: int,
+    how: str,
+    offset: int,
+) -> mx.array:
     """Values of the kept tokens [B, H, b, D] after the tokens `gone` [B, H, e] merge into them.
 
     keys, values [B, H, L, D] and scores [B, H, L] are the tier's before eviction; kept [B, H, b]."""
@@ -39,8 +48,13 @@ def merged_values(keys: mx.array, values: mx.array, scores: mx.array, kept: mx.a
     m = min(targets, b)
     # The m most similar survivors of each evicted token, BLOCK evicted tokens at a time: the bulk
     # eviction at the end of a long prompt never holds the whole [heads x evicted x kept] similarity.
-    to = mx.concatenate([mx.argpartition(-(k_gone[:, :, s:s + BLOCK] @ k_kept.swapaxes(-1, -2)), kth=m - 1,
-                                         axis=-1)[..., :m] for s in range(0, e, BLOCK)], axis=2)  # [B, H, e, m]
+    to = mx.concatenate(
+        [
+            mx.argpartition(-(k_gone[:, :, s : s + BLOCK] @ k_kept.swapaxes(-1, -2)), kth=m - 1, axis=-1)[..., :m]
+            for s in range(0, e, BLOCK)
+        ],
+        axis=2,
+    )  # [B, H, e, m]
     a_to = mx.take_along_axis(mx.broadcast_to(a_kept[:, :, None], (B, H, e, b)), to, axis=-1)
     p = mx.clip(a_gone / mx.maximum(mx.mean(a_to, axis=-1), 1e-30), 0.0, 1.0)  # [B, H, e]
     if how == "sample":

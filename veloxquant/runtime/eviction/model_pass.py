@@ -23,6 +23,7 @@ attention is answered, and attention is computed a block of queries at a time
 evaluated, so the LM head is never computed; each layer's output and scores
 are evaluated as the layer ends, so one layer's transients exist at a time.
 """
+
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -37,6 +38,8 @@ from .scoring import attend_blocked, block_size, position_mask
 
 NEED = "model_pass"
 _WATCH = CallWatch()  # the model classes whose calls are watched
+
+
 def _encode(tokenizer, text: str) -> List[int]:
     try:
         return list(tokenizer.encode(text, add_special_tokens=False))  # the instruction alone, no BOS
@@ -60,7 +63,7 @@ class ModelPass:
         self.fed = [(s, t) for s, t in self.fed if s < offset]  # a rewind (trim) forgets the newer ids
         if self.fed and self.fed[-1][1] is not None and self.fed[-1][0] + self.fed[-1][1].shape[1] > offset:
             s, t = self.fed[-1]
-            self.fed[-1] = (s, t[:, :offset - s])
+            self.fed[-1] = (s, t[:, : offset - s])
         self.fed.append((offset, None if inputs is None else inputs.reshape(-1, inputs.shape[-1])))
 
     def context(self, length: int) -> mx.array:
@@ -69,14 +72,16 @@ class ModelPass:
         for s, t in self.fed:
             if s != at or t is None:
                 break
-            parts.append(t[:, :length - at])
+            parts.append(t[:, : length - at])
             at += parts[-1].shape[1]
             if at >= length:
                 break
         if at < length:
-            raise VeloxError(f"the model pass needs the prompt's token ids, but only the first {at} of its {length} "
-                             "positions came through the model as ids (fed as embeddings, or straight to the "
-                             "layers?): feed token ids with model(tokens, cache=caches)")
+            raise VeloxError(
+                f"the model pass needs the prompt's token ids, but only the first {at} of its {length} "
+                "positions came through the model as ids (fed as embeddings, or straight to the "
+                "layers?): feed token ids with model(tokens, cache=caches)"
+            )
         return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
     @property
@@ -97,9 +102,11 @@ def attach(model, caches, tokenizer=None) -> None:
     tokenizer = tokenizer or tokenizer_of(model)
     texts = sorted({text for t in tiers for text in t.scorer.texts})
     if texts and tokenizer is None:
-        raise VeloxError(f"recipe '{caches[0].plan_root.recipe}' runs a model pass whose prompt must be tokenized: "
-                         "pass the tokenizer (veloxquant.make_prompt_cache(model, recipe, tokenizer=tokenizer)), or "
-                         "load the model with veloxquant.models.load_model")
+        raise VeloxError(
+            f"recipe '{caches[0].plan_root.recipe}' runs a model pass whose prompt must be tokenized: "
+            "pass the tokenizer (veloxquant.make_prompt_cache(model, recipe, tokenizer=tokenizer)), or "
+            "load the model with veloxquant.models.load_model"
+        )
     coordinator.model_pass = ModelPass(model, {text: _encode(tokenizer, text) for text in texts})
     tiers[0].scorer.pass_bytes = coordinator.model_pass  # the recorded ids count once, in the first layer
     install(model)
@@ -121,8 +128,10 @@ def run(coordinator, ending: bool = True) -> None:
             driver.done, driver.fed = True, []  # the prompt fits the budgets: nothing to score, ever
         return
     if driver is None or driver.model() is None:
-        raise VeloxError("these caches need a model pass at the end of the prompt, but no model is attached: "
-                         "make them with veloxquant.make_prompt_cache(model, recipe)")
+        raise VeloxError(
+            "these caches need a model pass at the end of the prompt, but no model is attached: "
+            "make them with veloxquant.make_prompt_cache(model, recipe)"
+        )
     model, scorer = driver.model(), pending[0][1].scorer
     context = driver.context(caches[0].offset)
     fed = []
@@ -138,6 +147,7 @@ def run(coordinator, ending: bool = True) -> None:
 @attrs.define
 class Look:
     """What one layer of the pass showed a listening tier."""
+
     queries: mx.array  # [B, Hq, n, D] the pass's queries at positions first_q..
     keys: mx.array  # [B, Hkv, held + n, D] float32: the layer's held keys, then the pass's own
     positions: mx.array  # [B, Hkv, held + n]
@@ -181,14 +191,14 @@ class PassView:
             parts.insert(0, (k, v, kpos))
             windows = [cache._window(t) for t in held]
         dtype = queries.dtype if causal else mx.float32
-        k, v, kpos = (mx.concatenate([p[i].astype(dtype) if i < 2 else p[i] for p in parts], axis=2)
-                      for i in range(3))
+        k, v, kpos = (mx.concatenate([p[i].astype(dtype) if i < 2 else p[i] for p in parts], axis=2) for i in range(3))
         total = k.shape[2] - n
         spans, windows = [*slices, slice(total, total + n)], [*windows, cache.plan.window]
 
         def mask_for(s: int, m: int) -> mx.array:
-            return mx.concatenate([position_mask(kpos[..., sl], first + s, m, w) for sl, w in zip(spans, windows)],
-                                  axis=-1)
+            return mx.concatenate(
+                [position_mask(kpos[..., sl], first + s, m, w) for sl, w in zip(spans, windows)], axis=-1
+            )
 
         block = block_size(queries.shape[1], k.shape[2], per_head.SCORE_BLOCK, per_head.SCORE_BYTES)
         if causal:
@@ -197,8 +207,9 @@ class PassView:
             out, _, _ = attend_blocked(queries, k, v, scale, mask_for, block, weigh=False)
         k32 = k.astype(mx.float32)
         for t in self.tiers:
-            look = Look(queries, k32, kpos, first, scale, mask_for, slices[held.index(t)], total,
-                        causal and len(held) == 1)
+            look = Look(
+                queries, k32, kpos, first, scale, mask_for, slices[held.index(t)], total, causal and len(held) == 1
+            )
             t.scorer.listen(t, look, self.note)
         out = out.astype(queries.dtype)
         # Layer by layer: evaluated as one graph, every layer's gathered K/V (which do not depend on the
@@ -213,16 +224,18 @@ def _causal_blocks(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     Lq, held = queries.shape[2], keys.shape[2] - queries.shape[2]
     outs = []
     for s in range(0, Lq, block):
-        q = queries[:, :, s:s + block]
+        q = queries[:, :, s : s + block]
         if outs:
             q = mx.depends(q, [outs[-1]])
         end = held + s + q.shape[2]
-        outs.append(mx.fast.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=scale,
-                                                         mask="causal"))
+        outs.append(
+            mx.fast.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=scale, mask="causal")
+        )
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 # --- recording the prompt's token ids ------------------------------------------
+
 
 def _observe(arg, args, kwargs) -> None:
     """Record the ids fed through caches with a pending pass."""

@@ -7,6 +7,7 @@ model computes. Each tier's scorer (runtime/eviction/scorers/) declares what it 
 computes attention with an explicit softmax only when some scorer needs the
 weights. It never branches on which scorer it feeds.
 """
+
 from typing import List, Optional
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from .scorers import Seen
 from .scoring import additive, attend_blocked, block_size, expand_heads, position_mask
 
 SCORE_BLOCK = 128  # at most this many queries' explicit softmax weights are held at once
-SCORE_BYTES = 16 * 2 ** 20  # and at most this many bytes of them (long contexts get shorter blocks)
+SCORE_BYTES = 16 * 2**20  # and at most this many bytes of them (long contexts get shorter blocks)
 # A prefill step's blocks are evaluated whenever this many bytes of weights were built since the last
 # evaluation: unevaluated, every block's temporaries stay allocated until the device runs them (prefill's peak).
 SYNC_BYTES = SCORE_BYTES  # about every block at 8k keys; every other block at 2k
@@ -77,10 +78,19 @@ def _weigher(cache, held: List, k: mx.array, kpos: mx.array, slices, scale: floa
     """weigh(queries, first_q, where) -> attention received [B, Hkv, L], summed over the queries and the
     group, sliced to one tier: the queries' softmax over everything the layer holds (causal, windowed),
     a block of queries at a time."""
+
     def weigh(queries: mx.array, first_q: int, where: slice) -> mx.array:
-        _, total, _ = attend_blocked(queries, k, None, scale, _masker(cache, held, kpos, slices, first_q),
-                                     _block(queries, k), sync_bytes=SYNC_BYTES)
+        _, total, _ = attend_blocked(
+            queries,
+            k,
+            None,
+            scale,
+            _masker(cache, held, kpos, slices, first_q),
+            _block(queries, k),
+            sync_bytes=SYNC_BYTES,
+        )
         return total[..., where]
+
     return weigh
 
 
@@ -110,17 +120,37 @@ def attend(cache, held: List, queries: mx.array, scale: float, first_q: int, obs
     k, v, kpos, slices = _gather(cache, held, mx.float32 if live else queries.dtype, select)
     total = tail = None
     if live:  # explicit softmax, a block of queries at a time
-        out, total, tail = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
-                                          _block(queries, k), rows, sync_bytes=SYNC_BYTES)
+        out, total, tail = attend_blocked(
+            queries,
+            k,
+            v,
+            scale,
+            _masker(cache, held, kpos, slices, first_q),
+            _block(queries, k),
+            rows,
+            sync_bytes=SYNC_BYTES,
+        )
     elif Lq > 1 and not _causal(cache, held, first_q + Lq):
         # heads differ: a per-head mask, built and applied a block of queries at a time
-        out, _, _ = attend_blocked(queries, k, v, scale, _masker(cache, held, kpos, slices, first_q),
-                                   _block(queries, k), weigh=False, sync_bytes=SYNC_BYTES)
+        out, _, _ = attend_blocked(
+            queries,
+            k,
+            v,
+            scale,
+            _masker(cache, held, kpos, slices, first_q),
+            _block(queries, k),
+            weigh=False,
+            sync_bytes=SYNC_BYTES,
+        )
     else:  # fused SDPA: "causal" while heads agree; one query needs a mask only for windows
         mask = "causal" if Lq > 1 else _mask(cache, held, kpos, slices, first_q, Lq)
         out = mx.fast.scaled_dot_product_attention(
-            queries, k, v, scale=scale,
-            mask=mask if mask is None or isinstance(mask, str) else additive(expand_heads(mask, Hq), queries.dtype))
+            queries,
+            k,
+            v,
+            scale=scale,
+            mask=mask if mask is None or isinstance(mask, str) else additive(expand_heads(mask, Hq), queries.dtype),
+        )
     if listeners:
         _feed(cache, held, listeners, queries, first_q, k.astype(mx.float32), kpos, slices, total, tail)
     cache.new_keys = None  # fed: the block's keys are held by the tiers, not twice by the cache
@@ -135,12 +165,17 @@ def _feed(cache, held, listeners, queries, first_q, k, kpos, slices, total, tail
     weigh = _weigher(cache, held, k, kpos, slices, cache.scale_seen)
     for t, i in listeners:
         where = slices[i]
-        t.scorer.observe(t, Seen(first_q=first_q,
-                                 received=None if total is None else total[..., where],
-                                 rows=None if tail is None else tail[..., where],
-                                 queries=queries if "queries" in t.scorer.needs else None,
-                                 new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
-                                 weigh=lambda q, f, where=where: weigh(q, f, where)))
+        t.scorer.observe(
+            t,
+            Seen(
+                first_q=first_q,
+                received=None if total is None else total[..., where],
+                rows=None if tail is None else tail[..., where],
+                queries=queries if "queries" in t.scorer.needs else None,
+                new_keys=cache.new_keys if "new_keys" in t.scorer.needs else None,
+                weigh=lambda q, f, where=where: weigh(q, f, where),
+            ),
+        )
         if "seen" in t.meta:
             t.collect(total[..., where])
 
@@ -154,8 +189,16 @@ def observe_block(cache, queries: mx.array, first_q: int) -> None:
         return
     k, _, kpos, slices = _gather(cache, held, mx.float32)
     rows = max(t.scorer.rows for t, _ in listeners)
-    _, total, tail = attend_blocked(queries, k, None, cache.scale_seen, _masker(cache, held, kpos, slices, first_q),
-                                    _block(queries, k), rows, sync_bytes=SYNC_BYTES)
+    _, total, tail = attend_blocked(
+        queries,
+        k,
+        None,
+        cache.scale_seen,
+        _masker(cache, held, kpos, slices, first_q),
+        _block(queries, k),
+        rows,
+        sync_bytes=SYNC_BYTES,
+    )
     _feed(cache, held, listeners, queries, first_q, k, kpos, slices, total, tail)
 
 

@@ -15,6 +15,7 @@ an image token past the window leaves, as any token does: no query sees it again
 share the runs (a position is kept where any row has an image token there). The image tokens'
 K/V are held in the tiers like any other and counted in their nbytes; the runs are host integers.
 """
+
 from typing import List, Optional, Tuple
 
 import mlx.core as mx

@@ -10,6 +10,7 @@ last token and carry position PAD, which every query's position mask hides.
 Tokens appended after the layout was fixed (decode steps) go to a uniform tail
 that every head shares, so an append is not a re-gather.
 """
+
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -41,10 +42,14 @@ class Ragged:
         off = np.concatenate([[0], np.cumsum(lens_np)[:-1]])
         j = np.arange(self.width)
         self.valid = mx.array(j[None, :] < lens_np[:, None])  # [H, W]
-        self.pad_idx = mx.array((off[:, None] + np.minimum(j[None, :], lens_np[:, None] - 1))
-                                .reshape(-1).astype(np.int32))
-        self.sel = mx.array((np.repeat(np.arange(len(lens_np)) * self.width - off, lens_np)
-                             + np.arange(int(lens_np.sum()))).astype(np.int32))  # [N]: each flat index's padded slot
+        self.pad_idx = mx.array(
+            (off[:, None] + np.minimum(j[None, :], lens_np[:, None] - 1)).reshape(-1).astype(np.int32)
+        )
+        self.sel = mx.array(
+            (np.repeat(np.arange(len(lens_np)) * self.width - off, lens_np) + np.arange(int(lens_np.sum()))).astype(
+                np.int32
+            )
+        )  # [N]: each flat index's padded slot
 
     @property
     def nbytes(self) -> int:
@@ -165,8 +170,10 @@ def restore_ragged(tier, arrays: Dict[str, mx.array]) -> Optional[str]:
         if arr is None:
             return f"missing array {key}"
         if arr.ndim < 3 or arr.shape[1] != 1 or arr.shape[2] != layout.total:
-            return (f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens "
-                    "of ragged.lens")
+            return (
+                f"array {key} has shape {tuple(arr.shape)}, which does not hold the {layout.total} tokens "
+                "of ragged.lens"
+            )
         bufs[name] = RaggedBuffer(layout, arr, step, PAD if not side and name == "pos" else None)
         tail = arrays.get(f"tail.{key}")
         if tail is not None:

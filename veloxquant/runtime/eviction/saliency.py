@@ -15,6 +15,7 @@ Layers with a salient tier attend through explicit float32 partials, a block
 of queries at a time (the probabilities need the softmax normaliser over
 everything held), never [heads x queries x keys] for a whole long prompt.
 """
+
 import weakref
 from typing import List, Optional
 
@@ -55,7 +56,7 @@ class Saliency:
         cache, Lq = self.cache, queries.shape[2]
         outs = []
         for s in range(0, Lq, QUERY_BLOCK):
-            q = queries[:, :, s:s + QUERY_BLOCK]
+            q = queries[:, :, s : s + QUERY_BLOCK]
             out, lse = decoded_attention.partial(cache, held, q, scale, first_q + s)
             outs.append(out)
             if observe:
@@ -122,7 +123,10 @@ class Saliency:
         at = start - int(st["start"][0])
         if at < 0 or at + n > st["received"].shape[-1]:
             raise VeloxError(f"no saliency gathered for positions {start}..{start + n}")
-        scores = st["received"][..., at:at + n] / mx.maximum(st["seen"][at:at + n], 1.0)
-        st.update(received=st["received"][..., at + n:], seen=st["seen"][at + n:],
-                  start=mx.array([start + n], dtype=mx.int32))
+        scores = st["received"][..., at : at + n] / mx.maximum(st["seen"][at : at + n], 1.0)
+        st.update(
+            received=st["received"][..., at + n :],
+            seen=st["seen"][at + n :],
+            start=mx.array([start + n], dtype=mx.int32),
+        )
         return scores

@@ -4,6 +4,7 @@ attention they receive (H2O, TOVA, SnapKV) — masks by per-head positions.
 mlx's fused SDPA never materialises the weights, so scoring layers compute
 softmax(q k^T) explicitly, in float32, over everything the layer holds.
 """
+
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
@@ -50,8 +51,17 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float, mask: Opt
     return mx.softmax(scores, axis=-1, precise=True)
 
 
-def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array], scale: float, mask_for: Callable,
-                   block: int, rows: int = 1, weigh: bool = True, sync_bytes: int = 0):
+def attend_blocked(
+    queries: mx.array,
+    keys: mx.array,
+    values: Optional[mx.array],
+    scale: float,
+    mask_for: Callable,
+    block: int,
+    rows: int = 1,
+    weigh: bool = True,
+    sync_bytes: int = 0,
+):
     """Attention `block` queries at a time, each block masked by `mask_for(first, n)` (per kv head,
     or None): only one block's [heads x block x keys] weights ever exist, never the whole prompt's.
 
@@ -72,7 +82,7 @@ def attend_blocked(queries: mx.array, keys: mx.array, values: Optional[mx.array]
     pending, synced = 0, False  # bytes of weights built since the last evaluation; evaluated at all
     for s in [0, *range(first, Lq, block)]:
         n = first if s == 0 else block
-        q = queries[:, :, s:s + n]
+        q = queries[:, :, s : s + n]
         if s:  # mlx would otherwise compute every block's weights before reducing any: order them
             q = mx.depends(q, [a for a in (outs[-1] if outs else None, total) if a is not None])
         w = attention_weights(q, keys, scale, mask_for(s, n))
@@ -120,5 +130,5 @@ def max_pool(x: mx.array, size: int) -> mx.array:
     L = x.shape[-1]
     out = padded[..., :L]
     for i in range(1, size):  # a loop over the kernel width, not over tokens
-        out = mx.maximum(out, padded[..., i:i + L])
+        out = mx.maximum(out, padded[..., i : i + L])
     return out

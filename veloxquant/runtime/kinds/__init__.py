@@ -6,6 +6,7 @@ TieredCache asks `build` and never branches on kinds itself. A kind registers it
 decode-time selection); every module of this package is imported here, so a new kind
 is one module.
 """
+
 import importlib
 import pkgutil
 from typing import Optional
@@ -51,21 +52,30 @@ def plain_tier(tiers) -> Optional[PlainRun]:
     if len(tiers) != 1:
         return None
     tier = tiers[0]
-    plain = type(tier) is Tier and tier.route is None and tier.sixteen_bit and not tier.codes_attend \
+    plain = (
+        type(tier) is Tier
+        and tier.route is None
+        and tier.sixteen_bit
+        and not tier.codes_attend
         and all(c.trivial for c in tier.codecs.values())
+    )
     return tier.plain if plain else None
 
 
 def fed_in_chunks(layer: LayerPlan, i: int) -> bool:
     """Tier i receives only whole spills of >= EXACT_MIN_CHUNK tokens and a kernel reads it."""
     before = layer.tiers[i - 1] if i else None
-    return (before is not None and getattr(before.route, "spills", False)
-            and before.chunk >= EXACT_MIN_CHUNK and fusable(layer.tiers[i]))
+    return (
+        before is not None
+        and getattr(before.route, "spills", False)
+        and before.chunk >= EXACT_MIN_CHUNK
+        and fusable(layer.tiers[i])
+    )
 
 
 def horizon(layer: LayerPlan, i: int) -> Optional[int]:
     """A recent(n) tier whose overflow is dropped sees n+1 keys back (n settled + the newest)."""
-    route, rest = layer.tiers[i].route, layer.tiers[i + 1:]
+    route, rest = layer.tiers[i].route, layer.tiers[i + 1 :]
     if route is not None and route.stage_name == "recent" and rest and rest[0].drops:
         return route.n + 1
     return None

@@ -9,6 +9,7 @@ latents, and the weighted latents go back through the first rank_c basis
 columns; the scores are put back in position order with one gather, so masks
 and the merge with the other tiers see one ordinary partial.
 """
+
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -97,7 +98,7 @@ class AmcSide(LatentSide):
         w = mx.take(weights.reshape(B, G, (H // G) * R, L), self._routing()[0], axis=-1)
         out, start = 0, 0
         for rank, z in self._tiers():
-            mixed = (w[..., start:start + z.shape[2]] @ z).reshape(B, H, R, rank)
+            mixed = (w[..., start : start + z.shape[2]] @ z).reshape(B, H, R, rank)
             out = out + mixed @ basis[:, :, :rank].swapaxes(-1, -2)
             start += z.shape[2]
         return out + mx.sum(weights, axis=-1, keepdims=True) * mean if self.store.center else out
@@ -129,14 +130,14 @@ class AmcSide(LatentSide):
             (self.staged.drop_front if front else self.staged.drop_back)(n)
             return
         at = self._at
-        gone = at[:n] if front else at[len(at) - n:]
+        gone = at[:n] if front else at[len(at) - n :]
         for t, (name, _, bits) in enumerate(self.layout):
             k = int((gone == t).sum())
             for b in (self.buffers[f"{name}.{m}"] for m in self.store.names(bits)):
                 if k:
                     (b.drop_front if front else b.drop_back)(k)
         (self.buffers["tier"].drop_front if front else self.buffers["tier"].drop_back)(n)
-        self._at = at[n:] if front else at[:len(at) - n]
+        self._at = at[n:] if front else at[: len(at) - n]
         self._order = None
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:

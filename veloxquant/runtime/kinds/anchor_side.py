@@ -15,6 +15,7 @@ q·residual where one is held; the output sums weights onto the anchors
 tokens (window expiry, trim drop tokens unevenly over heads): such an entry
 stays held (its bytes count) and is masked until every head has lost one.
 """
+
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
@@ -149,8 +150,11 @@ class AnchorSide:
         anchors = self.view("anchors").astype(mx.float32)
         B, H, R, L = weights.shape
         wc = weights * self.view("coeff")[..., 0][:, :, None].astype(mx.float32)
-        onto = _add_last(mx.zeros((B, H, R, anchors.shape[2]), mx.float32),
-                         mx.broadcast_to(self.view("idx")[..., 0][:, :, None], wc.shape), wc)
+        onto = _add_last(
+            mx.zeros((B, H, R, anchors.shape[2]), mx.float32),
+            mx.broadcast_to(self.view("idx")[..., 0][:, :, None], wc.shape),
+            wc,
+        )
         out = onto @ anchors
         res = self._residuals()
         if res is not None:

@@ -14,6 +14,7 @@ attend), and at the end of the prompt they rank the tokens with real attention
 q·r_t in token t's score.) Without queries (no attention hook, or a prompt too
 short for this tier to be attended before it ended) every token weighs the same.
 """
+
 import mlx.core as mx
 
 from ...compiler.plan import TierPlan
@@ -33,8 +34,12 @@ class AnchorTier(LatentTier):
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
         self.launch_key, self.launch = None, None
-        self.sides = {side: (AnchorSide if getattr(codec.store, "tier_kind", None) == "anchor" else PlainSide)(
-            codec, n_kv_heads, head_dim) for side, codec in (("k", plan.keys), ("v", plan.values))}
+        self.sides = {
+            side: (AnchorSide if getattr(codec.store, "tier_kind", None) == "anchor" else PlainSide)(
+                codec, n_kv_heads, head_dim
+            )
+            for side, codec in (("k", plan.keys), ("v", plan.values))
+        }
         self.start = self.count = 0
 
     @property
@@ -52,11 +57,14 @@ class AnchorTier(LatentTier):
         q = q.reshape(B, self.n_kv_heads, Hq // self.n_kv_heads, Lq, D)
         parts = []
         for s in range(0, Lq, QUERY_BLOCK):
-            qb = q[:, :, :, s:s + QUERY_BLOCK]
+            qb = q[:, :, :, s : s + QUERY_BLOCK]
             n = qb.shape[3]
-            rows = mask if mask is None or mask.ndim < 2 or mask.shape[-2] != Lq else mask[..., s:s + n, :]
-            parts.append(partial_from_scores(self.sides["k"].scores(qb.reshape(B, self.n_kv_heads, -1, D)), rows, n,
-                                             self.sides["v"].combine))
+            rows = mask if mask is None or mask.ndim < 2 or mask.shape[-2] != Lq else mask[..., s : s + n, :]
+            parts.append(
+                partial_from_scores(
+                    self.sides["k"].scores(qb.reshape(B, self.n_kv_heads, -1, D)), rows, n, self.sides["v"].combine
+                )
+            )
         return mx.concatenate([o for o, _ in parts], axis=2), mx.concatenate([l for _, l in parts], axis=2)
 
     def _window(self):
@@ -78,17 +86,20 @@ class AnchorTier(LatentTier):
             mass = mx.zeros((B, H, L), mx.float32)
             blocks = []
             for s in range(0, q.shape[2], BLOCK):
-                a = mx.softmax(q[:, :, s:s + BLOCK] @ keys.swapaxes(-1, -2), axis=-1)  # [B, H, b, L]
+                a = mx.softmax(q[:, :, s : s + BLOCK] @ keys.swapaxes(-1, -2), axis=-1)  # [B, H, b, L]
                 mass = mass + mx.sum(a, axis=2)
-                blocks.append((q[:, :, s:s + BLOCK], a, a @ values))
+                blocks.append((q[:, :, s : s + BLOCK], a, a @ values))
             v_sq = mx.sum(values * values, axis=-1)[:, :, None]  # [B, H, 1, L]
 
             def key_error(r: mx.array) -> mx.array:
                 total = mx.zeros((B, H, L), mx.float32)
                 for qb, a, o in blocks:
                     # |v_t - o_q| for every (q, t) of the block, from one product: [B, H, b, L]
-                    apart = mx.sqrt(mx.maximum(v_sq - 2 * (o @ values.swapaxes(-1, -2))
-                                               + mx.sum(o * o, axis=-1, keepdims=True), 0.0))
+                    apart = mx.sqrt(
+                        mx.maximum(
+                            v_sq - 2 * (o @ values.swapaxes(-1, -2)) + mx.sum(o * o, axis=-1, keepdims=True), 0.0
+                        )
+                    )
                     total = total + mx.sum(a * mx.abs(qb @ r.swapaxes(-1, -2)) * apart, axis=2)
                 return total
 

@@ -3,6 +3,7 @@
 Both answer the same three questions for the tier's partial: scores(q), combine(weights)
 and decoded (the reference path), and hold, restore and count their own arrays.
 """
+
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -45,7 +46,7 @@ class SidesHeld(KindBase):
         for side, s in self.sides.items():
             problem = s.restore({k[2:]: v for k, v in arrays.items() if k.startswith(f"{side}.")}, count)
             if problem:
-                return f"{side}.{problem[len('array '):]}" if problem.startswith("array ") else problem
+                return f"{side}.{problem[len('array ') :]}" if problem.startswith("array ") else problem
         return None
 
 
@@ -246,7 +247,8 @@ class LatentSide:
         """Allocated buffers (growth slack is real memory) plus the basis this layer holds (and, until
         the fit, the queries' second moment); a calibrated basis is the artifact's, not the cache's."""
         return sum(a.nbytes for a in self.arrays().values()) + sum(
-            b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None)
+            b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None
+        )
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
         if self.basis_of is not None and self.basis_of():  # the group's anchor (restored first) holds the basis

@@ -13,6 +13,7 @@ Attention is answered from the latents: scores (q·P)·zᵀ (+ q·mean) and outp
 other tiers'. `decoded` (K/V rebuilt as z·Pᵀ) is the reference path, used only
 without the attention hook.
 """
+
 import functools
 from typing import Dict, Optional
 
@@ -32,6 +33,7 @@ SIDES = {"latent": LatentSide, "amc": AmcSide, "think": ThinkSide}  # a latent s
 @kind("latent")
 class LatentTier(SidesHeld):
     """Behind the tier protocol (runtime/kinds/tier.py): place, drop, hold, answer a partial."""
+
     ends_prompt = joins_groups = True  # fits its basis when the prompt ends; xKV groups share it
     can_rewind = False  # trimming: latents cannot give their fp16 values back (runtime/trimming.py)
 
@@ -42,9 +44,12 @@ class LatentTier(SidesHeld):
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
         self.launch_key, self.launch = None, None
-        self.sides = {side: (SIDES[getattr(codec.store, "side", "latent")] if hasattr(codec.store, "tier_kind")
-                             else PlainSide)(codec, n_kv_heads, head_dim)
-                      for side, codec in (("k", plan.keys), ("v", plan.values))}
+        self.sides = {
+            side: (SIDES[getattr(codec.store, "side", "latent")] if hasattr(codec.store, "tier_kind") else PlainSide)(
+                codec, n_kv_heads, head_dim
+            )
+            for side, codec in (("k", plan.keys), ("v", plan.values))
+        }
         self.start = self.count = 0
 
     @property

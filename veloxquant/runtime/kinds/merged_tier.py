@@ -14,6 +14,7 @@ as mag·dir) is the reference path, used only without the attention hook.
 Groups come from the cross-layer coordinator (runtime/coordinator.py), as
 xquant's and xKV's do; a slerp layer outside a group is a float16 passthrough.
 """
+
 import weakref
 from typing import Dict, Optional
 
@@ -67,7 +68,7 @@ class MergedSide:
 
     def _x(self) -> mx.array:
         """The staged float16 tokens still in the window."""
-        return self.view("x")[:, :, self.pending:]
+        return self.view("x")[:, :, self.pending :]
 
     def append(self, x: mx.array) -> None:
         if self.role != "reuse":
@@ -84,8 +85,10 @@ class MergedSide:
         """Anchor: merge its oldest staged tokens with the reuse layer's b; returns the reuse layer's arrays."""
         staged, n = self.view("x"), b.shape[2]
         if staged is None or staged.shape[2] < n:
-            raise VeloxError(f"a slerp reuse layer got {n} tokens its anchor has not staged "
-                             f"({0 if staged is None else staged.shape[2]}); {HINT}")
+            raise VeloxError(
+                f"a slerp reuse layer got {n} tokens its anchor has not staged "
+                f"({0 if staged is None else staged.shape[2]}); {HINT}"
+            )
         a = staged[:, :, :n]
         e, ma, mb, distance = self.store.merge(a, b)
         keep = distance > self.store.threshold  # [n]: too far apart to share a direction
@@ -108,7 +111,7 @@ class MergedSide:
         if self.role == "anchor":
             return self.view("dir")
         skip = self.tier.start - self.tier._anchor().start  # a sliding pair: the anchor expires first
-        return self.peer().view("dir")[:, :, skip:skip + self.merged]
+        return self.peer().view("dir")[:, :, skip : skip + self.merged]
 
     def _kept(self) -> Optional[mx.array]:
         if self.role != "reuse" or self.bufs["ret"].used == 0:
@@ -121,8 +124,9 @@ class MergedSide:
         """q [B, H, R, D] (scaled, float32) -> q·k for every held token [B, H, R, L]."""
         parts = []
         if self.merged:
-            s = (q @ self._direction().astype(mx.float32).swapaxes(-1, -2)) * \
-                self.view("mag").astype(mx.float32).swapaxes(-1, -2)
+            s = (q @ self._direction().astype(mx.float32).swapaxes(-1, -2)) * self.view("mag").astype(
+                mx.float32
+            ).swapaxes(-1, -2)
             idx = self._kept()
             if idx is not None:
                 B, H, R, _ = s.shape
@@ -194,8 +198,10 @@ class MergedSide:
             self.bufs[name].set(arrays.get(name))
         self._idx, self.pending = None, 0
         held = self.merged + self.bufs["x"].used
-        if held != count or (self.role == "reuse" and self.bufs["ret"].used != int(
-                np.array(self.view("flag")).sum() if self.merged else 0)):
+        if held != count or (
+            self.role == "reuse"
+            and self.bufs["ret"].used != int(np.array(self.view("flag")).sum() if self.merged else 0)
+        ):
             return f"array mag/x/ret of a slerp {self.role or 'lone'} layer does not hold {count} tokens"
         return None
 
@@ -203,6 +209,7 @@ class MergedSide:
 @kind("merged")
 class MergedTier(SidesHeld):
     """Behind the tier protocol (runtime/kinds/tier.py), like the latent tier: place, hold, answer a partial."""
+
     joins_groups = True  # a pair of layers holds one direction per token
     can_rewind = False  # a merged pair cannot give one layer's tokens back
     fusable = sixteen_bit = drops = False
@@ -211,9 +218,10 @@ class MergedTier(SidesHeld):
     def __init__(self, plan: TierPlan, n_kv_heads: int, head_dim: int):
         self.plan, self.route, self.n_kv_heads = plan, plan.route, n_kv_heads
         self.launch_key, self.launch, self.link, self.group = None, None, None, ()
-        self.sides = {side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads,
-                                                                                             head_dim)
-                      for side, codec in (("k", plan.keys), ("v", plan.values))}
+        self.sides = {
+            side: (MergedSide if hasattr(codec.store, "tier_kind") else PlainSide)(codec, n_kv_heads, head_dim)
+            for side, codec in (("k", plan.keys), ("v", plan.values))
+        }
         self.start = self.count = 0
 
     @property
@@ -238,10 +246,11 @@ class MergedTier(SidesHeld):
         if self.link is None or self.link.layer == self.link.anchor:
             return None
         for name, s in self.sides.items():
-            if isinstance(s, MergedSide) and (self._anchor().start != self.start
-                                              or s.peer().merged < s.merged):
-                return (f"layer {self.link.layer} holds {s.merged} merged {name} tokens from {self.start}, its "
-                        f"anchor layer {self.link.anchor} directions for {s.peer().merged} from {self._anchor().start}")
+            if isinstance(s, MergedSide) and (self._anchor().start != self.start or s.peer().merged < s.merged):
+                return (
+                    f"layer {self.link.layer} holds {s.merged} merged {name} tokens from {self.start}, its "
+                    f"anchor layer {self.link.anchor} directions for {s.peer().merged} from {self._anchor().start}"
+                )
         return None
 
     def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):

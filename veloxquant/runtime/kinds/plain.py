@@ -7,6 +7,7 @@ A layer whose plan is one unrouted 16-bit tier (nothing scored or settled,
 slice updates, two slices, one SDPA) and 4 short Python calls per layer
 (docs/kernels.md, "The fp16 path at KVCache's op count").
 """
+
 import weakref
 from typing import Tuple
 

@@ -13,6 +13,7 @@ module of the package, so adding a kind is one module and its tests.
 mlx-lm's batch operations (merge, filter, extend, extract, left padding) are the next calls of
 this protocol (every kind will answer them); they are not part of it yet.
 """
+
 from typing import Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import mlx.core as mx
@@ -23,21 +24,25 @@ HEAD_KINDS: Dict[str, type] = {}  # a per-head route's tier_kind -> class(plan, 
 
 def kind(name: str):
     """Register a tier kind under the `tier_kind` its store stages name."""
+
     def register(cls):
         if name in KINDS:
             raise ValueError(f"tier kind {name!r} is registered twice ({KINDS[name].__name__}, {cls.__name__})")
         KINDS[name] = cls
         return cls
+
     return register
 
 
 def head_kind(name: str):
     """Register a per-head tier kind under the `tier_kind` its route names."""
+
     def register(cls):
         if name in HEAD_KINDS:
             raise ValueError(f"per-head tier kind {name!r} is registered twice")
         HEAD_KINDS[name] = cls
         return cls
+
     return register
 
 

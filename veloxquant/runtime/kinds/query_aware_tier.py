@@ -9,6 +9,7 @@ Before the first query (the prompt's first block) the store falls back to the
 calibration text's queries. The running energies are held as `state.energy`:
 counted in the tier's bytes and saved with the cache.
 """
+
 from typing import Optional
 
 import mlx.core as mx
@@ -59,4 +60,3 @@ class QueryAwareTier(Tier):
         for name, arr in self.codecs["v"].encode(values, start).items():
             self.buffers["v"][name].append(arr)
         self.count += keys.shape[2]
-

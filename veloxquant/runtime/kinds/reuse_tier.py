@@ -4,6 +4,7 @@ It holds only its own arrays (per-group scale and zero, and the optional
 residual); the integer codes it is decoded from are read, packed and uncopied,
 from the anchor layer's tier through the coordinator, by range of positions.
 """
+
 from typing import Dict, Tuple
 
 import mlx.core as mx
@@ -66,13 +67,15 @@ class ReuseTier(Tier):
                 # where the kernel reads the arrays (whole chunks arrive, compiler.lower.KERNEL_SPILL).
                 exact = plan.plain_affine and not codec.store.residual_bits
                 step = lambda u: None if exact else max(1, UNBOUNDED_STEP // u)
-                self.buffers[side] = {name: Buffer(step(per_unit))
-                                      for name, per_unit in self.codecs[side].units().items()}
+                self.buffers[side] = {
+                    name: Buffer(step(per_unit)) for name, per_unit in self.codecs[side].units().items()
+                }
         self.codes_attend = code_attention.applies(self, 1)  # asked again: the codecs changed
         # Without a residual, value = anchor code x own scale + own zero: exactly an affine encoding
         # whose codes are the anchor's, which the fused kernel reads as they are (no copy).
         self.kernel_reads = plan.plain_affine and all(
-            isinstance(c, ReuseCodec) and not c.store.residual_bits for c in self.codecs.values())
+            isinstance(c, ReuseCodec) and not c.store.residual_bits for c in self.codecs.values()
+        )
 
     def answer(self, queries: mx.array, scale: float, mask=None, hidden: int = 0):
         if mask is None and self.kernel_reads:
@@ -83,8 +86,11 @@ class ReuseTier(Tier):
 
     def _kernel_encoded(self, side: str) -> Dict[str, mx.array]:
         own = self.encoded(side)
-        return {"codes": self.codecs[side].codes_of(self.start, self.end), "scales": own["scales"],
-                "zeros": own["zeros"]}
+        return {
+            "codes": self.codecs[side].codes_of(self.start, self.end),
+            "scales": own["scales"],
+            "zeros": own["zeros"],
+        }
 
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         if self.count == 0:

@@ -11,6 +11,7 @@ first. Only full pages are summarised, when they fill (the newest, partial
 page needs no bound), and the summaries are real arrays: in `arrays()` and
 `nbytes`.
 """
+
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -37,7 +38,7 @@ class SparseDecodeTier(HeadTier):
         if p1 == p0:
             return
         # Every encoded array counts tokens on axis 2: decode only the pages that changed.
-        enc = {n: a[:, :, p0 * page:p1 * page] for n, a in self.encoded("k").items()}
+        enc = {n: a[:, :, p0 * page : p1 * page] for n, a in self.encoded("k").items()}
         keys = self.codecs["k"].decode(enc, mx.float32)
         B, H, _, D = keys.shape
         pages = keys.reshape(B, H, p1 - p0, page, D)
@@ -81,8 +82,11 @@ class SparseDecodeTier(HeadTier):
 
         def channels(x):  # [B, Hkv, n, D] -> [B, Hkv, n, r]
             return mx.take_along_axis(x, ch[:, :, None], axis=-1)
-        upper = mx.maximum(qr[:, :, :, None] * channels(self.summary["pages.kmax"])[:, :, None],
-                           qr[:, :, :, None] * channels(self.summary["pages.kmin"])[:, :, None])
+
+        upper = mx.maximum(
+            qr[:, :, :, None] * channels(self.summary["pages.kmax"])[:, :, None],
+            qr[:, :, :, None] * channels(self.summary["pages.kmin"])[:, :, None],
+        )
         page_score = mx.max(mx.sum(upper, axis=-1), axis=2)  # [B, Hkv, full pages]: best bound over the group
         if self.count % route.page:  # the newest, partial page has no summary: it always competes
             page_score = mx.concatenate([page_score, mx.full((B, Hkv, 1), mx.inf)], axis=2)
@@ -95,10 +99,13 @@ class SparseDecodeTier(HeadTier):
         kr = channels(mx.take_along_axis(k, slots[..., None], axis=2).astype(mx.float32))
         approx = mx.max(qr @ kr.swapaxes(-1, -2), axis=2)  # [B, Hkv, S]
         approx = mx.where(valid, approx, -mx.inf)
-        chosen = mx.take_along_axis(slots, mx.argpartition(-approx, kth=route.tokens - 1, axis=-1)
-                                    [..., :route.tokens], axis=-1)
-        return tuple(mx.take_along_axis(x, chosen.reshape(*chosen.shape, *([1] * (x.ndim - 3))), axis=2)
-                     for x in (k, v, self.positions))
+        chosen = mx.take_along_axis(
+            slots, mx.argpartition(-approx, kth=route.tokens - 1, axis=-1)[..., : route.tokens], axis=-1
+        )
+        return tuple(
+            mx.take_along_axis(x, chosen.reshape(*chosen.shape, *([1] * (x.ndim - 3))), axis=2)
+            for x in (k, v, self.positions)
+        )
 
     # --- bytes and persistence ---------------------------------------------
     @property

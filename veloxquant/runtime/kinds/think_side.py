@@ -7,6 +7,7 @@ counted in its bytes); the fit reads their mean per head and channel, and they
 are freed with the staged float16 keys. Its "basis" is the kept channels'
 indices [H, r], read as one-hot columns at each use.
 """
+
 from typing import Dict
 
 import mlx.core as mx
@@ -15,7 +16,6 @@ from .latent_side import LatentSide
 
 
 class ThinkSide(LatentSide):
-
     def __init__(self, plan, n_kv_heads: int, head_dim: int):
         super().__init__(plan, n_kv_heads, head_dim)
         self.query_window = None
@@ -29,7 +29,7 @@ class ThinkSide(LatentSide):
         new = mx.square(q.astype(mx.float32).reshape(B, H, R // n_queries, n_queries, D)[:, :, :, -w:])
         old = self.query_window
         if old is not None and new.shape[3] < w:
-            new = mx.concatenate([old[:, :, :, -(w - new.shape[3]):], new], axis=3)
+            new = mx.concatenate([old[:, :, :, -(w - new.shape[3]) :], new], axis=3)
         self.query_window = mx.contiguous(new)
         mx.async_eval(self.query_window)  # not the whole block of queries it was cut from
 

@@ -1,4 +1,5 @@
 """A tier: a contiguous run of positions held with one codec for K and one for V."""
+
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -37,7 +38,8 @@ class Tier(TierRows, KindBase):
         self.drops = plan.drops  # the plan is frozen: these facts are read every decode step
         self.sixteen_bit = not plan.drops and all(
             c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
-            for c in (plan.keys, plan.values))
+            for c in (plan.keys, plan.values)
+        )
         self.codes_attend = False
         self.start = 0  # position of the oldest token held
         self.count = 0
@@ -65,8 +67,7 @@ class Tier(TierRows, KindBase):
 
     def __deepcopy__(self, memo):
         # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
-        return copy_sharing(self, memo, shared=("plan", "route", "drops", "launch_key", "launch"),
-                            reset={"_views": {}})
+        return copy_sharing(self, memo, shared=("plan", "route", "drops", "launch_key", "launch"), reset={"_views": {}})
 
     # --- contents -------------------------------------------------------
     @property
@@ -144,8 +145,9 @@ class Tier(TierRows, KindBase):
     def _dequantizer(self, dtype, sides=("k", "v")):
         """The dequant kernel's binding where it decodes these sides, else None."""
         kernels = dispatch.dequantizer() if self._fusable else None
-        if kernels is None or any(kernels.dequant_unsupported(self.encoded(s), self.codecs[s].store, dtype)
-                                  for s in sides):
+        if kernels is None or any(
+            kernels.dequant_unsupported(self.encoded(s), self.codecs[s].store, dtype) for s in sides
+        ):
             return None
         return kernels
 
@@ -159,8 +161,9 @@ class Tier(TierRows, KindBase):
 
     def _front(self, side: str, n: int, dtype) -> mx.array:
         units = self.codecs[side].units()
-        return self.codecs[side].decode({name: buf.view()[:, :, : n // units[name]]
-                                         for name, buf in self.buffers[side].items()}, dtype, self.start)
+        return self.codecs[side].decode(
+            {name: buf.view()[:, :, : n // units[name]] for name, buf in self.buffers[side].items()}, dtype, self.start
+        )
 
     def drop_front(self, n: int) -> None:
         self._views = {}
@@ -173,9 +176,16 @@ class Tier(TierRows, KindBase):
     def take_back(self, n: int, dtype) -> Tuple[mx.array, mx.array, int]:
         """Remove the n newest tokens (whole units) and return them decoded, with their start."""
         units = {side: self.codecs[side].units() for side in ("k", "v")}
-        k, v = (self.codecs[side].decode({name: buf.view()[:, :, buf.used - n // units[side][name]:]
-                                          for name, buf in self.buffers[side].items()}, dtype)
-                for side in ("k", "v"))
+        k, v = (
+            self.codecs[side].decode(
+                {
+                    name: buf.view()[:, :, buf.used - n // units[side][name] :]
+                    for name, buf in self.buffers[side].items()
+                },
+                dtype,
+            )
+            for side in ("k", "v")
+        )
         self.drop_back(n)
         return k, v, self.end
 
@@ -204,8 +214,12 @@ class Tier(TierRows, KindBase):
 
     # --- persistence ----------------------------------------------------
     def arrays(self) -> Dict[str, mx.array]:
-        out = {f"{side}.{name}": buf.view() for side, bufs in self.buffers.items()
-               for name, buf in bufs.items() if buf.view() is not None}
+        out = {
+            f"{side}.{name}": buf.view()
+            for side, bufs in self.buffers.items()
+            for name, buf in bufs.items()
+            if buf.view() is not None
+        }
         for side, c in self.codecs.items():
             out.update({f"{side}.fit.{name}": a for name, a in getattr(c, "fitted", {}).items()})
         out.update({f"state.{name}": a for name, a in self.side_state.items()})
@@ -218,7 +232,7 @@ class Tier(TierRows, KindBase):
         """Load saved arrays; returns a problem description instead of raising."""
         self._views = {}
         self.start, self.count = start, count
-        self.side_state = {k[len("state."):]: v for k, v in arrays.items() if k.startswith("state.")}
+        self.side_state = {k[len("state.") :]: v for k, v in arrays.items() if k.startswith("state.")}
         for side, codec in self.codecs.items():
             for name, per_unit in codec.units().items():
                 arr = arrays.get(f"{side}.{name}")
@@ -267,6 +281,6 @@ def decoded_run(tiers: List["Tier"], dtype) -> Tuple[mx.array, mx.array]:
     for s, side in enumerate(("k", "v")):
         buf = tiers[lead].decoded_side(side, dtype, starts[-1], starts[lead])
         for i, pair in pairs.items():  # in place: nothing else holds the buffer (MLX donates it)
-            buf[:, :, starts[i]:starts[i + 1], :] = pair[s]
+            buf[:, :, starts[i] : starts[i + 1], :] = pair[s]
         out.append(buf)
     return tuple(out)

@@ -4,6 +4,7 @@ In a batch, axis 0 of every held array is the sequence and a tier's start/count 
 axis the rows share (left-padded to a common end); padding columns are zeros the mask hides.
 runtime/batch.py routes mlx-lm's batch methods here; compiler/batching.py says which plans batch.
 """
+
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -15,8 +16,12 @@ class TierRows:
     """Mixed into Tier: needs `buffers` ({side: {name: Buffer}}), `codecs`, `start`, `count`, `_views`."""
 
     def held_arrays(self) -> Dict[Tuple[str, str], mx.array]:
-        return {(side, name): buf.view() for side, bufs in self.buffers.items()
-                for name, buf in bufs.items() if buf.data is not None}
+        return {
+            (side, name): buf.view()
+            for side, bufs in self.buffers.items()
+            for name, buf in bufs.items()
+            if buf.data is not None
+        }
 
     def map_rows(self, fn) -> None:
         """Every held array replaced by fn(array); the caller keeps start/count true."""
@@ -56,7 +61,7 @@ class TierRows:
 
     def row(self, i: int, first: int) -> Dict[Tuple[str, str], mx.array]:
         """Row i's arrays from column `first` on, as a one-sequence tier holds them."""
-        return {k: mx.contiguous(a[i:i + 1, :, first - self.start:]) for k, a in self.held_arrays().items()}
+        return {k: mx.contiguous(a[i : i + 1, :, first - self.start :]) for k, a in self.held_arrays().items()}
 
     # --- ragged rows (runtime/batch_chain.py): every row from column 0, each filling its own count ---
     def _unit_items(self):
@@ -73,8 +78,9 @@ class TierRows:
         """Every row's first n columns, decoded."""
         return self._front("k", n, dtype), self._front("v", n, dtype)
 
-    def ragged_encode_append(self, keys: mx.array, values: mx.array, held: np.ndarray, take: np.ndarray,
-                             source: Optional[np.ndarray] = None) -> None:
+    def ragged_encode_append(
+        self, keys: mx.array, values: mx.array, held: np.ndarray, take: np.ndarray, source: Optional[np.ndarray] = None
+    ) -> None:
         """Row i gets block columns source_i .. source_i + take_i, coded, after its held_i tokens.
         The block is coded whole, in groups from its column 0: callers give group-aligned columns."""
         source = np.zeros_like(take) if source is None else source
@@ -108,8 +114,9 @@ class TierRows:
         for side, name, per in self._unit_items():
             arrays = [t.buffers[side][name].view() if t.count else None for t in tiers]
             like = next((a for a in arrays if a is not None), None)
-            self.buffers[side][name].set(None if like is None else mx.concatenate(
-                [_pad_cols(a, like, width // per) for a in arrays], axis=0))
+            self.buffers[side][name].set(
+                None if like is None else mx.concatenate([_pad_cols(a, like, width // per) for a in arrays], axis=0)
+            )
 
     def ragged_concat(self, other, rows: int, more: int) -> None:
         """`other`'s `more` rows after these `rows`."""
@@ -131,8 +138,10 @@ class TierRows:
 
     def ragged_row(self, i: int, n: int) -> Dict[Tuple[str, str], mx.array]:
         """Row i's first n tokens, as a one-sequence tier holds them."""
-        return {(side, name): mx.contiguous(self.buffers[side][name].data[i:i + 1, :, : n // per])
-                for side, name, per in self._unit_items()}
+        return {
+            (side, name): mx.contiguous(self.buffers[side][name].data[i : i + 1, :, : n // per])
+            for side, name, per in self._unit_items()
+        }
 
 
 def _widen(cond: mx.array, ndim: int) -> mx.array:
@@ -153,8 +162,9 @@ def _pad_cols(arr, like: mx.array, width: int, rows: Optional[int] = None) -> mx
     return mx.pad(arr, [(0, 0), (0, 0), (0, width - arr.shape[2])] + [(0, 0)] * (arr.ndim - 3))
 
 
-def _ragged_join(old, new: mx.array, held: np.ndarray, take: np.ndarray, source: np.ndarray,
-                 width: int) -> Optional[mx.array]:
+def _ragged_join(
+    old, new: mx.array, held: np.ndarray, take: np.ndarray, source: np.ndarray, width: int
+) -> Optional[mx.array]:
     """Per row: old's first held columns, then new's columns source .. source + take, then zeros."""
     if not width:
         return None

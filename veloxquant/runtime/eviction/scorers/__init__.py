@@ -19,6 +19,7 @@ stages/scorers.py, which holds the scorer's needs, parameters and per-token
 state (the stage layer validates recipes with it); they are discovered, so a
 new scorer is one new module here and one line there.
 """
+
 import importlib
 import pkgutil
 from typing import Tuple

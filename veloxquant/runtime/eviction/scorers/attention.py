@@ -7,6 +7,7 @@ mean     kvpress's ObservedAttention: the same sum divided by the number of
          (optionally max-pooled over `pool` neighbours, as SnapKV pools)
 current  TOVA: the newest query's weights only; nothing carries over
 """
+
 import mlx.core as mx
 
 from ..scoring import max_pool
@@ -15,7 +16,6 @@ from .base import Scorer, observers, scorer
 
 @scorer("mass")
 class Mass(Scorer):
-
     def observe(self, tier, seen):
         tier.set_scores(tier.scores + seen.received)
 
@@ -29,6 +29,5 @@ class Mean(Mass):
 
 @scorer("current")
 class Current(Scorer):
-
     def observe(self, tier, seen):
         tier.set_scores(seen.rows[:, :, -1])

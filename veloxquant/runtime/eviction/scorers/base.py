@@ -1,4 +1,5 @@
 """The scorer protocol and registry (the package doc says what a scorer is)."""
+
 from typing import Callable, Dict, Optional, Tuple
 
 import attrs
@@ -20,12 +21,14 @@ def scorer(name: str):
         cls.needs = SPECS[name].needs
         SCORERS[name] = cls
         return cls
+
     return register
 
 
 @attrs.define
 class Seen:
     """What one attention step showed a tier (its own token slice where per token)."""
+
     first_q: int  # position of the first query
     received: Optional[mx.array] = None  # [B, H, L] attention from all this step's queries
     rows: Optional[mx.array] = None  # [B, H, R, L] from the newest R queries, each summed over its group
@@ -36,6 +39,7 @@ class Seen:
 
 class Scorer:
     """The protocol, with the defaults most scorers keep."""
+
     name = "?"
     needs: frozenset = frozenset()
     rows = 1  # with "weights": how many newest query rows it wants per token
@@ -67,7 +71,7 @@ class Scorer:
         new = seen.queries[:, :, -window:]
         old = getattr(self, "queries", None)
         if old is not None and new.shape[2] < window:
-            new = mx.concatenate([old[:, :, -(window - new.shape[2]):], new], axis=2)
+            new = mx.concatenate([old[:, :, -(window - new.shape[2]) :], new], axis=2)
         kept = mx.contiguous(new)
         # Computed as soon as the device reaches it, not when the prefill step ends: until then the
         # lazy copy holds the whole block of queries it was cut from, in every layer at once.
@@ -102,6 +106,7 @@ class Scorer:
 class QueryWindowScorer(Scorer):
     """A scorer that keeps the newest real queries (`self.queries`, see keep_window) until it
     decides: they are its saved state and its bytes, and are dropped once it has decided."""
+
     queries: Optional[mx.array] = None
 
     def state(self):

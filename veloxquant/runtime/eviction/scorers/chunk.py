@@ -3,6 +3,7 @@ positions; a chunk's score is the mean of its tokens' accumulated attention
 mass (H2O's), so chunks stay or leave together. chunk=1 is H2O, bit for bit.
 A head holds only part of a chunk where the budget or an earlier eviction
 cut it (the priority ties then break by position inside the argpartition)."""
+
 import mlx.core as mx
 
 from .attention import Mass

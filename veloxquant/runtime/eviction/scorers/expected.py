@@ -6,6 +6,7 @@ weighted by the value's norm (what the token can move the output by).
 Deviation: kvpress rotates the query statistics to future positions with
 RoPE; the cache only sees rotated queries, so the recent statistics stand
 in for the next positions' (docs/eviction.md)."""
+
 import mlx.core as mx
 
 from .base import QueryWindowScorer, scorer
@@ -13,7 +14,6 @@ from .base import QueryWindowScorer, scorer
 
 @scorer("expected")
 class Expected(QueryWindowScorer):
-
     def __init__(self, route):
         super().__init__(route)
         self.queries, self.scale = None, 1.0
@@ -27,7 +27,7 @@ class Expected(QueryWindowScorer):
             return mx.zeros(k.shape[:3], mx.float32)
         B, Hq, W, D = self.queries.shape
         Hkv = k.shape[1]
-        s = D ** -0.5
+        s = D**-0.5
         q = self.queries.reshape(B, Hkv, Hq // Hkv, W, D)
         mu = mx.mean(q, axis=3)  # [B, Hkv, rep, D]
         c = q - mu[:, :, :, None]

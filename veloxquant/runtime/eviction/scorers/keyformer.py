@@ -4,6 +4,7 @@ The noise is redrawn at every eviction, keyed on the position counter (so a
 run is reproducible), scaled by the head's mean score (scale-free), and its
 temperature anneals from `tau` towards 0 as the context outgrows the budget:
 tau_t = tau * budget / max(offset, budget). tau=0 is H2O, bit for bit."""
+
 import mlx.core as mx
 
 from .attention import Mass

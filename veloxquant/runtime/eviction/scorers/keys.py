@@ -8,6 +8,7 @@ keydiff  KeyDiff (kvpress): keep the keys least similar to the head's mean
          direction (the anchor: the mean of the unit keys held), ranked when
          the tier evicts
 """
+
 import mlx.core as mx
 
 from .base import Scorer, scorer

@@ -9,6 +9,7 @@ partition keeps the same share. The last partition and the remainder, which have
 reference, score 1 (kept, as the sinks); a head holding fewer than sinks + 2 chunks
 ranks by position (the newest kept). A zero range is taken as 1e-6.
 """
+
 import mlx.core as mx
 
 from .base import Scorer, scorer

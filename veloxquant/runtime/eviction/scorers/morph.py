@@ -3,6 +3,7 @@ attention it got from the last `window` real queries, recomputed every step
 and never accumulated, so old heavy hitters cannot crowd out the current
 topic. Each held token keeps its rows from those queries (a ring of `window`
 floats, gathered with it on eviction). window=1 is TOVA, bit for bit."""
+
 import mlx.core as mx
 
 from .base import Scorer, scorer
@@ -10,7 +11,6 @@ from .base import Scorer, scorer
 
 @scorer("morph")
 class Morph(Scorer):
-
     def __init__(self, route):
         super().__init__(route)
         self.rows = route.window

@@ -12,6 +12,7 @@ std, min-max normalised per head and mean-centred, above `tau`, sharpness
 a* lies in [0, 1] in every head, so heads compete for the layer's budget on it
 (heads=score: runtime/eviction/allocation.py). Decode tokens are appended, never rescored.
 """
+
 import mlx.core as mx
 
 from .base import Scorer, scorer
@@ -43,8 +44,11 @@ def scales(k: mx.array, window: int) -> mx.array:
     counts = mx.minimum(b, N - mx.arange(nb) * b).astype(mx.float32)[:, None]
     episodic = mx.repeat(mx.sum(padded, axis=3) / counts, b, axis=2)[:, :, :N]
     csum = mx.cumsum(k, axis=2)
-    behind = mx.concatenate([mx.zeros((B, H, window, D), k.dtype), csum[:, :, :-window]], axis=2)[:, :, :N] \
-        if window < N else mx.zeros_like(csum)
+    behind = (
+        mx.concatenate([mx.zeros((B, H, window, D), k.dtype), csum[:, :, :-window]], axis=2)[:, :, :N]
+        if window < N
+        else mx.zeros_like(csum)
+    )
     current = csum - behind  # the trailing `window` keys, the token's own included
     return mx.stack([_minmax(_anomaly(k, m)) for m in (stable, episodic, current)])
 

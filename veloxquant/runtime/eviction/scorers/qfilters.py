@@ -3,6 +3,7 @@ vector of the real queries of its group (the first `window` the layer sees:
 a calibration on the live prompt). Its sign is fixed so that the queries'
 mean projection on u is positive; then <q, k> ~ <E q, k> grows with <k, u>,
 and the keys with the highest <k, u> are kept."""
+
 import mlx.core as mx
 
 from .base import Scorer, scorer
@@ -10,7 +11,6 @@ from .base import Scorer, scorer
 
 @scorer("qfilters")
 class QFilters(Scorer):
-
     def __init__(self, route):
         super().__init__(route)
         self.samples, self.direction = None, None
@@ -35,8 +35,11 @@ class QFilters(Scorer):
         return u * sign[..., None]
 
     def priority(self, tier, offset, weigh):
-        u = self.direction if self.direction is not None else (
-            self._fit(self.samples) if self.samples is not None else None)
+        u = (
+            self.direction
+            if self.direction is not None
+            else (self._fit(self.samples) if self.samples is not None else None)
+        )
         k = tier.decoded(mx.float32)[0]
         if u is None:
             return mx.zeros(k.shape[:3], mx.float32)

@@ -16,6 +16,7 @@ where, as in the paper, that softmax runs over the sinks, the chunk being
 repeated and the repeat's own tokens (the layer's output still attends to
 everything, as the model does). Each chunk scores its own tokens.
 """
+
 import mlx.core as mx
 
 from ..scoring import attention_weights, block_size, position_mask
@@ -25,7 +26,7 @@ FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 SUFFIX = "\n"
 OVERLAP = 8  # tokens of the previous chunk that say where a later chunk starts (the paper's prev_postfix_size)
-SCORE_BYTES = 16 * 2 ** 20  # one block's float32 weights at most
+SCORE_BYTES = 16 * 2**20  # one block's float32 weights at most
 
 
 @scorer("reconstruct")
@@ -39,9 +40,12 @@ class Reconstruct(Scorer):
         step = self.route.chunk
         as_ids = lambda text: mx.broadcast_to(mx.array(ids[text], mx.int32)[None], (B, len(ids[text])))
         for s in range(0, L, step):
-            head = as_ids(FIRST) if s == 0 else mx.concatenate(
-                [as_ids(LATER), context[:, max(0, s - OVERLAP):s].astype(mx.int32)], axis=1)
-            chunk = context[:, s:s + step].astype(mx.int32)
+            head = (
+                as_ids(FIRST)
+                if s == 0
+                else mx.concatenate([as_ids(LATER), context[:, max(0, s - OVERLAP) : s].astype(mx.int32)], axis=1)
+            )
+            chunk = context[:, s : s + step].astype(mx.int32)
             yield mx.concatenate([head, as_ids(SUFFIX), chunk], axis=1), (s, s + chunk.shape[1])
 
     def listen(self, tier, look, span) -> None:
@@ -53,10 +57,11 @@ class Reconstruct(Scorer):
             a, b = start - p0, min(end, tier.first + tier.count) - p0
             cols = mx.concatenate([mx.arange(ns), mx.arange(a, b), mx.arange(look.held, look.held + n)])
             keys, kpos = mx.take(look.keys, cols, axis=2), mx.take(look.positions, cols, axis=2)
-            best = _max_weights(look.queries, keys, look.scale,
-                                lambda s, m: position_mask(kpos, look.first_q + s, m, None))
+            best = _max_weights(
+                look.queries, keys, look.scale, lambda s, m: position_mask(kpos, look.first_q + s, m, None)
+            )
             old = tier.scores
-            tier.set_scores(mx.concatenate([old[..., :a], best[..., ns:ns + b - a], old[..., b:]], axis=-1))
+            tier.set_scores(mx.concatenate([old[..., :a], best[..., ns : ns + b - a], old[..., b:]], axis=-1))
             return
         kpos = look.positions
         # The score's softmax: sinks, the chunk being repeated, and the repeat's own tokens.
@@ -78,7 +83,7 @@ def _max_weights(queries: mx.array, keys: mx.array, scale: float, mask_for) -> m
     block = block_size(queries.shape[1], keys.shape[2], Lq, SCORE_BYTES)
     best = None
     for s in range(0, Lq, block):
-        q = queries[:, :, s:s + block]
+        q = queries[:, :, s : s + block]
         if best is not None:
             q = mx.depends(q, [best])
         w = mx.max(attention_weights(q, keys, scale, mask_for(s, q.shape[2])), axis=(2, 3))

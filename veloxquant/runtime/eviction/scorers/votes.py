@@ -14,6 +14,7 @@ the union of two shares of the budget, ranked once, at the end of the prompt
 votes=0 is the plain score (the route is not wrapped at all); votes=1 keeps
 the top of the votes alone, SnapKV's ranking (`snap`), bit for bit.
 """
+
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -63,7 +64,7 @@ class Voted(Scorer):
 
     def load(self, arrays):
         self.base.load({k: v for k, v in arrays.items() if not k.startswith("votes.")})
-        self.window.load({k[len("votes."):]: v for k, v in arrays.items() if k.startswith("votes.")})
+        self.window.load({k[len("votes.") :]: v for k, v in arrays.items() if k.startswith("votes.")})
 
     def release(self):
         self.base.release()

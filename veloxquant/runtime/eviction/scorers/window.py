@@ -2,6 +2,7 @@
 ends; then each one's softmax over everything held is summed over the window
 and the GQA group, max-pooled over `pool` neighbouring tokens, and the window
 itself always stays."""
+
 import mlx.core as mx
 
 from ..scoring import max_pool
@@ -10,7 +11,6 @@ from .base import QueryWindowScorer, scorer
 
 @scorer("window")
 class Window(QueryWindowScorer):
-
     def __init__(self, route):
         super().__init__(route)
         self.queries, self.end = None, 0  # the newest `window` queries; position after the last
