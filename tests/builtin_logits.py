@@ -3,6 +3,11 @@
     python tests/builtin_logits.py write    # record (run before a refactor)
     python tests/builtin_logits.py check    # compare against the record
 
+A record holds for one OpenBLAS kernel family (float32 sums differ between families: ~2e-3 in
+SmolLM2's logits, more once a code flips), so there is one file per family under
+tests/data/builtin_logits/, named by `veloxquant.blas.openblas_core()`; both commands run with
+OpenBLAS preloaded and on one thread, as the tests do.
+
 Each recipe at its defaults: a 400-token Austen prompt in one prefill, then 4 greedy decode steps
 through mlx-lm's ``generate_step``. Recorded per step: the chosen token, the log-sum-exp, and the
 logits at 64 fixed token ids and at the step's 8 largest. Calibrated recipes whose artifact is not in
@@ -17,7 +22,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-RECORD = Path(__file__).parent / "data" / "builtin_logits.json"
+from veloxquant import blas
+
+RECORDS = Path(__file__).parent / "data" / "builtin_logits"
 PROMPT_TOKENS, STEPS = 400, 4
 PROBE_IDS = np.random.default_rng(0).choice(49152, size=64, replace=False).tolist()
 
@@ -53,6 +60,12 @@ def recipe_logits(model, prompt_ids, name) -> dict:
     return {"steps": steps}
 
 
+def record_path():
+    """This machine's record file (None without OpenBLAS: the bundled BLAS has no record)."""
+    core = blas.openblas_core()
+    return None if core is None else RECORDS / f"{core}.json"
+
+
 def load():
     from veloxquant.data import load_text
     from veloxquant.models import load_model
@@ -62,19 +75,30 @@ def load():
 
 
 def main(argv) -> int:
+    blas.maybe_reexec(["record"])
+    blas.pin_threads(1)
+    path = record_path()
+    if path is None:
+        print("OpenBLAS is not loaded (apt-get install libopenblas0-pthread): records are per OpenBLAS kernel family")
+        return 2
     model, ids = load()
     if argv[:1] == ["write"]:
         record = {name: recipe_logits(model, ids, name) for name in builtin_names()}
-        RECORD.write_text(
+        path.write_text(
             json.dumps(
-                {"command": "python tests/builtin_logits.py write", "prompt_tokens": PROMPT_TOKENS, "recipes": record},
+                {
+                    "command": "python tests/builtin_logits.py write",
+                    "openblas_core": path.stem,
+                    "prompt_tokens": PROMPT_TOKENS,
+                    "recipes": record,
+                },
                 indent=0,
             )
             + "\n"
         )
-        print(f"wrote {RECORD}: {sum('steps' in r for r in record.values())} recipes")
+        print(f"wrote {path}: {sum('steps' in r for r in record.values())} recipes")
         return 0
-    record = json.loads(RECORD.read_text())["recipes"]
+    record = json.loads(path.read_text())["recipes"]
     bad = []
     for name in builtin_names():
         got, want = recipe_logits(model, ids, name), record.get(name, {})

@@ -1,5 +1,8 @@
 """Every built-in's logits on the default model equal the record captured before the runtime was
-restructured (tests/data/builtin_logits.json, written by `python tests/builtin_logits.py write`)."""
+restructured (tests/data/builtin_logits/CORE.json, written by `python tests/builtin_logits.py write`).
+
+A record holds for one OpenBLAS kernel family; on a machine whose family has none the test skips,
+saying so: write one from a tree before the change under test."""
 
 import json
 
@@ -9,7 +12,9 @@ import pytest
 import builtin_logits as record
 
 pytestmark = pytest.mark.slow
-RECORDED = json.loads(record.RECORD.read_text())["recipes"]
+PATH = record.record_path()
+RECORDED = json.loads(PATH.read_text())["recipes"] if PATH is not None and PATH.exists() else {}
+NONE_HERE = f"no logits record for OpenBLAS kernel family {PATH and PATH.stem} (tests/builtin_logits.py write)"
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +22,8 @@ def model_and_prompt():
     return record.load()
 
 
-@pytest.mark.parametrize("name", sorted(n for n, r in RECORDED.items() if "steps" in r))
+@pytest.mark.skipif(not RECORDED, reason=NONE_HERE)
+@pytest.mark.parametrize("name", sorted(n for n, r in RECORDED.items() if "steps" in r) or ["-"])
 def test_logits_equal_the_record(model_and_prompt, name):
     model, ids = model_and_prompt
     got = record.recipe_logits(model, ids, name)

@@ -100,3 +100,16 @@ def pin_threads(n: int) -> bool:
         return False
     setter(ctypes.c_int(n))
     return True
+
+
+def openblas_core() -> Optional[str]:
+    """The kernel family OpenBLAS picked for this CPU ("Haswell", "SkylakeX", "Cooperlake", ...), or None
+    where OpenBLAS is not loaded. Different families sum float32 products in different orders, so
+    results recorded to 1e-5 hold only within one (OpenBLAS's Zen target runs the Haswell kernels)."""
+    try:
+        corename = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    corename.restype = ctypes.c_char_p
+    core = corename().decode()
+    return {"Zen": "Haswell"}.get(core, core)
