@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import veloxquant as vq
-from veloxquant.runtime import hook
+from veloxquant.runtime import hook, layer_attention
 
 from conftest import feed, tiny_gemma3, tiny_llama
 
@@ -33,7 +33,7 @@ def test_plain_fp16_layers_skip_routing_and_answer_as_the_routed_path(llama_mode
     a = feed(llama_model, TOKENS, fast, 37)
     routed = vq.make_prompt_cache(llama_model, "fp16")
     for c in routed:
-        c._plain = None
+        c._plain, c.route = None, layer_attention.tier_partials  # the routed path
     b = feed(llama_model, TOKENS, routed, 37)
     assert maxdiff(a, b) == 0.0 and [c.offset for c in fast] == [c.offset for c in routed]
     assert all(c.nbytes == r.nbytes for c, r in zip(fast, routed))
@@ -48,7 +48,7 @@ def test_plain_fp16_window_layers_decode_as_the_routed_path():
     assert all(c._plain is not None for c in fast) and not all(c._unwindowed for c in fast)
     routed = vq.make_prompt_cache(model, "fp16")
     for c in routed:
-        c._plain = None
+        c._plain, c.route = None, layer_attention.tier_partials  # the routed path
     outs = []
     for cache in (fast, routed):
         pre = model(TOKENS[:, :45], cache=cache)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
 from . import batch_chain as chain
+from . import layer_attention
 
 
 class Rows:
@@ -203,7 +204,8 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
     return plain.fetch(keys.dtype)
 
 
-def attend(cache, queries: mx.array, scale: float, mask):
+def attend(cache, queries: mx.array, scale: float, mask, observe: bool = True):
+    """A batch's route (runtime/layer_attention.py): the rows' attention over their tiers."""
     if chain.is_chain(cache):
         return chain.attend(cache, queries, scale)
     k, v = cache._plain.fetch(queries.dtype)
@@ -213,7 +215,17 @@ def attend(cache, queries: mx.array, scale: float, mask):
 class BatchProtocol:
     """mlx-lm's batch methods on TieredCache (BatchKVCache's names), each routed to the functions above."""
 
-    rows: Optional[Rows] = None  # None: the cache holds one sequence
+    _rows: Optional[Rows] = None
+
+    @property
+    def rows(self) -> Optional[Rows]:
+        """The batch's rows; None: the cache holds one sequence."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows) -> None:
+        self._rows = rows  # a batch answers attention by its rows, a single sequence by its tiers' route
+        self.route = attend if rows is not None else layer_attention.route_for(self)
 
     @property
     def merge(self):

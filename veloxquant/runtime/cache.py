@@ -15,8 +15,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
-from ..kernels.partials import merge_partials
-from . import batch, decoded_attention, fused, hook, kinds, trimming
+from . import batch, hook, kinds, layer_attention, trimming
 from .copying import copy_sharing
 from .eviction import deferred, per_head
 from .eviction.saliency import Saliency
@@ -60,6 +59,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         # The fp16 recipe's layer (one unrouted 16-bit tier, nothing scored, windowed or settled):
         # decode does KVCache's work and skips the routing (host time per layer, docs/kernels.md).
         self._plain = None if self.scored or self.saliency is not None else kinds.plain_tier(self.tiers)
+        self.route = layer_attention.route_for(self)  # how attend() answers (a batch's rows set their own)
 
     def __deepcopy__(self, memo):
         # Copies start settled, MiniCache partners too (a copy and an original read later continue
@@ -103,66 +103,16 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         return self._fetch()  # lazy: never computed when the hook routes to attend()
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None, observe: bool = True) -> mx.array:
-        """Attention for the newest queries over everything held, tier by tier.
+        """Attention for the newest queries over everything held: the layer's route answers
+        (runtime/layer_attention.py: chosen once from what the tiers declare; a batch's with its rows).
 
         `observe=False` answers without feeding scorers (a measurement on the side)."""
         if sinks is not None:
             raise VeloxError("models with learned attention sinks are not supported by veloxquant caches yet")
         self.attended = True
-        if self.rows is not None:
-            return batch.attend(self, queries, scale, mask)
         self._awaiting_attend = False
         self._attend_epoch = hook.EPOCH[0]
-        Lq = queries.shape[2]
-        if self._plain is not None and (self._unwindowed or Lq == 1):
-            # holds every position up to the last query (a window's: those it sees): causal or no mask
-            k, v = self._plain.fetch(queries.dtype)
-            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal" if Lq > 1 else None)
-        first_q = self.offset - Lq
-        if self.per_head:
-            self.scale_seen = scale
-            return per_head.attend(self, self.held(), queries, scale, first_q, observe)
-        held = [t for t in self.tiers if t.count and not t.drops]
-        if len(held) > 1:
-            held.sort(key=_start)
-        if self.saliency is not None:
-            return self.saliency.attend(held, queries, scale, first_q, observe)
-        # Each tier answers its own partial (codes, kernels, latents) or asks to be decoded
-        # (runtime/kinds/tier.py: Tier.answer); the cache only merges.
-        # One query and no windows (every decode step of kivi & co): each held token is visible to it.
-        seen = Lq == 1 and self._unwindowed
-        needs = [False] * len(held) if seen else [self._needs_mask(t, first_q, Lq) for t in held]
-        if len(held) == 1 and not needs[0]:
-            answer = held[0].answer(queries, scale)
-            if answer is None:  # one tier, every token visible, decoded (fp16): straight to SDPA
-                k, v = held[0].decoded(queries.dtype)
-                return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
-            return merge_partials([answer()]).astype(queries.dtype)
-        answered = (
-            [t.answer(queries, scale) for t in held]
-            if seen
-            else [
-                self._answer(t, queries, scale, first_q, Lq) if n else t.answer(queries, scale)
-                for t, n in zip(held, needs)
-            ]
-        )
-        rest = [t for t, a in zip(held, answered) if a is None]
-        if len(rest) == len(held):
-            return decoded_attention.dense(self, held, queries, scale, first_q, needs)
-        answers = [a for a in answered if a is not None]
-        if (
-            len(answers) == 1
-            and rest
-            and getattr(answers[0], "folds_tail", False)
-            and (seen or not any(n for n, a in zip(needs, answered) if a is None))
-        ):
-            tail = fused.tail(rest, queries, self.dtype, self._tail_layouts)
-            if tail:
-                return answers[0](tail)  # the kernel's reduce also attends over the 16-bit tiers
-        parts = [a() for a in answers]
-        if rest:  # decoded together: one partial
-            parts.append(decoded_attention.partial(self, rest, queries, scale, first_q))
-        return merge_partials(parts).astype(queries.dtype)
+        return self.route(self, queries, scale, mask, observe)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """The mask for mlx-lm's own attention over _fetch()'s keys (no-hook mode; a batch's: both)."""
@@ -236,6 +186,13 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
     def held(self) -> List:
         return [t for t in self.tiers if t.count and not t.drops]
 
+    def held_in_order(self) -> List:
+        """The tiers holding tokens, by position (the order decoded keys are laid out in)."""
+        held = self.held()
+        if len(held) > 1:
+            held.sort(key=_start)
+        return held
+
     # --- routing ----------------------------------------------------------
     def _place(self, first: int, keys: mx.array, values: mx.array, start: int) -> None:
         """Offer a block to tiers[first:] in order; each takes what its route accepts."""
@@ -293,18 +250,6 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
             return True  # holds tokens newer than the first query
         window = self.windows[self.tiers.index(tier)] if len(self.tiers) > 1 else self.windows[0]
         return window is not None and (first_q + Lq - 1) - tier.start >= window
-
-    def _answer(self, tier: Tier, queries, scale, first_q: int, Lq: int):
-        """A tier's answer where some of its tokens are masked. One decode query and a window
-        that has passed the tier's first tokens (a sliding layer: expiry drops whole key groups,
-        so up to a group of expired tokens stays): the hidden tokens are a prefix, which the
-        fused kernel leaves out by count (`hidden`), with no mask array built."""
-        window = self._window(tier)
-        if Lq == 1 and window is not None and tier.end - 1 <= first_q:
-            hidden = first_q - window + 1 - tier.start
-            if 0 < hidden < tier.count:
-                return tier.answer(queries, scale, hidden=hidden)
-        return tier.answer(queries, scale, self._tier_mask(tier, first_q, Lq))
 
     def _tier_mask(self, tier: Tier, first_q: int, Lq: int):
         return self._position_mask(mx.arange(tier.start, tier.end), first_q, Lq, self._window(tier))
