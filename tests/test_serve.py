@@ -213,8 +213,10 @@ def test_bad_requests_leave_the_server_serving(kivi):
 
 
 def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
-    """h2o's caches cannot be trimmed: the server may only continue a stored cache whose tokens are a whole
-    prefix of the new prompt. Its second answer equals one cache continued in-process the same way."""
+    """h2o is served batched, and its caches cannot be trimmed: the server may only continue a stored cache
+    whose tokens are a whole prefix of the new prompt (merged into the batch with its evicted history). Its
+    second answer equals one cache continued in-process the same way; 6 concurrent clients whose prompts
+    are cut at different steps get what each gets alone."""
     import mlx_lm
     from mlx_lm.models.cache import can_trim_prompt_cache
 
@@ -224,11 +226,15 @@ def test_eviction_recipe_prefix_reuse_is_exact(model_dir):
     server = Server(model_dir, "h2o", *sets)
     first = "The sea was calm and the boats were out"
     try:
-        assert server.status()["batched"] is False  # h2o scores per sequence: served one at a time, logged
-        assert "serving one sequence at a time: recipe 'h2o' does not batch: layer 0" in server.text_log()
+        assert server.status()["batched"] is True  # each row its own budget (runtime/eviction/batch_heads.py)
+        assert "serving one sequence at a time" not in server.text_log()
         complete = lambda p: server.client.completions.create(
             model="default_model", prompt=p, max_tokens=8, temperature=0
         )
+        prompts = [("sea " * (3 + 17 * i)).strip() + f" {i}" for i in range(6)]
+        alone = [complete(p).choices[0].text for p in prompts]
+        with ThreadPoolExecutor(6) as pool:
+            assert [r.choices[0].text for r in pool.map(complete, prompts)] == alone
         reply = complete(first)
         second = first + reply.choices[0].text + " More words here."
         again = complete(second)
@@ -280,10 +286,10 @@ def test_the_batched_path_is_off_for_a_refused_recipe(model_dir):
     from veloxquant.runtime import uninstall
     from veloxquant.serve.server import RecipeModelProvider, server_args
 
-    provider = RecipeModelProvider(server_args(str(model_dir)), "h2o")
+    provider = RecipeModelProvider(server_args(str(model_dir)), "adakv")
     model, _ = provider.load("default_model")
     try:
-        assert provider.is_batchable is False and "'h2o' does not batch" in provider.serial_reason
+        assert provider.is_batchable is False and "'adakv' does not batch" in provider.serial_reason
         assert len(model.make_cache()) == 2 and model.make_cache()[0].fingerprint == provider.plan.fingerprint
         with pytest.raises(ValueError, match="ask for model 'default_model'"):
             provider.load("another/model")

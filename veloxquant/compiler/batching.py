@@ -9,10 +9,14 @@ sequence's meaning exactly:
   turboquant, ...). Such tiers act at each sequence's own positions (a spill when *its* window
   fills, code groups from *its* first spilled token), so each row starts at column 0 of every tier
   and fills its own count; padding is never written (runtime/batch_chain.py).
-Everything else refuses, with the reason, and is served one sequence at a time: per-head eviction and
-scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds of their own (latent,
-merged, anchor, query-aware), positional or fitted codes and coded windows. A chain may end in
-drop (streaming_llm): the window's spill is let go, and it sees n+1 keys back as alone.
+- "heads": one per-head eviction tier in 16 bits whose scorer keeps its state per token or per row
+  (h2o, tova, pyramidkv, snapkv): each row keeps its own budget by its own scores, cut at its own
+  positions; unused slots hold position PAD (runtime/eviction/batch_heads.py).
+Everything else refuses, with the reason, and is served one sequence at a time: other scorers and
+eviction options (budgets allocated across layers or heads, merging, slack, votes), cross-layer groups,
+tier kinds of their own (latent, merged, anchor, query-aware), positional or fitted codes and coded
+windows. A chain may end in drop (streaming_llm): the window's spill is let go, and it sees n+1 keys
+back as alone.
 """
 
 from typing import Optional
@@ -78,10 +82,40 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
     return None
 
 
+# Scorers whose state a batch keeps per row: in the tier's per-token arrays, or (window) its own rows.
+BATCHED_SCORES = {"evict": ("mass", "current"), "snap": ("window",)}
+# Route fields a batch does not carry yet, with the value it needs (budgets across layers or heads,
+# CaM merging, slack's held queries, SnapKV votes inside evict, one ranking for all heads).
+_EVICT_DEFAULTS = (("layers", "fixed"), ("heads", "equal"), ("merge", "drop"), ("slack", 0), ("votes", 0.0))
+
+
+def _heads_refusal(layer: LayerPlan) -> Optional[str]:
+    """Why a scoring layer cannot batch as one per-head eviction tier (None: it can)."""
+    route = layer.tiers[0].route if len(layer.tiers) == 1 else None
+    if route is None or not getattr(route, "per_head", False) or route.stage_name not in BATCHED_SCORES:
+        return f"it scores tokens ({', '.join(sorted(layer.needs))}) in tiers other than one evict or snap"
+    if layer.needs != frozenset({"attention"}) or getattr(route, "tier_kind", None) is not None:
+        return f"its {route.stage_name} needs more than the attention it receives ({', '.join(sorted(layer.needs))})"
+    score = getattr(route, "score", None)
+    if score not in BATCHED_SCORES[route.stage_name]:
+        return f"its scorer '{score}' keeps state that is not batched yet"
+    for name, value in _EVICT_DEFAULTS + (("shared_heads", False),):
+        if getattr(route, name, value) != value:
+            return f"its {route.stage_name}({name}={getattr(route, name)}) is not batched yet"
+    if layer.window:
+        return "its eviction tier is on a sliding-window layer, which is not batched yet"
+    tier = layer.tiers[0]
+    if not all(_sixteen_bit(c) for c in (tier.keys, tier.values)):
+        return "its eviction tier codes keys or values, which is not batched yet"
+    return None
+
+
 def layer_layout(layer: LayerPlan) -> Optional[str]:
-    """ "plain", "chain" or None (this layer refuses: layer_refusal says why)."""
-    if layer.share is not None or layer.needs:
+    """ "plain", "chain", "heads" or None (this layer refuses: layer_refusal says why)."""
+    if layer.share is not None:
         return None
+    if layer.needs:
+        return "heads" if _heads_refusal(layer) is None else None
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
         return "plain"
     return "chain" if _chain_refusal(layer) is None else None
@@ -92,7 +126,7 @@ def layer_refusal(layer: LayerPlan) -> Optional[str]:
     if layer.share is not None:
         return "its layers share codes across layers (a cross-layer group is not batched yet)"
     if layer.needs:
-        return f"it scores tokens ({', '.join(sorted(layer.needs))}), per sequence and head, which is not batched yet"
+        return _heads_refusal(layer)
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
         return None
     return _chain_refusal(layer)

@@ -1,0 +1,74 @@
+"""Batched per-head eviction (runtime/eviction/batch_heads.py): a sequence in a batch keeps, scores and
+sees what it does alone.
+
+mlx-lm's BatchGenerator drives the caches as its server does (tests/test_batch.py's `_batched`): ragged
+prompts, right-padded while processed, two sequences joining the running batch (extend) and sequences
+leaving at different steps (filter, extract). Budgets are small, so every sequence but the shortest is
+cut in the prompt and on every decode step (h2o, tova, pyramidkv) or once at its own prompt's end
+(snapkv)."""
+
+import types
+
+import mlx.core as mx
+import pytest
+from mlx_lm import batch_generate
+
+import veloxquant
+from veloxquant.runtime.batch import BatchRefused
+
+from conftest import tiny_llama
+from test_batch import _alone, _batched
+
+LENGTHS = [5, 70, 40, 23]  # 5: never over the budget; the others are cut while their prompt is processed
+TOKENS = [10, 4, 12, 7]  # they leave at different steps
+LOGPROB_TOL = 2e-3  # float32: the same softmax over slots in another order, and sums in another order
+CASES = {
+    "h2o": ["budget=16", "sinks=2"],
+    "h2o-recent": ["budget=16", "sinks=2", "recent=4"],
+    "tova": ["budget=12"],
+    "pyramidkv": ["budget=pyramid(from=24, to=8)"],
+    "snapkv": ["budget=16", "window=4", "pool=3", "sinks=1"],
+}
+
+
+def _prompts():
+    return [[1 + (i * 11 + j * 3) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_eviction_batch_equals_alone(case):
+    """Tokens as alone, logprobs within float tolerance, and each extracted cache holds what the alone cache
+    holds: the same positions per head, the same bytes."""
+    model = tiny_llama()
+    recipe, sets = case.split("-")[0], CASES[case]
+    prompts = _prompts()
+    alone_caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
+    alone = [_alone(model, recipe, p, n, sets, c) for p, n, c in zip(prompts, TOKENS, alone_caches)]
+    batched, caches = _batched(model, recipe, prompts, TOKENS, sets=sets)
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
+    for mine, theirs in zip(caches, alone_caches):
+        for x, y in zip(mine, theirs):
+            assert x.rows is None and x.offset == y.offset
+            assert x.nbytes == y.nbytes  # settles the alone cache's last step
+            assert mx.array_equal(x.tiers[0].positions, y.tiers[0].positions)
+    assert all(c.tiers[0].count < c.offset for c in caches[1])  # the longest prompt was cut in every layer
+
+
+def test_batch_generate_with_h2o_caches():
+    model = tiny_llama()
+    tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: " ".join(map(str, ids)))
+    prompts = _prompts()
+    sets = CASES["h2o"]
+    caches = [veloxquant.make_prompt_cache(model, "h2o", sets) for _ in prompts]
+    out = batch_generate(model, tokenizer, prompts, prompt_caches=caches, max_tokens=5, return_token_ids=True)
+    assert out.token_ids == [[t for t, _ in _alone(model, "h2o", p, 5, sets)] for p in prompts]
+
+
+def test_a_refused_eviction_says_why():
+    model = tiny_llama()
+    caches = [veloxquant.make_prompt_cache(model, "h2o", ["slack=4"]) for _ in range(2)]
+    assert not hasattr(caches[0][0], "merge")
+    with pytest.raises(BatchRefused, match=r"layer 0: its evict\(slack=4\) is not batched yet"):
+        caches[0][0].merge([c[0] for c in caches])
