@@ -7,11 +7,13 @@ leaving at different steps (filter, extract). Budgets are small, so every sequen
 cut in the prompt and on every decode step (h2o, tova, pyramidkv) or once at its own prompt's end
 (snapkv)."""
 
+import copy
 import types
 
 import mlx.core as mx
 import pytest
 from mlx_lm import batch_generate
+from mlx_lm.generate import BatchGenerator
 
 import veloxquant
 from veloxquant.runtime.batch import BatchRefused
@@ -54,6 +56,37 @@ def test_an_eviction_batch_equals_alone(case):
             assert x.nbytes == y.nbytes  # settles the alone cache's last step
             assert mx.array_equal(x.tiers[0].positions, y.tiers[0].positions)
     assert all(c.tiers[0].count < c.offset for c in caches[1])  # the longest prompt was cut in every layer
+
+
+def _run(model, prompts, max_tokens, caches):
+    """Each sequence's (token, logprobs) from one BatchGenerator holding them all."""
+    gen = BatchGenerator(model, prefill_batch_size=4, completion_batch_size=4)
+    uids = gen.insert(prompts, max_tokens, caches=caches)
+    got = {}
+    while responses := gen.next_generated():
+        for r in responses:
+            got.setdefault(r.uid, []).append((r.token, r.logprobs))
+    gen.close()
+    return [got[u] for u in uids]
+
+
+@pytest.mark.parametrize("recipe", ["h2o", "snapkv", "tova"])
+def test_a_stored_cache_continues_in_a_batch_as_alone(recipe):
+    """mlx-lm's server merges a stored cache (a finished sequence's: cut, and for snapkv decided) into a batch
+    with the next turn's tokens, beside a fresh sequence: it goes on as the same cache goes on alone (a new
+    turn: snapkv listens again and decides again at the turn's end)."""
+    model = tiny_llama()
+    sets = CASES[recipe]
+    stored = veloxquant.make_prompt_cache(model, recipe, sets)
+    _alone(model, recipe, _prompts()[1], 4, sets, stored)
+    assert stored[0].tiers[0].count < stored[0].offset  # cut
+    twin = copy.deepcopy(stored)
+    turn, other = [7 + j % 50 for j in range(30)], _prompts()[2]
+    alone = [_alone(model, recipe, turn, 6, sets, twin), _alone(model, recipe, other, 6, sets)]
+    batched = _run(model, [turn, other], [6, 6], [stored, veloxquant.make_prompt_cache(model, recipe, sets)])
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
 
 
 def test_batch_generate_with_h2o_caches():

@@ -139,3 +139,16 @@ def refusal(plan: Plan) -> Optional[str]:
         if why is not None:
             return f"recipe '{plan.recipe}' does not batch: layer {layer.index}: {why}"
     return None
+
+
+LAYOUT_TEXT = {
+    "plain": "16-bit rows, left-padded",
+    "chain": "tier chains, each row at its own positions",
+    "heads": "eviction rows, each sequence its own budget, scores and cuts",
+}
+
+
+def layouts(plan: Plan) -> str:
+    """The batch layouts of a plan that batches, in words (explain's batching line)."""
+    found = sorted({layer_layout(layer) for layer in plan.layers} - {None})
+    return "; ".join(LAYOUT_TEXT[name] for name in found)
