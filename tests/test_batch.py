@@ -135,7 +135,15 @@ CHAINS = [
     "vecinfer",
 ]
 
-EVICTIONS = ["h2o", "pyramidkv", "snapkv", "tova"]  # one per-head eviction tier (tests/test_batch_eviction.py)
+EVICTIONS = [
+    "h2o",
+    "keydiff",
+    "knorm",
+    "observed_attention",
+    "pyramidkv",
+    "snapkv",
+    "tova",
+]  # one per-head eviction tier (tests/test_batch_eviction.py)
 
 
 def test_every_builtin_batches_or_declares_why():

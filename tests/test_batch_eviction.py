@@ -30,6 +30,10 @@ CASES = {
     "tova": ["budget=12"],
     "pyramidkv": ["budget=pyramid(from=24, to=8)"],
     "snapkv": ["budget=16", "window=4", "pool=3", "sinks=1"],
+    "observed_attention": ["budget=16", "pool=3"],
+    "observed_attention-steps": ["budget=16", "pool=3", "once=false"],
+    "knorm": ["budget=12"],
+    "keydiff": ["budget=12"],
 }
 
 
@@ -100,8 +104,13 @@ def test_batch_generate_with_h2o_caches():
 
 
 def test_a_refused_eviction_says_why():
+    """An eviction option a batch does not carry yet: no merge (mlx-lm's server serves it one at a time), and
+    batch_generate raises the recipe's reason as a VeloxError."""
     model = tiny_llama()
     caches = [veloxquant.make_prompt_cache(model, "h2o", ["slack=4"]) for _ in range(2)]
     assert not hasattr(caches[0][0], "merge")
-    with pytest.raises(BatchRefused, match=r"layer 0: its evict\(slack=4\) is not batched yet"):
+    with pytest.raises(BatchRefused, match=r"layer 0: its evict\(slack=4: decode queries held .*\) is not batched yet"):
         caches[0][0].merge([c[0] for c in caches])
+    tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+    with pytest.raises(BatchRefused, match="recipe 'h2o' does not batch: layer 0: .*one sequence at a time"):
+        batch_generate(model, tokenizer, _prompts()[:2], prompt_caches=caches, max_tokens=2)  # not mlx-lm's ValueError

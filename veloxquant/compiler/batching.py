@@ -10,8 +10,8 @@ sequence's meaning exactly:
   fills, code groups from *its* first spilled token), so each row starts at column 0 of every tier
   and fills its own count; padding is never written (runtime/batch_chain.py).
 - "heads": one per-head eviction tier in 16 bits whose scorer keeps its state per token or per row
-  (h2o, tova, pyramidkv, snapkv): each row keeps its own budget by its own scores, cut at its own
-  positions; unused slots hold position PAD (runtime/eviction/batch_heads.py).
+  (h2o, tova, pyramidkv, snapkv, observed_attention, knorm, keydiff): each row keeps its own budget by
+  its own scores, cut at its own positions; unused slots hold position PAD (runtime/eviction/batch_heads.py).
 Everything else refuses, with the reason, and is served one sequence at a time: other scorers and
 eviction options (budgets allocated across layers or heads, merging, slack, votes), cross-layer groups,
 tier kinds of their own (latent, merged, anchor, query-aware), positional or fitted codes and coded
@@ -83,10 +83,16 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
 
 
 # Scorers whose state a batch keeps per row: in the tier's per-token arrays, or (window) its own rows.
-BATCHED_SCORES = {"evict": ("mass", "current"), "snap": ("window",)}
-# Route fields a batch does not carry yet, with the value it needs (budgets across layers or heads,
-# CaM merging, slack's held queries, SnapKV votes inside evict, one ranking for all heads).
-_EVICT_DEFAULTS = (("layers", "fixed"), ("heads", "equal"), ("merge", "drop"), ("slack", 0), ("votes", 0.0))
+BATCHED_SCORES = {"evict": ("mass", "current", "mean", "knorm", "keydiff"), "snap": ("window",)}
+# Route fields a batch does not carry yet: the value it needs, and what another value does.
+_EVICT_DEFAULTS = (
+    ("layers", "fixed", "budgets allocated across layers"),
+    ("heads", "equal", "budgets allocated across heads"),
+    ("merge", "drop", "evicted tokens merged into kept ones"),
+    ("slack", 0, "decode queries held and scored before a cut"),
+    ("votes", 0.0, "SnapKV's votes beside the score"),
+    ("shared_heads", False, "one ranking shared by the heads"),
+)
 
 
 def _heads_refusal(layer: LayerPlan) -> Optional[str]:
@@ -99,9 +105,9 @@ def _heads_refusal(layer: LayerPlan) -> Optional[str]:
     score = getattr(route, "score", None)
     if score not in BATCHED_SCORES[route.stage_name]:
         return f"its scorer '{score}' keeps state that is not batched yet"
-    for name, value in _EVICT_DEFAULTS + (("shared_heads", False),):
+    for name, value, what in _EVICT_DEFAULTS:
         if getattr(route, name, value) != value:
-            return f"its {route.stage_name}({name}={getattr(route, name)}) is not batched yet"
+            return f"its {route.stage_name}({name}={getattr(route, name)}: {what}) is not batched yet"
     if layer.window:
         return "its eviction tier is on a sliding-window layer, which is not batched yet"
     tier = layer.tiers[0]

@@ -82,6 +82,8 @@ def settle(cache) -> None:
         return
     keep = np.minimum(rows.counts, budget)
     offset = _offset(rows)
+    if getattr(tier.route, "pool", 1) > 1:  # scores max-pooled over neighbours: each row in position order
+        slots.gather(tier, mx.argsort(tier.positions, axis=2), tier.count)
     _keep(tier, tier.scorer.priority(tier, offset, None), offset, int(keep.max()))
     rows.counts = keep
 
