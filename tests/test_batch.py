@@ -150,8 +150,7 @@ def test_every_builtin_batches_or_declares_why():
     model = tiny_llama()
     llama, gemma = (_refusals(ModelShape.from_model(m)) for m in (model, tiny_gemma3()))
     assert sorted(n for n, why in llama.items() if why is None) == sorted(["fp16"] + CHAINS + EVICTIONS)
-    assert sorted(n for n, why in gemma.items() if why is None) == sorted(["fp16"] + CHAINS)  # sliding layers too
-    assert all("sliding-window layer" in gemma[n] for n in EVICTIONS)  # eviction there: not batched yet
+    assert sorted(n for n, why in gemma.items() if why is None) == sorted(["fp16"] + CHAINS + EVICTIONS)  # sliding
     for reasons in (llama, gemma):
         assert all("does not batch: layer" in why for why in reasons.values() if why), reasons
     plan = compile_recipe(load_recipe("kivi_sink"), ModelShape.from_model(model))

@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator
 import veloxquant
 from veloxquant.runtime.batch import BatchRefused
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from test_batch import _alone, _batched
 
 LENGTHS = [5, 70, 40, 23]  # 5: never over the budget; the others are cut while their prompt is processed
@@ -114,3 +114,31 @@ def test_a_refused_eviction_says_why():
     tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
     with pytest.raises(BatchRefused, match="recipe 'h2o' does not batch: layer 0: .*one sequence at a time"):
         batch_generate(model, tokenizer, _prompts()[:2], prompt_caches=caches, max_tokens=2)  # not mlx-lm's ValueError
+
+
+# Not knorm: Gemma 3's k_norm gives every key the same norm, so knorm's scores tie (-16.0 +- 1e-5) and which
+# tokens a cut keeps is the sort's tie-break, alone as in a batch (measured: on the tiny Llama it is exact).
+GEMMA_CASES = ["h2o", "tova", "snapkv", "observed_attention"]
+
+
+@pytest.mark.parametrize("case", GEMMA_CASES)
+def test_an_eviction_batch_equals_alone_on_sliding_layers(case):
+    """Gemma 3's sliding-window layers (window 24): each row's window masks its own queries and its cuts rank
+    expired tokens last (`once` routes drop them once the row holds more than the window). Tokens as alone,
+    logprobs within float tolerance, bytes as alone; the kept positions as alone on the global layer (on a
+    sliding layer, which expired tokens fill a budget no query still reaches is a tie both ways)."""
+    model = tiny_gemma3(window=24)
+    sets = CASES[case]
+    prompts = _prompts()
+    alone_caches = [veloxquant.make_prompt_cache(model, case, sets) for _ in prompts]
+    alone = [_alone(model, case, p, n, sets, c) for p, n, c in zip(prompts, TOKENS, alone_caches)]
+    batched, caches = _batched(model, case, prompts, TOKENS, sets=sets)
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
+    for mine, theirs in zip(caches, alone_caches):
+        assert {x.plan.window for x in mine} == {None, 24}
+        for x, y in zip(mine, theirs):
+            assert x.offset == y.offset and x.nbytes == y.nbytes
+            if x.plan.window is None:
+                assert mx.array_equal(x.tiers[0].positions, y.tiers[0].positions)

@@ -108,8 +108,6 @@ def _heads_refusal(layer: LayerPlan) -> Optional[str]:
     for name, value, what in _EVICT_DEFAULTS:
         if getattr(route, name, value) != value:
             return f"its {route.stage_name}({name}={getattr(route, name)}: {what}) is not batched yet"
-    if layer.window:
-        return "its eviction tier is on a sliding-window layer, which is not batched yet"
     tier = layer.tiers[0]
     if not all(_sixteen_bit(c) for c in (tier.keys, tier.values)):
         return "its eviction tier codes keys or values, which is not batched yet"

@@ -33,15 +33,24 @@ from .ragged import PAD
 from .scorers import Seen
 from .scoring import additive, attend_blocked, attention_weights, block_size, expand_heads, received
 
+ROW_FIELDS = ("counts", "seen", "decided", "exact", "first_q", "real")
+
 
 class HeadRows:
     """Per-row host facts of an eviction batch: tokens each row holds per head, positions it has seen,
-    and the last block's first query position and real column count."""
+    whether its `once` route decided, whether a cut was its last change (alone, a cut leaves its arrays
+    exactly as long as its tokens, a growing buffer's append rounds them up to UNBOUNDED_STEP: `extract`
+    gives it the same), and the last block's first query position and real column count."""
 
     def __init__(self, counts: np.ndarray, seen: np.ndarray, decided: np.ndarray):
         self.counts, self.seen, self.decided = counts, seen, decided
+        self.exact = np.zeros(seen.shape, dtype=bool)
         self.pending: Optional[np.ndarray] = None  # real tokens left in a right-padded prompt (prepare)
         self.first_q, self.real = seen.copy(), np.zeros_like(seen)
+
+    def cut(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """The rows `rows` [B] were cut (alone they would have been), leaving `counts` tokens per row."""
+        self.counts, self.exact = counts, self.exact | rows
 
     @property
     def end(self) -> int:
@@ -67,25 +76,36 @@ def _keep(tier, priority: mx.array, offset: mx.array, width: int, cutting: Optio
     if recent:
         protected = protected | (pos >= offset - recent)
     protected = protect(tier, protected, pos)
+    priority = mx.where(protected, mx.inf, priority)
+    if tier.window:  # expired tokens leave first, sinks included (alone: -inf; here above the unused slots)
+        priority = mx.where(pos < offset - tier.window + 1, -1e30, priority)
     if cutting is not None:
-        protected = protected | ~cutting[:, None, None]
-    priority = mx.where(pos >= PAD, -mx.inf, mx.where(protected, mx.inf, priority))
+        priority = mx.where(cutting[:, None, None], priority, mx.inf)
+    priority = mx.where(pos >= PAD, -mx.inf, priority)
     order = mx.argpartition(-priority, kth=width - 1, axis=2)[:, :, :width]
     slots.gather(tier, slots.by_position(tier, order), width)
 
 
 def settle(cache) -> None:
-    """Every-step routes: rows over their budget cut back to it (the step after a block, as alone)."""
+    """Every-step routes: rows over their budget cut back to it (the step after a block, as alone). On a
+    sliding-window layer, `once` routes' rows over the window drop what no query sees (HeadTier._cut)."""
     tier, rows = cache.tiers[0], cache.rows
+    if tier.route.once:
+        over = rows.counts > (tier.window or PAD)
+        if over.any():
+            keep = np.where(over, tier.window, rows.counts)
+            _keep(tier, mx.zeros(tier.positions.shape, mx.float32), _offset(rows), int(keep.max()), mx.array(over))
+            rows.cut(over, keep)
+        return
     budget = protected_room(tier, tier.budget)
-    if tier.route.once or tier.count <= budget:
+    if tier.count <= budget:
         return
     keep = np.minimum(rows.counts, budget)
     offset = _offset(rows)
     if getattr(tier.route, "pool", 1) > 1:  # scores max-pooled over neighbours: each row in position order
         slots.gather(tier, mx.argsort(tier.positions, axis=2), tier.count)
     _keep(tier, tier.scorer.priority(tier, offset, None), offset, int(keep.max()))
-    rows.counts = keep
+    rows.cut(rows.counts > budget, keep)
 
 
 def _finish(cache, ending: np.ndarray) -> None:
@@ -102,21 +122,25 @@ def _finish(cache, ending: np.ndarray) -> None:
         keep = np.where(cutting, np.minimum(rows.counts, budget), rows.counts)
         priority = tier.scorer.priority(tier, offset, weigh)
         _keep(tier, priority, offset, int(keep.max()), mx.array(cutting))
-        rows.counts = keep
+        rows.cut(cutting, keep)
     rows.decided = rows.decided | ending
     tier.scorer.release_rows(ending)
 
 
 # --- attention ----------------------------------------------------------------
-def _mask(kpos: mx.array, first_q: mx.array, n: int) -> mx.array:
-    """[B, H, n, W]: a slot is seen by the queries at or after its position (PAD: by none)."""
-    qpos = first_q[:, None] + mx.arange(n, dtype=mx.int32)[None]
-    return kpos[:, :, None, :] <= qpos[:, None, :, None]
+def _mask(kpos: mx.array, first_q: mx.array, n: int, window: Optional[int]) -> mx.array:
+    """[B, H, n, W]: a slot is seen by the queries at or after its position and within the sliding window,
+    if any (PAD: by none)."""
+    qpos = (first_q[:, None] + mx.arange(n, dtype=mx.int32)[None])[:, None, :, None]
+    kpos = kpos[:, :, None, :]
+    seen = kpos <= qpos
+    return seen & (qpos - kpos < window) if window else seen
 
 
 def _weigher(cache, k: mx.array, kpos: mx.array):
     """weigh(queries [B, Hq, n, D], first_q [B], real [B] or None) -> attention received [B, H, W] from
     each row's queries (those a row does not have, zero rows of `queries`, dropped)."""
+    tier = cache.tiers[0]
 
     def weigh(queries: mx.array, first_q: mx.array, real: Optional[mx.array] = None) -> mx.array:
         n = queries.shape[2]
@@ -126,8 +150,8 @@ def _weigher(cache, k: mx.array, kpos: mx.array):
             k,
             None,
             cache.scale_seen,
-            lambda s, m: _mask(kpos, first_q + s, m),
-            block_size(queries.shape[1], k.shape[2], SCORE_BLOCK, SCORE_BYTES),
+            lambda s, m: _mask(kpos, first_q + s, m, tier.window),
+            block_size(queries.shape[0] * queries.shape[1], k.shape[2], SCORE_BLOCK, SCORE_BYTES),
             sync_bytes=SYNC_BYTES,
             real_for=real_for,
         )
@@ -151,7 +175,7 @@ def attend(cache, queries: mx.array, scale: float) -> mx.array:
     listening = ~rows.decided & (rows.real > 0) if tier.route.once else rows.real > 0
     if not listening.any():
         k, v = tier.decoded(queries.dtype)
-        mask = additive(expand_heads(_mask(tier.positions, first, n), Hq), queries.dtype)
+        mask = additive(expand_heads(_mask(tier.positions, first, n, tier.window), Hq), queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
     k, v = tier.decoded(mx.float32)
     kpos = tier.positions
@@ -163,8 +187,8 @@ def attend(cache, queries: mx.array, scale: float) -> mx.array:
         k,
         v,
         scale,
-        lambda s, m: _mask(kpos, first + s, m),
-        block_size(Hq, k.shape[2], SCORE_BLOCK, SCORE_BYTES),
+        lambda s, m: _mask(kpos, first + s, m, tier.window),
+        block_size(B * Hq, k.shape[2], SCORE_BLOCK, SCORE_BYTES),  # one block's weights, all rows: bounded
         tier.scorer.rows,
         weigh=weights,
         sync_bytes=SYNC_BYTES,
@@ -173,7 +197,7 @@ def attend(cache, queries: mx.array, scale: float) -> mx.array:
     if padded and weights:  # each row's newest real query, not the block's last column
         last = mx.broadcast_to(mx.array(rows.real - 1)[:, None, None, None], (B, Hq, 1, queries.shape[3]))
         q = mx.take_along_axis(queries, last, axis=2)
-        _, tail = received(attention_weights(q, k, scale, _mask(kpos, first + real - 1, 1)), 1)
+        _, tail = received(attention_weights(q, k, scale, _mask(kpos, first + real - 1, 1, tier.window)), 1)
     seen = Seen(first_q=rows.first_q, received=total, rows=tail, queries=queries if "queries" in tier.needs else None)
     tier.scorer.observe_rows(tier, seen, listening, rows.real)
     return out.astype(queries.dtype)
@@ -201,6 +225,7 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
     tier.append(keys, values, 0, mx.broadcast_to(mx.array(pos)[:, None], (keys.shape[0], keys.shape[1], n)))
     rows.first_q, rows.real = rows.seen, real
     rows.seen, rows.counts = rows.seen + real, rows.counts + real
+    rows.exact = rows.exact & (real == 0)
     cache.offset = mx.array(rows.seen, dtype=mx.int32)
     cache._unsettled = cache._awaiting_attend = True
     return keys, values
@@ -226,6 +251,7 @@ def merge(caches: list, blank):
     batch.tiers[0].scorer.stack([t.scorer for t in tiers], [1] * len(tiers))
     decided = np.array([t.decided for t in tiers], dtype=bool)
     batch.rows = HeadRows(np.array([t.count for t in tiers]), np.array([c.offset for c in caches]), decided)
+    batch.rows.exact = np.array([slots.exact(t) for t in tiers], dtype=bool)
     batch.offset = mx.array(batch.rows.seen, dtype=mx.int32)
     return batch
 
@@ -237,7 +263,7 @@ def extend(cache, other) -> None:
     ta, tb = cache.tiers[0], other.tiers[0]
     ta.scorer.stack([ta.scorer, tb.scorer], [a.seen.size, b.seen.size])
     slots.stack(ta, [ta, tb], [a.seen.size, b.seen.size])
-    for name in ("counts", "seen", "decided", "first_q", "real"):
+    for name in ROW_FIELDS:
         setattr(a, name, np.concatenate([getattr(a, name), getattr(b, name)]))
     a.pending = None
     cache.offset = mx.array(a.seen, dtype=mx.int32)
@@ -248,7 +274,7 @@ def filter(cache, keep: List[int]) -> None:
     cache._settle()
     rows, tier = cache.rows, cache.tiers[0]
     idx = np.array(keep, dtype=np.int64)
-    for name in ("counts", "seen", "decided", "first_q", "real"):
+    for name in ROW_FIELDS:
         setattr(rows, name, getattr(rows, name)[idx])
     if rows.pending is not None:
         rows.pending = rows.pending[idx]
@@ -265,7 +291,7 @@ def extract(cache, i: int, blank):
     alone = blank(cache)
     alone.dtype = cache.dtype
     dst, n = alone.tiers[0], int(rows.counts[i])
-    slots.take_row(dst, tier, i, n)
+    slots.take_row(dst, tier, i, n, bool(rows.exact[i]))
     dst.uniform = n == int(rows.seen[i])  # nothing cut yet: its positions run from 0, as alone
     dst.first = 0
     dst.decided = bool(rows.decided[i])

@@ -78,14 +78,24 @@ def keep_rows(tier, rows: mx.array, width: int) -> None:
     compact(tier, width)
 
 
-def take_row(dst, src, i: int, n: int) -> None:
-    """dst (a one-sequence tier) holds src's row i: its n tokens, in position order."""
+def exact(tier) -> bool:
+    """A one-sequence tier's arrays are exactly as long as its tokens (a cut was its last change)."""
+    buf = tier.meta["pos"]
+    return buf.data is None or buf.data.shape[2] == buf.used
+
+
+def take_row(dst, src, i: int, n: int, cut_last: bool) -> None:
+    """dst (a one-sequence tier) holds src's row i: its n tokens, in position order, in arrays as long as
+    they are alone: exactly n after a cut, else as a growing buffer appends them."""
     if n:
         order = mx.argsort(src.positions[i : i + 1], axis=2)[:, :, :n]
         held = {(side, name): bufs for side, bufs, name, _ in each(dst)}
         for side, bufs, name, _ in each(src):
             arr = bufs[name].view()[i : i + 1]
             kept = mx.take_along_axis(arr, order.reshape(*order.shape, *([1] * (arr.ndim - 3))), axis=2)
-            # appended, not set: a growing buffer (a `once` route's) takes the capacity it has alone
-            held[(side, name)][name].append(mx.contiguous(kept))
+            buf = held[(side, name)][name]
+            if cut_last:
+                buf.set(mx.contiguous(kept))
+            else:
+                buf.append(mx.contiguous(kept))
     dst.count = n
