@@ -1,4 +1,4 @@
-"""A batch of sequences in one per-head eviction tier (h2o, tova, pyramidkv, snapkv): each row its own.
+"""A batch of sequences in one per-head eviction tier (h2o, tova, pyramidkv, snapkv, ...): each row its own.
 
 An eviction tier (runtime/eviction/head_tier.py) holds [B, H, L] arrays with every token's position
 beside it; a batch is B rows of it. Rows hold different numbers of tokens, so the tier is as wide as
@@ -13,7 +13,8 @@ mask hides it, every cut ranks it below any token, `extract` leaves it behind. P
   so a cut that reaches only padding changes nothing a sequence holds); `once` routes (SnapKV) cut
   each row at its own prompt's end, which in mlx-lm's batches is the step that feeds its last token;
 - scorers see each row's real queries only (TOVA: each row's newest real query; SnapKV: each row's
-  own last `window` queries, runtime/eviction/scorers/window.py).
+  own last `window` queries, runtime/eviction/scorers/window.py);
+- on a sliding-window layer the window is in every mask and a row's expired tokens rank last.
 Rows are host counts (tokens held per head, positions seen), so masks and cuts are batched array ops:
 nothing loops over sequences. compiler/batching.py declares which layers batch this way.
 """
