@@ -13,7 +13,7 @@ import types
 import mlx.core as mx
 import pytest
 from mlx_lm import batch_generate
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 
 import veloxquant
 from veloxquant.runtime.batch import BatchRefused
@@ -62,9 +62,9 @@ def test_an_eviction_batch_equals_alone(case):
     assert all(c.tiers[0].count < c.offset for c in caches[1])  # the longest prompt was cut in every layer
 
 
-def _run(model, prompts, max_tokens, caches):
+def _run(model, prompts, max_tokens, caches, prefill_step_size=2048):
     """Each sequence's (token, logprobs) from one BatchGenerator holding them all."""
-    gen = BatchGenerator(model, prefill_batch_size=4, completion_batch_size=4)
+    gen = BatchGenerator(model, prefill_batch_size=4, completion_batch_size=4, prefill_step_size=prefill_step_size)
     uids = gen.insert(prompts, max_tokens, caches=caches)
     got = {}
     while responses := gen.next_generated():
@@ -72,6 +72,24 @@ def _run(model, prompts, max_tokens, caches):
             got.setdefault(r.uid, []).append((r.token, r.logprobs))
     gen.close()
     return [got[u] for u in uids]
+
+
+@pytest.mark.parametrize("recipe", ["h2o", "snapkv", "tova"])
+def test_prompts_in_chunks_batch_as_alone(recipe):
+    """Prompts fed in 16-token chunks (mlx-lm's prefill_step_size): rows are cut between chunks, end their
+    prompts at different steps and leave the prompt batch at different times; alone is fed the same chunks."""
+    model = tiny_llama()
+    sets, prompts = CASES[recipe], _prompts()
+    alone = []
+    for p, n in zip(prompts, TOKENS):
+        cache = veloxquant.make_prompt_cache(model, recipe, sets)
+        steps = generate_step(mx.array(p), model, prompt_cache=cache, max_tokens=n, prefill_step_size=16)
+        alone.append([(int(t), lp) for t, lp in steps])
+    caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
+    batched = _run(model, prompts, TOKENS, caches, prefill_step_size=16)
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
 
 
 @pytest.mark.parametrize("recipe", ["h2o", "snapkv", "tova"])
