@@ -27,6 +27,7 @@ LOGPROB_TOL = 2e-3  # float32: the same softmax over slots in another order, and
 CASES = {
     "h2o": ["budget=16", "sinks=2"],
     "h2o-recent": ["budget=16", "sinks=2", "recent=4"],
+    "h2o-once": ["budget=16", "sinks=2", "once=true"],
     "tova": ["budget=12"],
     "pyramidkv": ["budget=pyramid(from=24, to=8)"],
     "snapkv": ["budget=16", "window=4", "pool=3", "sinks=1"],
