@@ -135,12 +135,22 @@ CHAINS = [
     "vecinfer",
 ]
 
+EVICTIONS = [
+    "h2o",
+    "keydiff",
+    "knorm",
+    "observed_attention",
+    "pyramidkv",
+    "snapkv",
+    "tova",
+]  # one per-head eviction tier (tests/test_batch_eviction.py)
+
 
 def test_every_builtin_batches_or_declares_why():
     model = tiny_llama()
     llama, gemma = (_refusals(ModelShape.from_model(m)) for m in (model, tiny_gemma3()))
-    assert sorted(n for n, why in llama.items() if why is None) == sorted(["fp16"] + CHAINS)
-    assert sorted(n for n, why in gemma.items() if why is None) == sorted(["fp16"] + CHAINS)  # sliding layers too
+    assert sorted(n for n, why in llama.items() if why is None) == sorted(["fp16"] + CHAINS + EVICTIONS)
+    assert sorted(n for n, why in gemma.items() if why is None) == sorted(["fp16"] + CHAINS + EVICTIONS)  # sliding
     for reasons in (llama, gemma):
         assert all("does not batch: layer" in why for why in reasons.values() if why), reasons
     plan = compile_recipe(load_recipe("kivi_sink"), ModelShape.from_model(model))
@@ -184,17 +194,18 @@ def test_a_chain_batch_equals_alone(recipe, make_model):
         assert sum(c[0].tiers[-1].count for c in caches) > 0  # some rows hold codes
 
 
-@pytest.mark.parametrize("recipe", ["h2o", "xquant", "kvquant", "age_tiered"])
+@pytest.mark.parametrize("recipe", ["adakv", "xquant", "kvquant", "age_tiered"])
 def test_a_refused_recipe_has_no_merge(recipe):
     """mlx-lm's batchability test (hasattr merge: its server's, at load) sees a refused recipe as serial, so
-    mlx_lm.server serves it one sequence at a time; merge asked for directly says why."""
+    mlx_lm.server serves it one sequence at a time; merge asked for directly, or batch_generate, says why
+    (a VeloxError, not mlx-lm's "does not yet support batching")."""
     model = tiny_llama()
     tokenizer = types.SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
     caches = [veloxquant.make_prompt_cache(model, recipe) for _ in range(2)]
     assert not hasattr(caches[0][0], "merge")
     with pytest.raises(VeloxError, match=f"recipe '{recipe}' does not batch: layer 0: .*one sequence at a time"):
         caches[0][0].merge([c[0] for c in caches])
-    with pytest.raises(ValueError, match="TieredCache'> does not yet support batching"):
+    with pytest.raises(VeloxError, match=f"recipe '{recipe}' does not batch: layer 0: .*one sequence at a time"):
         batch_generate(model, tokenizer, _prompts()[:2], prompt_caches=caches, max_tokens=2)
 
 

@@ -205,7 +205,7 @@ def test_hook_install_is_reversible(llama_model):
 def test_caches_are_not_mistaken_for_mlx_quantizable_or_mergeable(llama_model):
     cache = vq.make_prompt_cache(llama_model, "kivi")[0]
     assert not hasattr(cache, "to_quantized")
-    assert not hasattr(vq.make_prompt_cache(llama_model, "h2o")[0], "merge")  # a plan that does not batch
+    assert not hasattr(vq.make_prompt_cache(llama_model, "adakv")[0], "merge")  # a plan that does not batch
 
 
 def test_uninstalling_the_hook_mid_generation_stays_correct(llama_model):

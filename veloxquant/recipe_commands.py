@@ -62,11 +62,12 @@ def cmd_explain(args) -> int:
 
     plan = compile_recipe(load_recipe(args.recipe), _shape(args.model), args.sets)
     print(render(plan))
-    from .compiler.batching import refusal
+    from .compiler.batching import layouts, refusal
 
     why = refusal(plan)
     print(
-        "batching: batches (mlx-lm batch caches: merge/extend/filter/extract; veloxquant serve batches it)"
+        f"batching: batches ({layouts(plan)}; mlx-lm batch caches: merge/extend/filter/extract; "
+        "veloxquant serve batches it)"
         if why is None
         else f"batching: one sequence at a time: {why}"
     )

@@ -9,10 +9,14 @@ sequence's meaning exactly:
   turboquant, ...). Such tiers act at each sequence's own positions (a spill when *its* window
   fills, code groups from *its* first spilled token), so each row starts at column 0 of every tier
   and fills its own count; padding is never written (runtime/batch_chain.py).
-Everything else refuses, with the reason, and is served one sequence at a time: per-head eviction and
-scorers (per sequence and head, not batched yet), cross-layer groups, tier kinds of their own (latent,
-merged, anchor, query-aware), positional or fitted codes and coded windows. A chain may end in
-drop (streaming_llm): the window's spill is let go, and it sees n+1 keys back as alone.
+- "heads": one per-head eviction tier in 16 bits whose scorer keeps its state per token or per row
+  (h2o, tova, pyramidkv, snapkv, observed_attention, knorm, keydiff): each row keeps its own budget by
+  its own scores, cut at its own positions; unused slots hold position PAD (runtime/eviction/batch_heads.py).
+Everything else refuses, with the reason, and is served one sequence at a time: other scorers and
+eviction options (budgets allocated across layers or heads, merging, slack, votes), cross-layer groups,
+tier kinds of their own (latent, merged, anchor, query-aware), positional or fitted codes and coded
+windows. A chain may end in drop (streaming_llm): the window's spill is let go, and it sees n+1 keys
+back as alone.
 """
 
 from typing import Optional
@@ -78,10 +82,44 @@ def _chain_refusal(layer: LayerPlan) -> Optional[str]:
     return None
 
 
+# Scorers whose state a batch keeps per row: in the tier's per-token arrays, or (window) its own rows.
+BATCHED_SCORES = {"evict": ("mass", "current", "mean", "knorm", "keydiff"), "snap": ("window",)}
+# Route fields a batch does not carry yet: the value it needs, and what another value does.
+_EVICT_DEFAULTS = (
+    ("layers", "fixed", "budgets allocated across layers"),
+    ("heads", "equal", "budgets allocated across heads"),
+    ("merge", "drop", "evicted tokens merged into kept ones"),
+    ("slack", 0, "decode queries held and scored before a cut"),
+    ("votes", 0.0, "SnapKV's votes beside the score"),
+    ("shared_heads", False, "one ranking shared by the heads"),
+)
+
+
+def _heads_refusal(layer: LayerPlan) -> Optional[str]:
+    """Why a scoring layer cannot batch as one per-head eviction tier (None: it can)."""
+    route = layer.tiers[0].route if len(layer.tiers) == 1 else None
+    if route is None or not getattr(route, "per_head", False) or route.stage_name not in BATCHED_SCORES:
+        return f"it scores tokens ({', '.join(sorted(layer.needs))}) in tiers other than one evict or snap"
+    if layer.needs != frozenset({"attention"}) or getattr(route, "tier_kind", None) is not None:
+        return f"its {route.stage_name} needs more than the attention it receives ({', '.join(sorted(layer.needs))})"
+    score = getattr(route, "score", None)
+    if score not in BATCHED_SCORES[route.stage_name]:
+        return f"its scorer '{score}' keeps state that is not batched yet"
+    for name, value, what in _EVICT_DEFAULTS:
+        if getattr(route, name, value) != value:
+            return f"its {route.stage_name}({name}={getattr(route, name)}: {what}) is not batched yet"
+    tier = layer.tiers[0]
+    if not all(_sixteen_bit(c) for c in (tier.keys, tier.values)):
+        return "its eviction tier codes keys or values, which is not batched yet"
+    return None
+
+
 def layer_layout(layer: LayerPlan) -> Optional[str]:
-    """ "plain", "chain" or None (this layer refuses: layer_refusal says why)."""
-    if layer.share is not None or layer.needs:
+    """ "plain", "chain", "heads" or None (this layer refuses: layer_refusal says why)."""
+    if layer.share is not None:
         return None
+    if layer.needs:
+        return "heads" if _heads_refusal(layer) is None else None
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
         return "plain"
     return "chain" if _chain_refusal(layer) is None else None
@@ -92,7 +130,7 @@ def layer_refusal(layer: LayerPlan) -> Optional[str]:
     if layer.share is not None:
         return "its layers share codes across layers (a cross-layer group is not batched yet)"
     if layer.needs:
-        return f"it scores tokens ({', '.join(sorted(layer.needs))}), per sequence and head, which is not batched yet"
+        return _heads_refusal(layer)
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):
         return None
     return _chain_refusal(layer)
@@ -105,3 +143,16 @@ def refusal(plan: Plan) -> Optional[str]:
         if why is not None:
             return f"recipe '{plan.recipe}' does not batch: layer {layer.index}: {why}"
     return None
+
+
+LAYOUT_TEXT = {
+    "plain": "16-bit rows, left-padded",
+    "chain": "tier chains, each row at its own positions",
+    "heads": "eviction rows, each sequence its own budget, scores and cuts",
+}
+
+
+def layouts(plan: Plan) -> str:
+    """The batch layouts of a plan that batches, in words (explain's batching line)."""
+    found = sorted({layer_layout(layer) for layer in plan.layers} - {None})
+    return "; ".join(LAYOUT_TEXT[name] for name in found)

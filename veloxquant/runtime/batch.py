@@ -12,6 +12,7 @@ Which plans may batch is declared by compiler/batching.py; a refused plan raises
 computes a batch that would change a sequence's output.
 """
 
+import importlib
 from typing import List, Optional
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
 from . import batch_chain as chain
 from . import layer_attention
+from .eviction import batch_heads as heads
 
 
 class Rows:
@@ -44,7 +46,7 @@ def why_not(cache) -> Optional[str]:
     """Why this cache cannot join a batch (compiler/batching.py's declared refusal), or None."""
     plan = getattr(cache, "plan_root", None)
     why = refusal(plan) if plan is not None else None
-    if why is None and cache._plain is None and layer_layout(cache.plan) != "chain":
+    if why is None and cache._plain is None and layer_layout(cache.plan) not in ("chain", "heads"):
         why = f"layer {cache.plan.index}'s cache is not one plain 16-bit tier"
     return why
 
@@ -53,6 +55,27 @@ def check(cache) -> None:
     why = why_not(cache)
     if why is not None:
         raise BatchRefused(f"{why}; serve it one sequence at a time (veloxquant serve does)")
+
+
+def guard_merges() -> None:
+    """mlx-lm's _merge_caches (BatchGenerator, batch_generate) tests hasattr(cache, "merge") and raises its
+    own ValueError ("does not yet support batching with history"), which hides the reason. Wrapped once
+    (make_prompt_cache does it), it first asks veloxquant's caches and raises their BatchRefused, a
+    VeloxError naming the recipe, the layer and why. mlx-lm's server decides at load, by hasattr, and
+    never merges a refused recipe's caches: it serves them one sequence at a time."""
+    mlx_generate = importlib.import_module("mlx_lm.generate")  # the module: mlx_lm.generate is also a function
+    original = mlx_generate._merge_caches
+    if getattr(original, "veloxquant_checked", False):
+        return
+
+    def _merge_caches(caches):
+        for c in caches[0] if caches else ():
+            if isinstance(c, BatchProtocol):
+                check(c)
+        return original(caches)
+
+    _merge_caches.veloxquant_checked = True
+    mlx_generate._merge_caches = _merge_caches
 
 
 def _blank(like):
@@ -70,6 +93,8 @@ def merge(caches: List) -> "object":
         check(c)
     if layer_layout(caches[0].plan) == "chain":  # tiers that route and code: each row from column 0
         return chain.merge(caches, _blank)
+    if layer_layout(caches[0].plan) == "heads":  # an eviction tier: each row its own slots
+        return heads.merge(caches, _blank)
     for c in caches:
         if c.rows is not None:
             raise VeloxError("merge takes one-sequence caches; a batch joins another with extend()")
@@ -175,7 +200,15 @@ def _start(cache, window: Optional[int]) -> int:
     return min(rows.end, max(tier.start, rows.end - window + 1))
 
 
+def settle(cache) -> None:
+    """TieredCache._settle of a batch: an eviction batch cuts (the chains settle in their own updates)."""
+    if heads.is_heads(cache):
+        heads.settle(cache)
+
+
 def make_mask(cache, N: int, window_size: Optional[int] = None):
+    if heads.is_heads(cache):
+        return heads.make_mask(cache, N, window_size)
     if chain.is_chain(cache):
         return chain.make_mask(cache, N, window_size)
     rows = cache.rows
@@ -192,6 +225,8 @@ def make_mask(cache, N: int, window_size: Optional[int] = None):
 
 
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
+    if heads.is_heads(cache):
+        return heads.update_and_fetch(cache, keys, values)
     if chain.is_chain(cache):
         return chain.update_and_fetch(cache, keys, values)
     rows, plain = cache.rows, cache._plain
@@ -206,6 +241,8 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
 
 def attend(cache, queries: mx.array, scale: float, mask, observe: bool = True):
     """A batch's route (runtime/layer_attention.py): the rows' attention over their tiers."""
+    if heads.is_heads(cache):
+        return heads.attend(cache, queries, scale)
     if chain.is_chain(cache):
         return chain.attend(cache, queries, scale)
     k, v = cache._plain.fetch(queries.dtype)
@@ -233,17 +270,22 @@ class BatchProtocol:
         check(self)
         return merge
 
+    def _layout(self):
+        """The module holding this batch's layout: the eviction rows, the chain, or this one (plain)."""
+        return heads if heads.is_heads(self) else chain if chain.is_chain(self) else None
+
     def extend(self, other) -> None:
-        (chain.extend if chain.is_chain(self) else extend)(self, other)
+        (getattr(self._layout(), "extend", extend))(self, other)
 
     def filter(self, batch_indices) -> None:
-        (chain.filter if chain.is_chain(self) else filter)(self, list(batch_indices))
+        (getattr(self._layout(), "filter", filter))(self, list(batch_indices))
 
     def extract(self, idx: int):
-        return chain.extract(self, idx, _blank) if chain.is_chain(self) else extract(self, idx)
+        layout = self._layout()
+        return layout.extract(self, idx, _blank) if layout is not None else extract(self, idx)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        (chain.prepare if chain.is_chain(self) else prepare)(self, left_padding, lengths, right_padding)
+        (getattr(self._layout(), "prepare", prepare))(self, left_padding, lengths, right_padding)
 
     def finalize(self) -> None:
-        (chain.finalize if chain.is_chain(self) else finalize)(self)
+        (getattr(self._layout(), "finalize", finalize))(self)

@@ -14,6 +14,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+# Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
+# KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
+UNBOUNDED_STEP = 256
+
 
 class Buffer:
     def __init__(self, step: Optional[int] = None):

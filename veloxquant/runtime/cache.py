@@ -208,6 +208,8 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
+        if self.rows is not None:  # B sequences: an eviction batch cuts (runtime/batch.py)
+            return batch.settle(self)
         if self.per_head:  # only per-head layers hold decode queries: scored before a cut (evict(slack))
             per_head.settle_held(self)
         for i, tier in enumerate(self.tiers):

@@ -8,7 +8,7 @@ from ..compiler.layout import own_caches
 from ..errors import VeloxError
 from ..models.vlm import image_token_ids, is_vlm, text_model
 from ..recipe import Recipe, load_recipe
-from . import cache_list, hook, sharding
+from . import batch, cache_list, hook, sharding
 from .cache import TieredCache
 from .coordinator import link_groups
 from .eviction import model_pass, protected
@@ -86,5 +86,6 @@ def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
             "on this layout (see `veloxquant explain --model`)"
         )
     caches = caches_for(plan)
+    batch.guard_merges()  # a refused recipe's batch fails with its reason, a VeloxError (runtime/batch.py)
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))

@@ -95,14 +95,17 @@ class HeadTier(KindBase):
     def can_rewind(self) -> bool:
         return self.ragged is None
 
-    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+    def append(self, keys: mx.array, values: mx.array, start: int, pos: Optional[mx.array] = None) -> None:
+        """`pos` [B, H, n]: each row's own positions (a batch: runtime/eviction/batch_heads.py; PAD for
+        a right-padded prompt's columns); by default start, start + 1, ... for every row."""
         B, H, n, _ = keys.shape
         if self.count == 0:
             self.first = start
         for side, x in (("k", keys), ("v", values)):
             for name, arr in self.codecs[side].encode(x).items():
                 self.buffers[side][name].append(arr)
-        pos = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (B, H, n))
+        if pos is None:
+            pos = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (B, H, n))
         self.meta["pos"].append(pos)
         self.meta["score"].append(self.scorer.initial(keys))
         for name, trailing in self.scorer.token_state.items():

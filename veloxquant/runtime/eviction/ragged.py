@@ -16,8 +16,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..buffer import Buffer
-from ..kinds.tier import UNBOUNDED_STEP
+from ..buffer import UNBOUNDED_STEP, Buffer
 from .protected import protect
 from .protected import room as protected_room
 

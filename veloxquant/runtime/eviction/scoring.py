@@ -61,6 +61,7 @@ def attend_blocked(
     rows: int = 1,
     weigh: bool = True,
     sync_bytes: int = 0,
+    real_for: Optional[Callable] = None,
 ):
     """Attention `block` queries at a time, each block masked by `mask_for(first, n)` (per kv head,
     or None): only one block's [heads x block x keys] weights ever exist, never the whole prompt's.
@@ -75,7 +76,10 @@ def attend_blocked(
     what the blocks have answered so far is evaluated, and a call that did so is evaluated once more
     at its end. A lazy graph would otherwise hold every block's
     temporaries until the device has run them (on CUDA the host runs far ahead; a 2048-query prefill
-    step over 8k keys builds 0.56 GiB of float32 weights per layer, plus masked and softmaxed copies)."""
+    step over 8k keys builds 0.56 GiB of float32 weights per layer, plus masked and softmaxed copies).
+
+    `real_for(first, n)` (a batch's right-padded prompt: runtime/eviction/batch_heads.py): [B, 1, 1, n, 1],
+    False for the query rows that are padding, whose weights are zeroed (no key receives them)."""
     B, Hq, Lq, _ = queries.shape
     first = Lq - (Lq - 1) // block * block  # 1..block queries
     outs, total, tail = [], None, None
@@ -86,6 +90,8 @@ def attend_blocked(
         if s:  # mlx would otherwise compute every block's weights before reducing any: order them
             q = mx.depends(q, [a for a in (outs[-1] if outs else None, total) if a is not None])
         w = attention_weights(q, keys, scale, mask_for(s, n))
+        if real_for is not None:
+            w = mx.where(real_for(s, n), w, 0.0)
         if values is not None:
             rows_w = w.reshape(B, w.shape[1], -1, w.shape[-1])  # [B, Hkv, rep * n, L]: no broadcast values
             outs.append((rows_w @ values.astype(mx.float32)).reshape(B, Hq, n, -1))

@@ -7,16 +7,14 @@ import mlx.core as mx
 from ...compiler.plan import TierPlan
 from ...kernels import dispatch
 from .. import code_attention, fused
-from ..buffer import Buffer
+from ..buffer import UNBOUNDED_STEP, Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
 from .plain import PlainRun
 from .protocol import KindBase
 from .tier_rows import TierRows
 
-# Tokens; growth step of tiers that keep everything they get (slack is real memory). mlx-lm's
-# KVCache step: with 64, MLX's CUDA SDPA over the sliced buffer ran 1.6x slower at 32k (docs/kernels.md).
-UNBOUNDED_STEP = 256
+# UNBOUNDED_STEP (runtime/buffer.py) is the growth step of tiers that keep everything they get.
 EXACT_MIN_CHUNK = 16  # tokens; tiers fed chunks at least this long may grow exactly (one copy per chunk)
 
 

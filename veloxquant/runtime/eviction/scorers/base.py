@@ -102,6 +102,29 @@ class Scorer:
     def nbytes(self) -> int:
         return 0
 
+    # --- batch rows (runtime/eviction/batch_heads.py). A scorer whose state lives in the tier's per-token
+    # arrays (mass, current, mean, knorm, keydiff) needs nothing more; one keeping per-row arrays of its
+    # own (window) overrides these.
+    def observe_rows(self, tier, seen: Seen, listening, real) -> None:
+        """observe, for the rows `listening` [B] only (`real` [B]: each row's real columns of the block;
+        both host arrays)."""
+        before = tier.scores
+        self.observe(tier, seen)
+        if not listening.all():
+            tier.set_scores(mx.where(mx.array(listening)[:, None, None], tier.scores, before))
+
+    def stack(self, parts: list, rows: list) -> None:
+        """This scorer's state becomes that of `parts` (scorers of `rows` rows each), one after the other."""
+
+    def keep_rows(self, rows) -> None:
+        """Only the given rows' state stays (`rows`: host indices)."""
+
+    def take_row(self, batch: "Scorer", i: int) -> None:
+        """This one-sequence scorer takes row i of a batch's state."""
+
+    def release_rows(self, rows) -> None:
+        """The rows [B] (host bools) have decided: their state is let go."""
+
 
 class QueryWindowScorer(Scorer):
     """A scorer that keeps the newest real queries (`self.queries`, see keep_window) until it
