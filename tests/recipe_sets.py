@@ -13,6 +13,7 @@ SMALL = {
     "h2o": ["budget=64"],
     "tova": ["budget=64"],
     "snapkv": ["budget=64"],
+    "lagquant": ["budget=64", "lag=32"],
     "pyramidkv": ["budget=pyramid(from=96, to=32)"],
 }
 # Calibrated recipes need an artifact made on the model first: tests/test_calibration.py covers them.

@@ -42,10 +42,20 @@ def context(cfg: EvalConfig) -> int:
 
 
 def family(name: str) -> str:
-    params = load_recipe(name).params
+    """baseline, eviction (a budget or window of fp16 tokens), hybrid (a budget of coded tokens:
+    eviction composed with a codec, kept out of the eviction-only rankings) or compression."""
+    recipe = load_recipe(name)
     if name == "fp16":
         return "baseline"
-    return "eviction" if "budget" in params or name == "streaming_llm" else "compression"
+    if "budget" not in recipe.params and name != "streaming_llm":
+        return "compression"
+    tiers = [t for layer in compile_recipe(recipe, SMOLLM2_135M).layers for t in layer.tiers]
+    coded = any(
+        hasattr(t.route, "budget") and side is not None and side.store.bits_per_element(64) < 16
+        for t in tiers
+        for side in (t.keys, t.values)
+    )
+    return "hybrid" if coded else "eviction"
 
 
 def _accepts(name: str, sets: List[str], shape: ModelShape) -> bool:
