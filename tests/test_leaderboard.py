@@ -69,5 +69,8 @@ def test_leaderboard_resumes_and_reports_columns(llama_model, tmp_path, monkeypa
     for r in board["rows"][1:]:
         assert r["decode_vs_fp16"] > 0 and r["wall_s"] > 0 and r["cost"]["peak_memory_bytes"] > 0
         assert r["family"] == "eviction" and r["calibration"] is None
+    only_tova = (llama_model, tok, "tiny-llama", SENTENCES * 4, "sentences", "tiny", out, ["tova"])
+    grown = leaderboard.run(*only_tova, limit=1, progress=False)  # --only adds rows, keeps the others
+    assert [r["spec"] for r in grown["rows"]] == specs + ["tova"]
     with pytest.raises(VeloxError, match="pass another --out"):
         leaderboard.run(llama_model, tok, "other-model", SENTENCES, "s", "tiny", out, progress=False)

@@ -138,7 +138,9 @@ def run(
         "versions": versions(),
         **{k: base[k] for k in ("model_shape", "dtype", "device", "platform", "protocol")},
         "fp16_this_process": fp16,
-        "rows": [fp16] + [done[s] for s, _, _ in wanted if s in done and s != "fp16"],
+        # --only measures some rows: the board keeps every other row it holds (a full run, the protocol's)
+        "rows": [fp16]
+        + ([r for s, r in done.items() if s != "fp16"] if only else [done[s] for s, _, _ in wanted if s in done]),
     }
 
     def save(partial: bool):
