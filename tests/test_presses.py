@@ -161,9 +161,11 @@ def test_think_scores_are_exact_for_queries_on_the_kept_channels(llama_model):
     mask = np.zeros((3, 1, 64), np.float32)
     mask[np.arange(3)[:, None], 0, kept(side.fitted)] = 1
     q = mx.random.normal((1, 3, 5, 64), key=mx.random.key(2)) * mx.array(mask)
-    np.testing.assert_allclose(
-        np.array(side.scores(q)), np.array(q @ x.astype(mx.float32).swapaxes(-1, -2)), rtol=1e-5, atol=1e-4
-    )
+    k = x.astype(mx.float32).swapaxes(-1, -2)
+    # exact up to float32 summation order (the kept 16 channels vs all 64): the standard bound of a
+    # float32 dot product, n * eps * sum |q_i k_i| (BLAS kernels sum in different orders)
+    bound = 64 * np.finfo(np.float32).eps * np.array(mx.abs(q) @ mx.abs(k))
+    assert (np.abs(np.array(side.scores(q)) - np.array(q @ k)) <= bound).all()
     assert side.latents().shape == (1, 3, 96, 16)  # only the kept channels are held
 
 
