@@ -9,8 +9,8 @@ import pytest
 from veloxquant.bench.e2e import random_llama
 from veloxquant.kernels import dispatch, mlx_affine, table
 from veloxquant.kernels.bitpack import pack
-from veloxquant.kernels.partials import partial_attention
-from veloxquant.runtime import fused, make_prompt_cache, uninstall
+from veloxquant.kernels.partials import merge_partials, partial_attention
+from veloxquant.runtime import make_prompt_cache, uninstall
 from veloxquant.stages.store import Affine
 
 KIVI2 = (Affine(2, 32, "channel"), Affine(2, 32, "token"))
@@ -60,6 +60,31 @@ def test_partial_matches_the_decode_path(shape, specs, hidden):
     assert out.shape == (B, Hq, Lq, D) and lse.shape == (B, Hq, Lq)
     assert float(mx.abs(out - want_out).max()) <= 1e-5
     assert float(mx.abs(lse - want_lse).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("tiers,hidden", [(1, 0), (2, 0), (2, 7)])
+def test_the_dense_tail_folds_into_one_softmax(tiers, hidden):
+    """With the layer's 16-bit tiers (KIVI's window; kivi_sink's sinks too) the route answers the
+    whole attention, as the merge of its partial with theirs does (in float32 here)."""
+    B, Hq, Hkv, D, L = 1, 8, 2, 64, 256
+    ks, vs = KIVI2
+    keys, values, q = (
+        mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate([(B, Hkv, L, D)] * 2 + [(B, Hq, 1, D)])
+    )
+    tail = [
+        tuple(mx.random.normal((B, Hkv, n, D), key=mx.random.key(9 + i + n)) for i in (0, 1)) for n in (5, 140)[-tiers:]
+    ]
+    k_enc, v_enc = ks.encode(keys), vs.encode(values)
+    run = mlx_affine.launch(
+        (B, Hq, 1, D), mx.float32, tuple(k_enc["codes"].shape), (2, 32, "channel"), (2, 32, "token"), D**-0.5
+    )
+    got = run(q, k_enc, v_enc, tail, hidden)
+    dense = tuple(mx.concatenate([kv[i] for kv in tail], axis=2) for i in (0, 1))
+    want = merge_partials(
+        [mlx_affine.partial_attention(q, k_enc, v_enc, ks, vs, D**-0.5, hidden), partial_attention(q, *dense, D**-0.5)]
+    )
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert float(mx.abs(got - want).max()) <= 1e-5
 
 
 def test_scope_refuses_what_mlx_cannot_take():
@@ -114,6 +139,4 @@ def test_cache_attends_through_qmm_as_the_decode_path(model, recipe, settings, m
             outs[route] = np.array(cache.attend(q, 64**-0.5, observe=False))
             coded = [t for t in cache.tiers if t.fusable and t.count]
             assert coded and all((t.launch is not None) == (route == "qmm") for t in coded), route
-            if route == "qmm":
-                assert all(t.launch[0] is fused.PartialAnswer for t in coded)
         np.testing.assert_allclose(outs["qmm"], outs["decode"], rtol=0, atol=1e-5)

@@ -14,7 +14,9 @@ group g batched on its own axis:
 
 so no layout is converted and no 16-bit copy of K or V is formed; the kv heads (and a GQA
 group's query heads, as rows) are batch dimensions of the matmul. Answers the contract of
-`reference.affine_partial_attention`: (out [B, Hq, Lq, D] f32, lse [B, Hq, Lq]).
+`reference.affine_partial_attention`: (out [B, Hq, Lq, D] f32, lse [B, Hq, Lq]); and, as the
+CUDA kernels' reduce_tail does, the layer's attention with its 16-bit tiers folded in
+(`attention_with_tail`: one softmax over both, fewer graph nodes than a partial per tier and a merge).
 """
 
 from functools import lru_cache
@@ -108,9 +110,7 @@ def partial_attention(
     kb, kg, kax = spec_fields(k_spec)
     vb, vg, vax = spec_fields(v_spec)
     B, Hq, Lq, D = q.shape
-    Hkv = k_enc["codes"].shape[1]
-    # Rows of one kv head: (rep head i, query j) -> i * Lq + j, as in q's memory order.
-    qf = q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv * Lq, D) * scale
+    qf = _rows(q, k_enc["codes"].shape[1], scale)
     s = scores(qf, k_enc, kb, kg, kax)
     if hidden:
         s = mx.where(mx.arange(s.shape[-1]) < hidden, -mx.inf, s)
@@ -122,27 +122,56 @@ def partial_attention(
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 
 
+def _rows(q: mx.array, Hkv: int, scale: float) -> mx.array:
+    """q [B, Hq, Lq, D] -> float32 rows of each kv head [B, Hkv, rep·Lq, D], scaled: (rep head i,
+    query j) -> row i·Lq + j, as in q's memory order."""
+    B, Hq, Lq, D = q.shape
+    return q.astype(mx.float32).reshape(B, Hkv, Hq // Hkv * Lq, D) * scale
+
+
+def attention_with_tail(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, scale: float, tail, hidden: int = 0, coded=None):
+    """softmax over the coded tier (but its first `hidden` tokens) and the dense (k, v) tiers of
+    `tail` together, in q's dtype: one softmax over both score blocks, no partials to merge.
+    `coded`: (scores, weighted values) of the coded tier, as `scores` / `weighted_values` answer."""
+    kb, kg, kax = spec_fields(k_spec)
+    vb, vg, vax = spec_fields(v_spec)
+    coded = coded or (lambda x: scores(x, k_enc, kb, kg, kax), lambda p: weighted_values(p, v_enc, vb, vg, vax))
+    B, Hq, Lq, D = q.shape
+    L = k_enc["codes"].shape[2]
+    kt, vt = tail[0] if len(tail) == 1 else (mx.concatenate([kv[i] for kv in tail], axis=2) for i in (0, 1))
+    qf = _rows(q, kt.shape[1], scale)
+    s = coded[0](qf)
+    if hidden:
+        s = mx.where(mx.arange(L) < hidden, -mx.inf, s)
+    s = mx.concatenate([s, qf @ kt.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+    weights = mx.exp(s - mx.max(s, axis=-1, keepdims=True))
+    out = coded[1](weights[..., :L]) + weights[..., L:] @ vt.astype(mx.float32)
+    return (out / mx.sum(weights, axis=-1, keepdims=True)).reshape(B, Hq, Lq, D).astype(q.dtype)
+
+
 @lru_cache(maxsize=COMPILED_SHAPES)
 def launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0):
-    """`run(q, k_enc, v_enc, tail=None, hidden=0) -> (out, lse)` for calls of these shapes
-    (the attend family's binding; the dense tiers are merged by the cache, never folded here).
+    """`run(q, k_enc, v_enc, tail=None, hidden=0)` for calls of these shapes (the attend family's
+    binding): the tier's partial (out, lse), or with `tail` (the layer's 16-bit tiers, every token
+    visible) the layer's attention over all of them in q's dtype.
 
-    The partial is one compiled graph for these shapes (one node in the decode step's graph),
-    shared by every layer that asks with them: a tier's length changes only when a group
-    arrives, so it is traced once per group, and the least recent shapes are let go."""
-
-    def whole(q, kc, ks, kz, vc, vs, vz):
-        return partial_attention(q, dict(codes=kc, scales=ks, zeros=kz), dict(codes=vc, scales=vs, zeros=vz), *fixed)
-
+    The partial, and the coded tier's scores and weighted values, are compiled for these shapes
+    (elementwise chains fused) and shared by every layer that asks with them: a tier's length
+    changes only when a group arrives, so each is traced once per group; the least recent are let go."""
     fixed = (kspec, vspec, scale)
-    compiled = mx.compile(whole)
+    enc = lambda c, s, z: dict(codes=c, scales=s, zeros=z)  # noqa: E731
+    whole = mx.compile(lambda q, kc, ks, kz, vc, vs, vz: partial_attention(q, enc(kc, ks, kz), enc(vc, vs, vz), *fixed))
+    coded_scores = mx.compile(lambda x, c, s, z: scores(x, enc(c, s, z), *kspec))
+    coded_values = mx.compile(lambda p, c, s, z: weighted_values(p, enc(c, s, z), *vspec))
 
     def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
+        k, v = ([e[n] for n in ("codes", "scales", "zeros")] for e in (k_enc, v_enc))
         if tail:
-            raise ValueError("qmm answers a partial: the cache merges the dense tiers")
+            coded = (lambda x: coded_scores(x, *k), lambda p: coded_values(p, *v))
+            return attention_with_tail(q, k_enc, v_enc, *fixed, tail, hidden, coded)
         if hidden:  # a sliding window's count changes every step: not a shape to compile for
             return partial_attention(q, k_enc, v_enc, *fixed, hidden)
-        return compiled(q, *(e[n] for e in (k_enc, v_enc) for n in ("codes", "scales", "zeros")))
+        return whole(q, *k, *v)
 
     return run
 

@@ -1,5 +1,5 @@
 """A plain affine tier's attention by the fused CUDA kernel (kernels/cuda.py), or where none
-is verified, by MLX's own quantized matmul (kernels/mlx_affine.py: a partial, merged as any).
+is verified, by MLX's own quantized matmul (kernels/mlx_affine.py), which answers alike.
 
 `kernel_answer` is what `Tier.answer` returns where a verified kernel takes
 the call: the partial from the tier's codes, and where the layer's other tiers
@@ -29,13 +29,6 @@ class KernelAnswer:
         return self.run(self.queries, self.k_enc, self.v_enc, tail, self.hidden)
 
 
-class PartialAnswer(KernelAnswer):
-    """The answer of a route through MLX's own kernels (kernels/mlx_affine.py): a partial only."""
-
-    __slots__ = ()
-    folds_tail = False
-
-
 def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: int = 0) -> Optional[KernelAnswer]:
     """The kernel's answer for this (unmasked, plain affine) tier, or None where no verified kernel applies.
     `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default.
@@ -46,22 +39,17 @@ def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: i
     key = (tier.count, queries.shape, queries.dtype, scale, hidden > 0)
     if tier.launch_key != key:
         tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale, hidden > 0)
-    if tier.launch is None:
-        return None
-    answer, run = tier.launch
-    return answer(run, queries, k_enc, v_enc, hidden)
+    return None if tier.launch is None else KernelAnswer(tier.launch, queries, k_enc, v_enc, hidden)
 
 
 def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
-    """(answer class, run) for this call's shapes, or None (the tier is decoded)."""
+    """The launch (`run`) for this call's shapes, or None (the tier is decoded)."""
     k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
     impl = dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0]
     shapes = (tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
     if impl == "cuda":
-        return KernelAnswer, cuda.launcher(*shapes, hides=hides)
-    if impl != "reference":  # MLX's own kernels: a partial the cache merges
-        return PartialAnswer, dispatch.mlx_launcher(impl, *shapes)
-    return None
+        return cuda.launcher(*shapes, hides=hides)
+    return None if impl == "reference" else dispatch.mlx_launcher(impl, *shapes)  # MLX's own kernels
 
 
 def tail(rest: List, queries: mx.array, dtype, layouts: dict):
