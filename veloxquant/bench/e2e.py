@@ -17,6 +17,10 @@ quantized matmul / decoded (VELOXQUANT_AFFINE_ROUTE): A/B rows of one recipe in 
 
     python -m veloxquant.bench.e2e --preset llama3-8b --weights-bits 4 --context 32768 --recipes fp16,kivi
 
+`--batch N` decodes N copies of the prompt together through mlx-lm's BatchGenerator, each with
+its own caches (runtime/batch.py merges veloxquant's into one per layer); rates are aggregate over
+the N sequences, as mlx-lm's stats give them, peak memory is the process's, cache MiB all N's.
+
 `--preset llama3-8b` takes Llama-3-8B's shapes; `--weights-bits 4` (or 8) quantizes the random
 weights (nn.quantize, group 64) as users run them. The "first use" column is each row's first run
 in this process (rows in order: KVCache, then the recipes), before any warm run: on CUDA it pays
@@ -39,6 +43,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from ..kernels import table as kernel_table
 from ..runtime import make_prompt_cache, uninstall
 from ..runtime.warmup import warmup
+from .e2e_batch import measure_batch
 from .registry import bench
 
 # Model shapes by name: layers, heads/kv heads, head_dim, hidden, intermediate, vocab.
@@ -170,6 +175,9 @@ def main(argv=None) -> int:
         help="quantize the random weights (group 64) to this width",
     )
     ap.add_argument("--warmup", action="store_true", help="runtime.warmup each recipe before its first-use row")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together through mlx-lm's BatchGenerator (aggregate)"
+    )
     args = ap.parse_args(argv)
     for k, v in PRESETS.get(args.preset, {}).items():
         setattr(args, k, v)
@@ -194,6 +202,7 @@ def main(argv=None) -> int:
     print(
         f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
         f"context {args.context}, decode {args.decode}, device {mx.default_device()}"
+        + (f"; batch {args.batch} (aggregate tok/s, BatchGenerator)" if args.batch > 1 else "")
     )
     head = (
         "| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | first-use decode tok/s "
@@ -205,6 +214,8 @@ def main(argv=None) -> int:
     def run(label, make):
         with _impl(label):
             try:
+                if args.batch > 1:
+                    return measure_batch(model, prompt, make, args.batch, args.decode)
                 return measure(model, prompt, make(), args.decode)
             finally:
                 uninstall(model)
