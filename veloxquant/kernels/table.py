@@ -39,7 +39,8 @@ KERNELS: Dict[str, Kernel] = {}
 ATTEND_ORDER = ("tc", "mma", "v1")
 # Backends where affine tiers that no verified fused kernel takes attend through MLX's own
 # kernels by default (the "attend-mlx" family, kernels/mlx_affine.py): Metal, where none of our
-# kernels runs. Not the CPU: it would move the CPU's recorded logits (docs/kernels.md, "Metal").
+# kernels runs. Not the CPU: it moves the recorded CPU logits, and end to end it did not pay there
+# (docs/kernels.md, "Metal: MLX's own kernels").
 MLX_ATTEND_BACKENDS = frozenset({"metal"})
 
 
