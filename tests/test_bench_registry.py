@@ -102,6 +102,20 @@ def test_bench_prints_its_table(name, capsys):
     assert any(line.startswith(row) for line in table), out
 
 
+def test_e2e_batches_sequences_through_batch_generator(capsys):
+    """`bench e2e --batch 2`: two sequences through mlx-lm's BatchGenerator with each row's caches,
+    past kivi's window (a coded tier in the batch), and the qmm route's row beside the decoded one."""
+    argv = ["--context", "320", "--decode", "3", "--layers", "1", "--heads", "4/2", "--head-dim", "64"]
+    argv += ["--vocab", "300", "--dtype", "float32", "--recipes", "fp16,kivi,kivi@qmm", "--batch", "2"]
+    assert cli(["bench", "e2e", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 (aggregate tok/s, BatchGenerator)" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"mlx-lm KVCache", "fp16", "kivi", "kivi@qmm"} <= set(rows), out
+    mib = {k: float(v.split("|")[-2]) for k, v in rows.items() if k != "cache"}
+    assert mib["kivi"] < mib["fp16"], out  # the coded tier's bytes, all sequences
+
+
 @pytest.mark.parametrize("argv", [["--list"], ["--help"], []])
 def test_list_and_help_name_every_bench_with_its_purpose(argv, capsys):
     assert cli(["bench", *argv]) == 0

@@ -6,6 +6,8 @@ Times, per (head shape, sequence length, bits):
              mx.quantize'd K/V (same bits and group)
   reference  veloxquant's MLX-ops reference over affine codes (KIVI layout:
              keys per-channel, values per-token)
+  decode     the same codes decoded to float16, then SDPA (a tier no kernel takes: CPU, Metal)
+  qmm        the same codes through MLX's own quantized matmul (kernels/mlx_affine.py, Metal's route)
   fused      veloxquant's CUDA kernel over the same codes (CUDA backend only;
              the default attend kernel, table.attend_route / VELOXQUANT_CUDA_IMPL)
   fused-v1, fused-mma, fused-tc   one attend kernel explicitly (A/B rows;
@@ -27,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from veloxquant.kernels import cuda, reference, tc, tc_launch
+from veloxquant.kernels import cuda, mlx_affine, reference, tc, tc_launch
 from veloxquant.kernels.dispatch import backend
 from veloxquant.kernels.reference import spec_fields
 from veloxquant.kernels.tc_launch import held_bytes
@@ -104,6 +106,13 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     except Exception as e:  # noqa: BLE001 -- reported in the table
         methods["mlx-lm"] = (None, f"fails: {type(e).__name__}")
     methods["reference"] = (lambda: reference.affine_partial_attention(q, ke, ve, kspec, vspec, scale), coded)
+    ks, vs = Affine(**kspec), Affine(**vspec)
+    methods["decode"] = (
+        lambda: mx.fast.scaled_dot_product_attention(q, ks.decode(ke, q.dtype), vs.decode(ve, q.dtype), scale=scale),
+        coded,
+    )
+    run = mlx_affine.launch(tuple(q.shape), q.dtype, tuple(ke["codes"].shape), spec_fields(ks), spec_fields(vs), scale)
+    methods["qmm"] = (lambda: run(q, ke, ve), coded)
     if backend() == "cuda":
         # "fused": the default attend kernel (table.attend_route, VELOXQUANT_CUDA_IMPL);
         # "fused-v1" / "fused-mma": one kernel explicitly, for A/B rows.
@@ -191,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--methods",
         default="sdpa,mlx-lm,reference,fused",
-        help="of sdpa, mlx-lm, reference, fused, fused-v1, fused-mma, fused-tc, "
+        help="of sdpa, mlx-lm, reference, decode, qmm, fused, fused-v1, fused-mma, fused-tc, "
         "fused-tc1 / fused-tc2 (attend_tc in one launch / two)",
     )
     p.add_argument("--warmup", type=int, default=3)

@@ -12,9 +12,14 @@ between rows; each round starts at the next row), and the table gives each row's
 median with its range (peak: the highest), and the median over rounds of its
 decode tok/s divided by KVCache's in the same round (drift between rounds cancels).
 A recipe written `kivi@tc` runs with that CUDA attend kernel (VELOXQUANT_CUDA_IMPL
-while the row runs): A/B rows of one recipe in one process.
+while the row runs), `kivi@qmm` / `kivi@decode` with its affine tiers attending through MLX's
+quantized matmul / decoded (VELOXQUANT_AFFINE_ROUTE): A/B rows of one recipe in one process.
 
     python -m veloxquant.bench.e2e --preset llama3-8b --weights-bits 4 --context 32768 --recipes fp16,kivi
+
+`--batch N` decodes N copies of the prompt together through mlx-lm's BatchGenerator, each with
+its own caches (runtime/batch.py merges veloxquant's into one per layer); rates are aggregate over
+the N sequences, as mlx-lm's stats give them, peak memory is the process's, cache MiB all N's.
 
 `--preset llama3-8b` takes Llama-3-8B's shapes; `--weights-bits 4` (or 8) quantizes the random
 weights (nn.quantize, group 64) as users run them. The "first use" column is each row's first run
@@ -24,6 +29,7 @@ recipe first (what `veloxquant warmup` does), so that column shows first use aft
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -34,8 +40,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from ..kernels import table as kernel_table
 from ..runtime import make_prompt_cache, uninstall
 from ..runtime.warmup import warmup
+from .e2e_batch import measure_batch
 from .registry import bench
 
 # Model shapes by name: layers, heads/kv heads, head_dim, hidden, intermediate, vocab.
@@ -119,15 +127,26 @@ def measure(model, prompt: mx.array, cache, decode: int):
     return prompt.size / (first - start), decode / (end - first), mx.get_peak_memory(), cache_bytes
 
 
-_IMPL_ENV = "VELOXQUANT_CUDA_IMPL"
+_IMPL_ENV = kernel_table.IMPL_ENV
+_ROUTES = ("decode", *(k.name for k in kernel_table.family("attend-mlx")))  # VELOXQUANT_AFFINE_ROUTE's values
 
 
-def _set_impl(impl) -> None:
-    """VELOXQUANT_CUDA_IMPL = impl, or unset for None."""
-    if impl is None:
-        os.environ.pop(_IMPL_ENV, None)
-    else:
-        os.environ[_IMPL_ENV] = impl
+@contextlib.contextmanager
+def _impl(label: str):
+    """While a row `recipe@impl` runs: VELOXQUANT_CUDA_IMPL = impl, or for an affine route
+    VELOXQUANT_AFFINE_ROUTE = impl; a row without `@` runs under the environment as it was."""
+    impl = label.split("@")[1] if "@" in label else None
+    env = kernel_table.ROUTE_ENV if impl in _ROUTES else _IMPL_ENV
+    saved = os.environ.get(env)
+    if impl is not None:
+        os.environ[env] = impl
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = saved
 
 
 @bench("e2e", "end-to-end generation speed and memory under recipes on a random-init Llama or Gemma 3")
@@ -156,6 +175,9 @@ def main(argv=None) -> int:
         help="quantize the random weights (group 64) to this width",
     )
     ap.add_argument("--warmup", action="store_true", help="runtime.warmup each recipe before its first-use row")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together through mlx-lm's BatchGenerator (aggregate)"
+    )
     args = ap.parse_args(argv)
     for k, v in PRESETS.get(args.preset, {}).items():
         setattr(args, k, v)
@@ -180,6 +202,7 @@ def main(argv=None) -> int:
     print(
         f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "
         f"context {args.context}, decode {args.decode}, device {mx.default_device()}"
+        + (f"; batch {args.batch} (aggregate tok/s, BatchGenerator)" if args.batch > 1 else "")
     )
     head = (
         "| cache | prefill tok/s | decode tok/s | decode vs KVCache, same round | first-use decode tok/s "
@@ -188,24 +211,20 @@ def main(argv=None) -> int:
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
     rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
 
-    default = os.environ.get(_IMPL_ENV)
-
     def run(label, make):
-        _set_impl(label.split("@")[1] if "@" in label else default)
-        try:
-            return measure(model, prompt, make(), args.decode)
-        finally:
-            _set_impl(default)
-            uninstall(model)
+        with _impl(label):
+            try:
+                if args.batch > 1:
+                    return measure_batch(model, prompt, make, args.batch, args.decode)
+                return measure(model, prompt, make(), args.decode)
+            finally:
+                uninstall(model)
 
     warmed = {}
     if args.warmup:
         for label, _ in rows[1:]:
-            _set_impl(label.split("@")[1] if "@" in label else default)
-            try:
+            with _impl(label):
                 warmed[label] = warmup(model, label.split("@")[0], args.context, args.decode)[1]
-            finally:
-                _set_impl(default)
         print("warm-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in warmed.items()))
     print(head)
     print("|---|---|---|---|---|---|---|---|")

@@ -265,15 +265,19 @@ def _with_impl(tier: TierPlan) -> TierPlan:
     if tier.drops or getattr(tier.route, "per_head", False):
         return tier  # per-head tiers attend with masks by position: no fused kernel yet
     from ..kernels import dispatch
-    from ..kernels.table import verified
+    from ..kernels.table import mlx_attend, verified
 
     plain_affine = all(
         not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (tier.keys, tier.values)
     )
-    if plain_affine and verified("v1", dispatch.backend()):
-        impl = f"{dispatch.backend()}:affine_attention"
-        return attrs.evolve(tier, keys=attrs.evolve(tier.keys, impl=impl), values=attrs.evolve(tier.values, impl=impl))
-    return tier
+    backend = dispatch.backend()
+    if plain_affine and verified("v1", backend):
+        impl = f"{backend}:affine_attention"
+    elif plain_affine and mlx_attend(backend):  # MLX's own kernels (kernels/mlx_affine.py), where its scope allows
+        impl = f"{backend}:{mlx_attend(backend)} (mx.quantized_matmul)"
+    else:
+        return tier
+    return attrs.evolve(tier, keys=attrs.evolve(tier.keys, impl=impl), values=attrs.evolve(tier.values, impl=impl))
 
 
 def _multiple(tier: Optional[TierPlan]) -> int:

@@ -6,6 +6,8 @@ k//32. For b in {1, 2, 4, 8} this is the usual "32/b codes per word, code i at
 shift i*b" layout, so kernels read a code with one shift and mask.
 """
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 
@@ -33,6 +35,19 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
     *lead, width = words.shape
     if width != packed_width(n, bits):
         raise ValueError(f"{width} words do not hold {n} codes of {bits} bits")
+    return _compiled_unpack(tuple(words.shape), words.dtype, bits, n)(words)
+
+
+# A decode step unpacks a whole coded tier where no kernel reads it; its length changes only when
+# a group arrives. One compiled graph per shape (the shifts and masks fused: integer ops, exact),
+# shared by the layers; the least recent shapes are let go, with their traces.
+@lru_cache(maxsize=64)
+def _compiled_unpack(shape: tuple, dtype, bits: int, n: int):
+    return mx.compile(lambda words: _unpack_ops(words, bits, n))
+
+
+def _unpack_ops(words: mx.array, bits: int, n: int) -> mx.array:
+    *lead, width = words.shape
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits

@@ -3,18 +3,20 @@
 An affine tier's attention takes a CUDA kernel only where (1) the default device is a
 GPU, (2) that GPU is driven by MLX's CUDA backend, (3) the kernel family is verified on
 that backend (its parity tests passed on real hardware, docs/kernels.md), and (4) the
-call's shapes/specs are ones the kernel supports. Everything else -- CPU, Metal, odd bit
-widths, long query blocks -- runs the reference, which answers the same contract.
-VELOXQUANT_KERNELS=off forces the reference everywhere (debugging, A/B timing).
+call's shapes/specs are ones the kernel supports. Where no fused kernel is verified (Metal),
+it attends through MLX's own quantized matmul (the attend-mlx row `qmm`, mlx_affine.py) where
+that route is the backend's default (table.MLX_ATTEND_BACKENDS, VELOXQUANT_AFFINE_ROUTE) and its
+scope takes the call. Everything else -- odd bit widths, long query blocks -- is decoded (the
+reference answers the same contract). VELOXQUANT_KERNELS=off forces that everywhere.
 """
 
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import cuda, dequant, lut, reference, tc_launch  # noqa: F401 -- each registers its kernels
+from . import cuda, dequant, lut, mlx_affine, reference, tc_launch  # noqa: F401 -- each registers its kernels
 from .reference import Spec, spec_fields
-from .table import KERNELS, OFF_ENV, Kernel, attend_route, family, kernels_off, verified
+from .table import KERNELS, OFF_ENV, Kernel, attend_route, family, kernels_off, mlx_attend, verified
 
 
 def backend() -> str:
@@ -37,16 +39,15 @@ def backend() -> str:
 def choice(
     q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec, v_spec: Spec, scale: float = 1.0
 ) -> Tuple[str, str]:
-    """(implementation, reason): 'cuda' or 'reference', and why (for `explain`)."""
+    """(implementation, reason): 'cuda', an attend-mlx kernel ('qmm': MLX's own quantized matmul,
+    where no fused kernel is verified) or 'reference' (decode), and why (for `explain`)."""
     if kernels_off():
         return "reference", f"{OFF_ENV}=off"
     be = backend()
-    if be != "cuda":
-        return "reference", f"no fused kernel for the {be} backend"
-    if not verified("v1", be):
-        return "reference", "the CUDA kernel is not verified on this backend"
     if not scale > 0:
         return "reference", "non-positive scale"
+    if be != "cuda" or not verified("v1", be):
+        return _mlx_choice(q, k_enc, v_enc, k_spec, v_spec, be)
     # The answer depends only on shapes, dtypes and specs: decided once per
     # signature (a decode step asks the same question for every layer).
     try:
@@ -79,6 +80,23 @@ def choice(
 _CHOICES: Dict[tuple, Tuple[str, str]] = {}
 
 
+def _mlx_choice(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, be: str) -> Tuple[str, str]:
+    """Where no fused kernel of ours is verified: MLX's own kernels (table.mlx_attend), else decode."""
+    name = mlx_attend(be)
+    if not name:
+        return "reference", f"no fused kernel for the {be} backend"
+    B, Hq, Lq, D = q.shape
+    _, Hkv, L, _ = k_enc["codes"].shape
+    why = KERNELS[name].scope(B, Hq, Lq, D, Hkv, L, spec_fields(k_spec), spec_fields(v_spec))
+    why = why or mlx_affine.storage_unsupported(k_enc, v_enc)
+    return ("reference", why) if why else (name, f"MLX's own kernels ({KERNELS[name].source})")
+
+
+def mlx_launcher(name: str, qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float):
+    """The attend-mlx kernel `name`'s `run(q, k_enc, v_enc, tail=None, hidden=0) -> (out, lse)`."""
+    return KERNELS[name].launch(qshape, qdtype, cshape, spec_fields(k_spec), spec_fields(v_spec), float(scale))
+
+
 def fused_affine_partial(
     q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec, v_spec: Spec, scale: float
 ) -> Tuple[mx.array, mx.array]:
@@ -88,6 +106,8 @@ def fused_affine_partial(
     impl, _ = choice(q, k_enc, v_enc, k_spec, v_spec, scale)
     if impl == "cuda":
         return cuda.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
+    if impl in KERNELS:
+        return mlx_launcher(impl, q.shape, q.dtype, k_enc["codes"].shape, k_spec, v_spec, scale)(q, k_enc, v_enc)
     return reference.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
 
 

@@ -27,7 +27,10 @@ Spec = Union[Mapping, object]
 
 
 def spec_fields(spec: Spec) -> Tuple[int, int, str]:
-    """(bits, group, axis) from a dict like {"bits": 2, "group": 32, "axis": "token"} or an Affine."""
+    """(bits, group, axis) from a dict like {"bits": 2, "group": 32, "axis": "token"}, an Affine,
+    or such a tuple already."""
+    if isinstance(spec, tuple):
+        return int(spec[0]), int(spec[1]), str(spec[2])
     if isinstance(spec, Mapping):
         return int(spec.get("bits", 4)), int(spec.get("group", 32)), str(spec.get("axis", "token"))
     return int(spec.bits), int(spec.group), str(spec.axis)

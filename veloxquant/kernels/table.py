@@ -12,6 +12,9 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 OFF_ENV = "VELOXQUANT_KERNELS"  # =off (or 0, reference): every call runs the reference
 IMPL_ENV = "VELOXQUANT_CUDA_IMPL"  # names the attend kernel every CUDA call asks for first
+# =qmm: affine tiers no fused kernel takes attend through MLX's own quantized matmul (the
+# "attend-mlx" row) on any backend; =decode: they are decoded and attended (the MLX-ops path).
+ROUTE_ENV = "VELOXQUANT_AFFINE_ROUTE"
 
 
 def _anywhere(*_) -> str:
@@ -34,6 +37,11 @@ KERNELS: Dict[str, Kernel] = {}
 # preference take the call (measurements behind the order: docs/kernels.md). v1 takes
 # every call the family does (`cuda.unsupported`), and alone a chunk size or a hidden front.
 ATTEND_ORDER = ("tc", "mma", "v1")
+# Backends where affine tiers that no verified fused kernel takes attend through MLX's own
+# kernels by default (the "attend-mlx" family, kernels/mlx_affine.py): Metal, where none of our
+# kernels runs. Not the CPU: it moves the recorded CPU logits, and end to end it did not pay there
+# (docs/kernels.md, "Metal: MLX's own kernels").
+MLX_ATTEND_BACKENDS = frozenset({"metal"})
 
 
 def register(kernel: Kernel) -> Kernel:
@@ -53,6 +61,16 @@ def verified(name: str, backend: str) -> bool:
 
 def family(name: str) -> Tuple[Kernel, ...]:
     return tuple(k for k in KERNELS.values() if k.family == name)
+
+
+def mlx_attend(backend: str) -> str:
+    """The attend-mlx kernel affine tiers take on `backend` where no fused kernel does ('' = decode)."""
+    forced = os.environ.get(ROUTE_ENV, "").lower()
+    rows = family("attend-mlx")
+    if forced == "decode" or not rows:
+        return ""
+    named = next((k.name for k in rows if k.name == forced), "")
+    return named or (rows[0].name if backend in MLX_ATTEND_BACKENDS else "")
 
 
 def forced_attend() -> str:

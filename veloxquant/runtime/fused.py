@@ -1,4 +1,5 @@
-"""A plain affine tier's attention by the fused CUDA kernel (kernels/cuda.py).
+"""A plain affine tier's attention by the fused CUDA kernel (kernels/cuda.py), or where none
+is verified, by MLX's own quantized matmul (kernels/mlx_affine.py), which answers alike.
 
 `kernel_answer` is what `Tier.answer` returns where a verified kernel takes
 the call: the partial from the tier's codes, and where the layer's other tiers
@@ -42,12 +43,13 @@ def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: i
 
 
 def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
+    """The launch (`run`) for this call's shapes, or None (the tier is decoded)."""
     k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
-    if dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0] != "cuda":
-        return None
-    return cuda.launcher(
-        tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, hides=hides
-    )
+    impl = dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0]
+    shapes = (tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
+    if impl == "cuda":
+        return cuda.launcher(*shapes, hides=hides)
+    return None if impl == "reference" else dispatch.mlx_launcher(impl, *shapes)  # MLX's own kernels
 
 
 def tail(rest: List, queries: mx.array, dtype, layouts: dict):
