@@ -25,9 +25,13 @@ TINY = dict(total=448, prefix=384, first=128, later=8)
 DEFAULT = dict(total=1152, prefix=1024, first=256, later=32)
 
 
-def _storage(a: mx.array):
-    """The byte span [start, end) of an evaluated array's storage (a slice shares its base's)."""
-    view = np.asarray(memoryview(a))
+def _storage(a):
+    """The byte span [start, end) of an evaluated mx array's or a numpy array's storage (a slice shares
+    its base's)."""
+    if isinstance(a, np.ndarray):
+        while isinstance(a.base, np.ndarray):  # a numpy view keeps its whole base alive
+            a = a.base
+    view = a if isinstance(a, np.ndarray) else np.asarray(memoryview(a))
     if view.size == 0:
         return None
     start = view.__array_interface__["data"][0]
@@ -36,12 +40,14 @@ def _storage(a: mx.array):
 
 
 def reachable_bytes(roots) -> int:
-    """Bytes of every distinct storage reachable from the roots' attributes (recursively)."""
+    """Bytes of every distinct storage reachable from the roots' attributes (recursively): mx arrays
+    and host (numpy) arrays alike."""
     spans, stack, visited = [], list(roots), set()
     while stack:
         o = stack.pop()
-        if isinstance(o, mx.array):
-            mx.eval(o)
+        if isinstance(o, (mx.array, np.ndarray)):
+            if isinstance(o, mx.array):
+                mx.eval(o)
             s = _storage(o)
             if s is not None:
                 spans.append(s)
