@@ -59,7 +59,8 @@ def test_bytes_are_the_tiers_arrays_and_lower_tiers_hold_fewer():
     model = tiny_llama()
     side = prompt(model)[0].tiers[1].sides["k"]
     arrays = side.arrays()
-    assert side.nbytes == sum(a.nbytes for a in arrays.values())
+    host = side.widths.nbytes + side._at.nbytes  # the widths and each token's tier id, on the host too
+    assert side.nbytes == sum(a.nbytes for a in arrays.values()) + host and side._at.nbytes == side._at.size
     at = np.array(arrays["tier"]).ravel()
     assert arrays["high.f16"].shape[2] == (at == 0).sum() and arrays["low.codes"].shape[2] == (at == 2).sum()
     per_token = {
@@ -116,5 +117,6 @@ def test_nbytes_counts_the_position_order_an_attention_leaves_held():
         mx.eval(c.tiers[1].partial(q, 0.125, None))  # scores and combine build the tiers' position order
     side = caches[0].tiers[1].sides["k"]
     order = 2 * 4 * len(side._at)  # two int32 per token the side holds
-    assert side._order is not None and side.nbytes == sum(a.nbytes for a in side.arrays().values()) + order
+    host = side.widths.nbytes + side._at.nbytes
+    assert side._order is not None and side.nbytes == sum(a.nbytes for a in side.arrays().values()) + order + host
     assert reachable_bytes(caches) == sum(c.nbytes for c in caches)

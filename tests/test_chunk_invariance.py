@@ -1,6 +1,7 @@
 """Same tokens, same cache (issue 35): what a cache holds must not depend on how the tokens arrive
 (one block, prefill chunks, multi-token chunks after the prompt, one at a time), and `nbytes` is
-every array the cache keeps alive (walked from its attributes; storage shared by views counted once).
+every array the cache keeps alive (walked from its attributes, mx and numpy arrays, storage shared by
+views counted once: benchmarks/held_bytes.py's reachable_bytes).
 
 The random-init model runs a scaled feed over every built-in (448 tokens: (a) one 447-token block + one
 decode step, (b) 3 x 128 + 8 x 8, (c) a 384 prefix then 64 single steps). SmolLM2 runs 1,152 tokens
@@ -9,10 +10,10 @@ window (streaming_llm's 4 + 1,020), band, budget and 64-token group boundary: on
 for one built-in per combination of tier kinds, on all 30 for every built-in (both `-m long`)."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import veloxquant
+from benchmarks.held_bytes import reachable_bytes
 from veloxquant.artifacts import CalibrationError
 from veloxquant.recipe.load import builtin_names
 from veloxquant.runtime import shared_kv
@@ -23,45 +24,6 @@ from conftest import tiny_llama
 
 TINY = dict(total=448, prefix=384, first=128, later=8)
 DEFAULT = dict(total=1152, prefix=1024, first=256, later=32)
-
-
-def _storage(a: mx.array):
-    """The byte span [start, end) of an evaluated array's storage (a slice shares its base's)."""
-    view = np.asarray(memoryview(a))
-    if view.size == 0:
-        return None
-    start = view.__array_interface__["data"][0]
-    span = sum((n - 1) * abs(s) for n, s in zip(view.shape, view.strides)) + view.itemsize
-    return start, start + span
-
-
-def reachable_bytes(roots) -> int:
-    """Bytes of every distinct storage reachable from the roots' attributes (recursively)."""
-    spans, stack, visited = [], list(roots), set()
-    while stack:
-        o = stack.pop()
-        if isinstance(o, mx.array):
-            mx.eval(o)
-            s = _storage(o)
-            if s is not None:
-                spans.append(s)
-            continue
-        if isinstance(o, (str, bytes, int, float, bool, type(None))) or id(o) in visited:
-            continue
-        visited.add(id(o))
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-        elif type(o).__module__.startswith("veloxquant"):
-            stack.extend(getattr(o, "__dict__", {}).values())
-            stack.extend(getattr(o, s) for s in getattr(type(o), "__slots__", ()) if hasattr(o, s))
-    total, end = 0, 0
-    for a, b in sorted(spans):  # the union of the spans
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def _feed(model, recipe, ids, blocks):

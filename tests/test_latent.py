@@ -164,6 +164,7 @@ def test_bytes_are_basis_plus_latents_and_no_fp16_copy():
     assert tier.arrays()["k.basis"].shape == (3, 64, 16)
     held = sum(b.nbytes for s in tier.sides.values() for b in s._live().values())
     held += sum(a.nbytes for s in tier.sides.values() for a in s.fitted.values())
+    held += sum(s.widths.nbytes for s in tier.sides.values())  # the widths' host copy
     assert tier.nbytes == held
     assert tier.nbytes < 0.4 * (tier.count * 3 * 64 * 2 * 2)
 

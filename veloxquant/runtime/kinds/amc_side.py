@@ -3,7 +3,8 @@
 The basis (all components, by variance) and the routing thresholds are fitted
 at the end of the prompt, like any latent side's basis (stages/amc.py). Each
 tier's tokens are held in their own arrays (axis 2 counts that tier's tokens),
-plus one uint8 per token naming its tier. Attention stays in latent space:
+plus one uint8 per token naming its tier (on the device, and again on the host to re-sort without a
+device sync; both in nbytes). Attention stays in latent space:
 per tier, the projected query's first rank_c components score that tier's
 latents, and the weighted latents go back through the first rank_c basis
 columns; the scores are put back in position order with one gather, so masks
@@ -25,7 +26,7 @@ class AmcSide(LatentSide):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._order: Optional[Tuple[mx.array, mx.array]] = None  # held from an attention to the next append
-        self._at = np.zeros(0, np.int64)
+        self._at = np.zeros(0, np.uint8)
 
     def _set_basis(self, fitted: Dict[str, mx.array]) -> None:
         self.fitted = dict(fitted)
@@ -34,7 +35,7 @@ class AmcSide(LatentSide):
         self.buffers = {f"{name}.{n}": Buffer(None) for name, _, bits in self.layout for n in self.store.names(bits)}
         self.buffers["tier"] = Buffer(None)
         self._order = None
-        self._at = np.zeros(0, np.int64)  # the tier ids on the host too: no device sync to re-sort them
+        self._at = np.zeros(0, np.uint8)  # the tier ids on the host too: no device sync to re-sort them
 
     def finish_prompt(self, basis=None) -> None:
         x = self.staged.view()
@@ -50,7 +51,7 @@ class AmcSide(LatentSide):
             return
         tier = self.store.route(x, self.fitted["thresholds"])
         z = self._project(x)
-        at = np.array(tier)
+        at = np.array(tier).astype(np.uint8)
         for t, (name, rank, bits) in enumerate(self.layout):
             idx = np.flatnonzero(at == t)
             if len(idx):
@@ -120,9 +121,11 @@ class AmcSide(LatentSide):
 
     @property
     def nbytes(self) -> int:
-        """The latent side's bytes, plus the position order (two int32 per token) while it is held:
-        built at an attention, it lives until the next append or drop (the next step's spill)."""
-        return super().nbytes + (sum(a.nbytes for a in self._order) if self._order is not None else 0)
+        """The latent side's bytes, the host's tier ids (one uint8 per token), plus the position order
+        (two int32 per token) while it is held: built at an attention, it lives until the next append or
+        drop (the next step's spill)."""
+        order = sum(a.nbytes for a in self._order) if self._order is not None else 0
+        return super().nbytes + self._at.nbytes + order
 
     def drop(self, n: int, front: bool) -> None:
         """The oldest (front) or newest n tokens leave: each tier loses its own among them."""
@@ -137,7 +140,7 @@ class AmcSide(LatentSide):
                 if k:
                     (b.drop_front if front else b.drop_back)(k)
         (self.buffers["tier"].drop_front if front else self.buffers["tier"].drop_back)(n)
-        self._at = at[n:] if front else at[: len(at) - n]
+        self._at = (at[n:] if front else at[: len(at) - n]).copy()  # a view would keep the dropped ids alive
         self._order = None
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
@@ -151,7 +154,7 @@ class AmcSide(LatentSide):
             held = self.staged.used
         else:
             at = np.array(self.buffers["tier"].view()).ravel() if self.buffers["tier"].used else np.zeros(0)
-            self._at, held = at.astype(np.int64), len(at)
+            self._at, held = at.astype(np.uint8), len(at)
             for t, (name, _, bits) in enumerate(self.layout):
                 if any(self.buffers[f"{name}.{m}"].used != int((at == t).sum()) for m in self.store.names(bits)):
                     return f"array {name}.* does not hold the {int((at == t).sum())} tokens routed to {name}"

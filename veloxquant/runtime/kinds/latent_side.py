@@ -105,7 +105,7 @@ class LatentSide:
         self.store, self.n_kv_heads, self.head_dim = plan.store, n_kv_heads, head_dim
         self.staged = Buffer(None)  # float16, until the basis is fitted
         self.fitted: Dict[str, mx.array] = {}  # basis [G, hg*D, r], mean [G, hg*D], widths [r]
-        self.widths: Optional[np.ndarray] = None
+        self.widths: Optional[np.ndarray] = None  # on the host too (shapes are read from it), in nbytes
         self.buffers: Dict[str, Buffer] = {}
         self._keep = None  # calibrated: the artifact's axes this cache keeps (int32)
         self._reader = None  # reads the latents back at every attention (stages/latent_reader.py)
@@ -245,9 +245,13 @@ class LatentSide:
     @property
     def nbytes(self) -> int:
         """Allocated buffers (growth slack is real memory) plus the basis this layer holds (and, until
-        the fit, the queries' second moment); a calibrated basis is the artifact's, not the cache's."""
-        return sum(a.nbytes for a in self.arrays().values()) + sum(
-            b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None
+        the fit, the queries' second moment) plus the host copy of the widths; a calibrated basis is the
+        artifact's, not the cache's."""
+        host = self.widths.nbytes if self.widths is not None else 0
+        return (
+            sum(a.nbytes for a in self.arrays().values())
+            + sum(b.nbytes - b.view().nbytes for b in self._live().values() if b.view() is not None)
+            + host
         )
 
     def restore(self, arrays: Dict[str, mx.array], count: int) -> Optional[str]:
