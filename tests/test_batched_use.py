@@ -35,7 +35,7 @@ def test_batching_a_refused_recipe_fails_before_any_token(llama_model, recipe):
     gen = BatchGenerator(llama_model, stop_tokens=[[499]])
     gen.insert(prompts, [5, 5], caches=[vq.make_prompt_cache(llama_model, recipe) for _ in prompts])
     with pytest.raises(VeloxError, match=f"recipe '{recipe}' does not batch: layer 0: "):
-        gen.next_generated()  # the recipe's own reason (runtime/batch.py: guard_merges), not mlx-lm's ValueError
+        gen.next_generated()  # the recipe's own reason (runtime/make.py: guard_merges), not mlx-lm's ValueError
     gen.close()
 
 

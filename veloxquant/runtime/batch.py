@@ -12,8 +12,7 @@ Which plans may batch is declared by compiler/batching.py; a refused plan raises
 computes a batch that would change a sequence's output.
 """
 
-import importlib
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -57,27 +56,6 @@ def check(cache) -> None:
         raise BatchRefused(f"{why}; serve it one sequence at a time (veloxquant serve does)")
 
 
-def guard_merges() -> None:
-    """mlx-lm's _merge_caches (BatchGenerator, batch_generate) tests hasattr(cache, "merge") and raises its
-    own ValueError ("does not yet support batching with history"), which hides the reason. Wrapped once
-    (make_prompt_cache does it), it first asks veloxquant's caches and raises their BatchRefused, a
-    VeloxError naming the recipe, the layer and why. mlx-lm's server decides at load, by hasattr, and
-    never merges a refused recipe's caches: it serves them one sequence at a time."""
-    mlx_generate = importlib.import_module("mlx_lm.generate")  # the module: mlx_lm.generate is also a function
-    original = mlx_generate._merge_caches
-    if getattr(original, "veloxquant_checked", False):
-        return
-
-    def _merge_caches(caches):
-        for c in caches[0] if caches else ():
-            if isinstance(c, BatchProtocol):
-                check(c)
-        return original(caches)
-
-    _merge_caches.veloxquant_checked = True
-    mlx_generate._merge_caches = _merge_caches
-
-
 def _blank(like):
     """An empty cache of like's layer, sharing its compiled plan."""
     fresh = type(like)(like.plan)
@@ -91,10 +69,10 @@ def merge(caches: List) -> "object":
     """One batch cache from per-sequence caches (each may hold a prompt), right-aligned."""
     for c in caches:
         check(c)
-    if layer_layout(caches[0].plan) == "chain":  # tiers that route and code: each row from column 0
-        return chain.merge(caches, _blank)
-    if layer_layout(caches[0].plan) == "heads":  # an eviction tier: each row its own slots
-        return heads.merge(caches, _blank)
+    return LAYOUTS[layer_layout(caches[0].plan)].merge(caches, _blank)
+
+
+def _merge_plain(caches: List, blank):
     for c in caches:
         if c.rows is not None:
             raise VeloxError("merge takes one-sequence caches; a batch joins another with extend()")
@@ -102,7 +80,7 @@ def merge(caches: List) -> "object":
     tiers = [c.tiers[0] for c in caches]
     width = max(t.count for t in tiers)
     like = next((t.held_arrays() for t in tiers if t.count), {})
-    batch = _blank(caches[0])
+    batch = blank(caches[0])
     batch.dtype = next((c.dtype for c in caches if c.tiers[0].count), caches[0].dtype)
     parts = [t.rows_padded_front(width - t.count, 1, like) for t in tiers]
     arrays = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in like}
@@ -151,10 +129,10 @@ def filter(cache, keep: List[int]) -> None:
     rows.refresh()
 
 
-def extract(cache, i: int):
+def extract(cache, i: int, blank):
     """Row i as a one-sequence cache (its real tokens only), as if it had run alone."""
     rows, tier = cache.rows, cache.tiers[0]
-    alone = _blank(cache)
+    alone = blank(cache)
     alone.dtype = cache.dtype
     offset = int(cache.offset[i].item())
     first = max(int(rows.left[i].item()), tier.start) if tier.count else rows.end
@@ -270,22 +248,37 @@ class BatchProtocol:
         check(self)
         return merge
 
-    def _layout(self):
-        """The module holding this batch's layout: the eviction rows, the chain, or this one (plain)."""
-        return heads if heads.is_heads(self) else chain if chain.is_chain(self) else None
+    def _layout(self) -> "Layout":
+        return HEADS if heads.is_heads(self) else CHAIN if chain.is_chain(self) else PLAIN
 
     def extend(self, other) -> None:
-        (getattr(self._layout(), "extend", extend))(self, other)
+        self._layout().extend(self, other)
 
     def filter(self, batch_indices) -> None:
-        (getattr(self._layout(), "filter", filter))(self, list(batch_indices))
+        self._layout().filter(self, list(batch_indices))
 
     def extract(self, idx: int):
-        layout = self._layout()
-        return layout.extract(self, idx, _blank) if layout is not None else extract(self, idx)
+        return self._layout().extract(self, idx, _blank)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        (getattr(self._layout(), "prepare", prepare))(self, left_padding, lengths, right_padding)
+        self._layout().prepare(self, left_padding, lengths, right_padding)
 
     def finalize(self) -> None:
-        (getattr(self._layout(), "finalize", finalize))(self)
+        self._layout().finalize(self)
+
+
+class Layout(NamedTuple):
+    """A batch layout's operations (compiler/batching.py's layer_layout names the one a plan takes)."""
+
+    merge: Callable  # (caches, blank) -> a batch cache
+    extend: Callable
+    filter: Callable
+    extract: Callable  # (cache, row, blank) -> a one-sequence cache
+    prepare: Callable
+    finalize: Callable
+
+
+PLAIN = Layout(_merge_plain, extend, filter, extract, prepare, finalize)  # 16-bit rows left-padded to one axis
+CHAIN = Layout(chain.merge, chain.extend, chain.filter, chain.extract, chain.prepare, chain.finalize)
+HEADS = Layout(heads.merge, heads.extend, heads.filter, heads.extract, heads.prepare, heads.finalize)
+LAYOUTS = {"plain": PLAIN, "chain": CHAIN, "heads": HEADS}

@@ -1,5 +1,6 @@
 """Recipe + model -> the per-layer caches mlx-lm is handed as `prompt_cache`."""
 
+import importlib
 from typing import Iterable, List, Union
 
 from ..compiler import ModelShape, Plan, compile_recipe
@@ -86,6 +87,27 @@ def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
             "on this layout (see `veloxquant explain --model`)"
         )
     caches = caches_for(plan)
-    batch.guard_merges()  # a refused recipe's batch fails with its reason, a VeloxError (runtime/batch.py)
+    guard_merges()  # a refused recipe's batch fails with its reason, a VeloxError
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))
+
+
+def guard_merges() -> None:
+    """mlx-lm's _merge_caches (BatchGenerator, batch_generate) tests hasattr(cache, "merge") and raises its
+    own ValueError ("does not yet support batching with history"), which hides the reason. Wrapped once
+    (make_prompt_cache does it), it first asks veloxquant's caches and raises their BatchRefused, a
+    VeloxError naming the recipe, the layer and why. mlx-lm's server decides at load, by hasattr, and
+    never merges a refused recipe's caches: it serves them one sequence at a time."""
+    mlx_generate = importlib.import_module("mlx_lm.generate")  # the module: mlx_lm.generate is also a function
+    original = mlx_generate._merge_caches
+    if getattr(original, "veloxquant_checked", False):
+        return
+
+    def _merge_caches(caches):
+        for c in caches[0] if caches else ():
+            if isinstance(c, batch.BatchProtocol):
+                batch.check(c)
+        return original(caches)
+
+    _merge_caches.veloxquant_checked = True
+    mlx_generate._merge_caches = _merge_caches
