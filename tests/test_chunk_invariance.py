@@ -176,6 +176,7 @@ def kinds(model, recipe) -> tuple:
 # One built-in per combination of tier kinds (test_representatives_cover_every_tier_kind keeps it whole).
 REPRESENTATIVES = (
     "fp16",
+    "lagquant",
     "streaming_llm",
     "polarquant",
     "xquant",
