@@ -42,6 +42,18 @@ def _prompts():
     return [[1 + (i * 11 + j * 3) % 400 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
+def _batch_and_alone(model, recipe, sets, prompts, tokens, tol):
+    """Each prompt run alone and all in one batch: the same tokens, logprobs within `tol`. Returns the
+    batch's extracted caches and the alone caches, for the caller's checks of what they hold."""
+    alone_caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
+    alone = [_alone(model, recipe, p, n, sets, c) for p, n, c in zip(prompts, tokens, alone_caches)]
+    batched, caches = _batched(model, recipe, prompts, tokens, sets=sets)
+    for a, b in zip(alone, batched):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < tol
+    return caches, alone_caches
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_eviction_batch_equals_alone(case):
     """Tokens as alone, logprobs within float tolerance, and each extracted cache holds what the alone cache
@@ -49,12 +61,7 @@ def test_an_eviction_batch_equals_alone(case):
     model = tiny_llama()
     recipe, sets = case.split("-")[0], CASES[case]
     prompts = _prompts()
-    alone_caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
-    alone = [_alone(model, recipe, p, n, sets, c) for p, n, c in zip(prompts, TOKENS, alone_caches)]
-    batched, caches = _batched(model, recipe, prompts, TOKENS, sets=sets)
-    for a, b in zip(alone, batched):
-        assert [t for t, _ in a] == [t for t, _ in b]
-        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
+    caches, alone_caches = _batch_and_alone(model, recipe, sets, prompts, TOKENS, LOGPROB_TOL)
     for mine, theirs in zip(caches, alone_caches):
         for x, y in zip(mine, theirs):
             assert x.rows is None and x.offset == y.offset
@@ -149,12 +156,7 @@ def test_an_eviction_batch_equals_alone_on_sliding_layers(case):
     model = tiny_gemma3(window=24)
     sets = CASES[case]
     prompts = _prompts()
-    alone_caches = [veloxquant.make_prompt_cache(model, case, sets) for _ in prompts]
-    alone = [_alone(model, case, p, n, sets, c) for p, n, c in zip(prompts, TOKENS, alone_caches)]
-    batched, caches = _batched(model, case, prompts, TOKENS, sets=sets)
-    for a, b in zip(alone, batched):
-        assert [t for t, _ in a] == [t for t, _ in b]
-        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL
+    caches, alone_caches = _batch_and_alone(model, case, sets, prompts, TOKENS, LOGPROB_TOL)
     for mine, theirs in zip(caches, alone_caches):
         assert {x.plan.window for x in mine} == {None, 24}
         for x, y in zip(mine, theirs):
@@ -186,12 +188,7 @@ def test_an_eviction_batch_equals_alone_on_smollm2(smollm2, recipe):
     per head and bytes as alone."""
     model, prompts = smollm2
     sets, tokens = ["budget=64"], [8, 4, 10, 6]
-    alone_caches = [veloxquant.make_prompt_cache(model, recipe, sets) for _ in prompts]
-    alone = [_alone(model, recipe, p, n, sets, c) for p, n, c in zip(prompts, tokens, alone_caches)]
-    batched, caches = _batched(model, recipe, prompts, tokens, sets=sets)
-    for a, b in zip(alone, batched):
-        assert [t for t, _ in a] == [t for t, _ in b]
-        assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < SMOLLM2_TOL
+    caches, alone_caches = _batch_and_alone(model, recipe, sets, prompts, tokens, SMOLLM2_TOL)
     for mine, theirs in zip(caches, alone_caches):
         for x, y in zip(mine, theirs):
             assert x.nbytes == y.nbytes and mx.array_equal(x.tiers[0].positions, y.tiers[0].positions)
