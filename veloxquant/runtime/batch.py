@@ -1,15 +1,13 @@
 """A batch of sequences in one TieredCache per layer: mlx-lm's batch protocol, routed to the tiers.
 
-mlx-lm's BatchGenerator (and its server) merge per-sequence caches that may already hold a prompt,
-pad new prompts on the right while they are processed (prepare/finalize turns that into left
-padding), filter out finished sequences, extend the batch with joining ones and extract a
-sequence's cache when it leaves. Here that is BatchKVCache's layout: every tier's arrays hold B
-rows on one column axis, rows left-padded to a common end (`Rows.left`, absolute columns), each
-row with its own position offset (`cache.offset`, an array: RoPE reads it). Padding columns are
-zeros that the mask hides; they are never counted as a sequence's tokens (`extract` leaves them).
-The tiers do the array work (runtime/kinds/tier.py, "batch rows"); this module only routes.
-Which plans may batch is declared by compiler/batching.py; a refused plan raises here, never
-computes a batch that would change a sequence's output.
+mlx-lm's BatchGenerator (and its server) merge per-sequence caches that may already hold a prompt, pad new prompts
+on the right while they are processed (prepare/finalize turns that into left padding), filter out finished
+sequences, extend the batch with joining ones and extract a sequence's cache when it leaves. Each batch layout
+(`Layout`, picked by compiler/batching.py) does that its own way: plain 16-bit rows here, as BatchKVCache does (rows
+left-padded to a common end, `Rows.left`; each row's position offset in `cache.offset`, an array RoPE reads; padding
+columns are zeros the mask hides, never a sequence's tokens), tier chains in runtime/batch_chain.py and eviction
+rows in runtime/eviction/batch_heads.py. A refused plan raises here, never computes a batch that would change a
+sequence's output.
 """
 
 from typing import Callable, List, NamedTuple, Optional
@@ -30,10 +28,10 @@ class Rows:
         self.left = left  # [B] int32: first real column of each row
         self.end = end  # columns written: the next token goes to column `end`
         self.right: Optional[mx.array] = None  # right padding of the prompt being processed (prepare)
-        self.pad_end = int(left.max().item()) if left.size else 0  # no row has padding at or after it
+        self.refresh()
 
     def refresh(self) -> None:
-        self.pad_end = int(self.left.max().item()) if self.left.size else 0
+        self.pad_end = int(self.left.max().item()) if self.left.size else 0  # no row has padding at or after it
 
 
 class BatchRefused(VeloxError, AttributeError):
@@ -180,15 +178,23 @@ def _start(cache, window: Optional[int]) -> int:
 
 def settle(cache) -> None:
     """TieredCache._settle of a batch: an eviction batch cuts (the chains settle in their own updates)."""
-    if heads.is_heads(cache):
-        heads.settle(cache)
+    cache._layout().settle(cache)
 
 
 def make_mask(cache, N: int, window_size: Optional[int] = None):
-    if heads.is_heads(cache):
-        return heads.make_mask(cache, N, window_size)
-    if chain.is_chain(cache):
-        return chain.make_mask(cache, N, window_size)
+    return cache._layout().make_mask(cache, N, window_size)
+
+
+def update_and_fetch(cache, keys: mx.array, values: mx.array):
+    return cache._layout().update_and_fetch(cache, keys, values)
+
+
+def attend(cache, queries: mx.array, scale: float, mask, observe: bool = True):
+    """A batch's route (runtime/layer_attention.py): the rows' attention over their tiers."""
+    return cache._layout().attend(cache, queries, scale, mask)
+
+
+def _mask_plain(cache, N: int, window_size: Optional[int] = None):
     rows = cache.rows
     window = window_size or cache.plan.window
     start = _start(cache, cache.plan.window)
@@ -202,11 +208,7 @@ def make_mask(cache, N: int, window_size: Optional[int] = None):
     return mask
 
 
-def update_and_fetch(cache, keys: mx.array, values: mx.array):
-    if heads.is_heads(cache):
-        return heads.update_and_fetch(cache, keys, values)
-    if chain.is_chain(cache):
-        return chain.update_and_fetch(cache, keys, values)
+def _update_plain(cache, keys: mx.array, values: mx.array):
     rows, plain = cache.rows, cache._plain
     if cache.plan.window and rows.right is None:
         plain.expire(rows.end - cache.plan.window + 1)
@@ -217,12 +219,7 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
     return plain.fetch(keys.dtype)
 
 
-def attend(cache, queries: mx.array, scale: float, mask, observe: bool = True):
-    """A batch's route (runtime/layer_attention.py): the rows' attention over their tiers."""
-    if heads.is_heads(cache):
-        return heads.attend(cache, queries, scale)
-    if chain.is_chain(cache):
-        return chain.attend(cache, queries, scale)
+def _attend_plain(cache, queries: mx.array, scale: float, mask):
     k, v = cache._plain.fetch(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
@@ -267,6 +264,10 @@ class BatchProtocol:
         self._layout().finalize(self)
 
 
+def _settled(cache) -> None:
+    """Nothing is left to settle between steps."""
+
+
 class Layout(NamedTuple):
     """A batch layout's operations (compiler/batching.py's layer_layout names the one a plan takes)."""
 
@@ -276,9 +277,22 @@ class Layout(NamedTuple):
     extract: Callable  # (cache, row, blank) -> a one-sequence cache
     prepare: Callable
     finalize: Callable
+    update_and_fetch: Callable
+    attend: Callable  # (cache, queries, scale, mask): the tier layouts build their own masks
+    make_mask: Callable
+    settle: Callable = _settled  # TieredCache._settle's work (plain rows and chains settle as they update)
 
 
-PLAIN = Layout(_merge_plain, extend, filter, extract, prepare, finalize)  # 16-bit rows left-padded to one axis
-CHAIN = Layout(chain.merge, chain.extend, chain.filter, chain.extract, chain.prepare, chain.finalize)
-HEADS = Layout(heads.merge, heads.extend, heads.filter, heads.extract, heads.prepare, heads.finalize)
+PLAIN = Layout(_merge_plain, extend, filter, extract, prepare, finalize, _update_plain, _attend_plain, _mask_plain)
+
+
+def _tiers_layout(module, settle=_settled) -> Layout:
+    """A layout of tier rows whose module has the operations by name (its attention builds its own masks)."""
+    ops = (module.merge, module.extend, module.filter, module.extract, module.prepare, module.finalize)
+    attend = lambda cache, queries, scale, mask: module.attend(cache, queries, scale)
+    return Layout(*ops, module.update_and_fetch, attend, module.make_mask, settle)
+
+
+CHAIN = _tiers_layout(chain)
+HEADS = _tiers_layout(heads, heads.settle)
 LAYOUTS = {"plain": PLAIN, "chain": CHAIN, "heads": HEADS}
