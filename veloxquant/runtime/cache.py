@@ -228,8 +228,7 @@ class TieredCache(batch.BatchProtocol, _BaseCache):
 
     # --- attention helpers --------------------------------------------------
     def _fetch(self) -> Tuple[mx.array, mx.array]:
-        held = sorted((t for t in self.tiers if t.count and not t.drops), key=lambda t: t.start)
-        return decoded_run(held, self.dtype)
+        return decoded_run(self.held_in_order(), self.dtype)
 
     def _routing(self, start: int, n: int, first: int = 0) -> List[Tuple[int, int, int]]:
         """Which tier takes which positions of a block: (tier index, start, end)."""
