@@ -1,6 +1,7 @@
 """Logits of every built-in recipe on the default model, as a fixed record to compare against.
 
     python tests/builtin_logits.py write    # record (run before a refactor)
+    python tests/builtin_logits.py write NAME ...   # re-record these recipes only (a change meant to move them)
     python tests/builtin_logits.py check    # compare against the record
 
 A record holds for one OpenBLAS kernel family (float32 sums differ between families: ~2e-3 in
@@ -83,14 +84,20 @@ def main(argv) -> int:
         return 2
     model, ids = load()
     if argv[:1] == ["write"]:
-        record = {name: recipe_logits(model, ids, name) for name in builtin_names()}
+        names = argv[1:] or builtin_names()
+        unknown = sorted(set(names) - set(builtin_names()))
+        if unknown:
+            print(f"not built-in recipes: {', '.join(unknown)}")
+            return 2
+        record = json.loads(path.read_text())["recipes"] if argv[1:] and path.exists() else {}
+        record.update({name: recipe_logits(model, ids, name) for name in names})
         path.write_text(
             json.dumps(
                 {
                     "command": "python tests/builtin_logits.py write",
                     "openblas_core": path.stem,
                     "prompt_tokens": PROMPT_TOKENS,
-                    "recipes": record,
+                    "recipes": dict(sorted(record.items())),
                 },
                 indent=0,
             )

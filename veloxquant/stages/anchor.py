@@ -21,8 +21,9 @@ costs). Which tokens get them is decided by the caller (runtime/kinds/anchor_tie
 from a first-order estimate of the output error on the prompt's real queries.
 A residual is coded by the `affine` store (per token, `bits` wide, a float16
 scale and zero per token): theta=1 is that codec on x - c·a everywhere.
-Tokens arriving after the prompt keep the anchor share: the ones a projection
-serves worst become anchors; the others get no residual (no queries to rank them).
+Tokens arriving after the prompt keep both shares (so a cache holds the same bytes however its
+tokens arrived): the ones a projection serves worst become anchors, the next worst hold a residual
+(no queries rank them there: the projection error does).
 """
 
 import math

@@ -14,6 +14,8 @@ q·residual where one is held; the output sums weights onto the anchors
 (scatter-add) and through the residuals. A head's residuals may outlive its
 tokens (window expiry, trim drop tokens unevenly over heads): such an entry
 stays held (its bytes count) and is masked until every head has lost one.
+Tokens arriving after the fit keep both shares: those a projection serves worst become anchors,
+the next worst hold a residual (no queries rank them: the projection error does).
 """
 
 from typing import Callable, Dict, Optional
@@ -108,14 +110,25 @@ class AnchorSide:
         idx, coeff = self.store.project(x, anchors)
         A, n = anchors.shape[2], x.shape[2]
         k = min(n, max(0, self.store.count(self.count + n) - A))
-        if k:  # keep the anchor share: the new tokens a projection serves worst become anchors
+        # Keep the residual share too: theta of the non-anchor tokens, as the fit left it.
+        kr = min(n - k, max(0, round(self.store.theta * (self.count + n - A - k)) - self.bufs["rpos"].used))
+        if k or kr:
             xf = x.astype(mx.float32)
             lost = mx.sum((xf - self.store.approx(anchors, idx, coeff)) ** 2, axis=-1)
+        if k:  # keep the anchor share: the new tokens a projection serves worst become anchors
             sel = mx.sort(mx.argpartition(-lost, kth=k - 1, axis=-1)[..., :k], axis=-1)
             self.bufs["anchors"].append(mx.take_along_axis(x.astype(mx.float16), sel[..., None], axis=2))
             own = mx.broadcast_to(mx.arange(A, A + k, dtype=mx.uint16), sel.shape)
             idx = mx.put_along_axis(idx, sel, own, axis=-1)
             coeff = mx.put_along_axis(coeff, sel, mx.ones(sel.shape, mx.float16), axis=-1)
+            lost = mx.put_along_axis(lost, sel, mx.full(sel.shape, -mx.inf), axis=-1)
+        if kr:  # the next worst served hold a residual (positions after every held one: rpos stays sorted)
+            sel = mx.sort(mx.argpartition(-lost, kth=kr - 1, axis=-1)[..., :kr], axis=-1)
+            r = xf - self.store.approx(self.view("anchors"), idx, coeff)
+            enc = self.residual.encode(mx.take_along_axis(r, sel[..., None], axis=2))
+            self.bufs["rpos"].append((sel + self.count).astype(mx.int32)[..., None])
+            for name in ("codes", "scales", "zeros"):
+                self.bufs["r" + name].append(enc[name])
         self.bufs["idx"].append(idx[..., None])
         self.bufs["coeff"].append(coeff[..., None])
 
