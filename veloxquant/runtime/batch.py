@@ -6,8 +6,9 @@ sequences, extend the batch with joining ones and extract a sequence's cache whe
 (`Layout`, picked by compiler/batching.py) does that its own way: plain 16-bit rows here, as BatchKVCache does (rows
 left-padded to a common end, `Rows.left`; each row's position offset in `cache.offset`, an array RoPE reads; padding
 columns are zeros the mask hides, never a sequence's tokens), tier chains in runtime/batch_chain.py and eviction
-rows in runtime/eviction/batch_heads.py. A refused plan raises here, never computes a batch that would change a
-sequence's output.
+rows in runtime/eviction/batch_heads.py. mlx-vlm's BatchGenerator instead left-pads its prompts and asks each cache
+for `to_batch(left_padding)` (runtime/batch_left.py). A refused plan raises here, never computes a batch that would
+change a sequence's output.
 """
 
 from typing import Callable, List, NamedTuple, Optional
@@ -17,7 +18,7 @@ import mlx.core as mx
 from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
 from . import batch_chain as chain
-from . import layer_attention
+from . import batch_left, layer_attention
 from .eviction import batch_heads as heads
 
 
@@ -49,17 +50,15 @@ def why_not(cache) -> Optional[str]:
 
 
 def check(cache) -> None:
-    why = why_not(cache)
-    if why is not None:
+    if (why := why_not(cache)) is not None:
         raise BatchRefused(f"{why}; serve it one sequence at a time (veloxquant serve does)")
 
 
 def _blank(like):
     """An empty cache of like's layer, sharing its compiled plan."""
     fresh = type(like)(like.plan)
-    for name in ("fingerprint", "plan_root"):
-        if hasattr(like, name):
-            setattr(fresh, name, getattr(like, name))
+    for name in {"fingerprint", "plan_root"} & set(vars(like)):
+        setattr(fresh, name, getattr(like, name))
     return fresh
 
 
@@ -228,6 +227,7 @@ class BatchProtocol:
     """mlx-lm's batch methods on TieredCache (BatchKVCache's names), each routed to the functions above."""
 
     _rows: Optional[Rows] = None
+    lead = shift = protected = None  # left padding to come, the block's (batch_left.py); image tokens kept
 
     @property
     def rows(self) -> Optional[Rows]:
@@ -263,9 +263,11 @@ class BatchProtocol:
     def finalize(self) -> None:
         self._layout().finalize(self)
 
+    def to_batch(self, left_padding):  # mlx-vlm's BatchGenerator: an empty batch, rows left-padded
+        return batch_left.to_batch(self, left_padding, merge, _blank)
 
-def _settled(cache) -> None:
-    """Nothing is left to settle between steps."""
+
+_settled = lambda cache: None  # nothing is left to settle between steps
 
 
 class Layout(NamedTuple):
@@ -293,6 +295,6 @@ def _tiers_layout(module, settle=_settled) -> Layout:
     return Layout(*ops, module.update_and_fetch, attend, module.make_mask, settle)
 
 
-CHAIN = _tiers_layout(chain)
-HEADS = _tiers_layout(heads, heads.settle)
+CHAIN = batch_left.padded(_tiers_layout(chain))
+HEADS = batch_left.padded(_tiers_layout(heads, heads.settle))
 LAYOUTS = {"plain": PLAIN, "chain": CHAIN, "heads": HEADS}

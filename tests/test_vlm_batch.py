@@ -1,0 +1,135 @@
+"""mlx-vlm's own batching with veloxquant caches: mlx_vlm.batch_generate (its BatchGenerator, which its server
+runs too) builds each batch from the language model's make_cache(), so
+`model.language_model.make_cache = lambda: veloxquant.make_prompt_cache(model, recipe)` hands it our caches;
+it left-pads the prompts and asks each cache for `to_batch(left_padding)` (runtime/batch_left.py).
+
+Two prompts of different lengths, each with its own generated image, batched, against each run alone through
+mlx_vlm.generate with the recipe's caches: the logits every step are recorded by a logits processor (both
+paths call it with the row's logits). fp16 on a float16 model equals alone and mlx-vlm's own batch cache
+exactly, with a chunked prefill whose left padding spans more than a chunk. Lossy recipes are compared with
+the prompt prefilled in one block: a chunked prefill puts a left-padded row's block boundaries elsewhere than
+alone, and kivi's fp16 window and h2o's cuts follow block boundaries (measured with 32-token chunks on the
+float32 model: kivi 0.17, h2o 0.24 in the logits of the padded row, the unpadded row within 4e-5). h2o and
+snapkv keep each row's image tokens on top of the budget, as alone (runtime/eviction/protected.py); without
+that the batch was measured 0.49 off alone."""
+
+import mlx.core as mx
+import pytest
+
+mlx_vlm = pytest.importorskip("mlx_vlm")
+
+from vlm_folder import image, qwen2_5_vl_folder, words  # noqa: E402
+
+import veloxquant as vq  # noqa: E402
+
+MAX_TOKENS = 8
+LOSSY_TOL = 2e-4  # float32 model: attention over a padded row sums in another order (measured <= 6.6e-5)
+
+
+class Recorder:
+    """A logits processor that keeps the logits it is shown; batch_generate clones one per row."""
+
+    def __init__(self, rows=None):
+        self.seen, self.rows = [], rows
+
+    def clone(self):
+        row = Recorder()
+        self.rows.append(row)
+        return row
+
+    def __call__(self, tokens, logits):
+        self.seen.append(logits.astype(mx.float32))
+        return logits
+
+    def logits(self):
+        return mx.concatenate(self.seen)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    images = [image(root / "a.png", 1), image(root / "b.png", 2)]
+    built = {}
+
+    def load(dtype):
+        if dtype not in built:
+            model, processor = mlx_vlm.load(str(qwen2_5_vl_folder(root / str(dtype), dtype)))
+            built[dtype] = model, processor
+        return built[dtype]
+
+    return load, images
+
+
+@pytest.fixture(autouse=True)
+def _unhook():
+    yield
+    vq.uninstall()
+
+
+PROMPTS = [words(120, 0), words(70, 1)]  # 50 columns of left padding in the second row
+
+
+def batched(model, processor, images, make, step):
+    lm = model.language_model
+    if make is None:
+        vars(lm).pop("make_cache", None)
+    else:
+        lm.make_cache = make
+    rows = []
+    try:
+        out = mlx_vlm.batch_generate(
+            model,
+            processor,
+            images=images,
+            prompts=PROMPTS,
+            max_tokens=MAX_TOKENS,
+            logits_processors=[Recorder(rows)],
+            prefill_step_size=step,
+        )
+    finally:
+        vars(lm).pop("make_cache", None)
+    return out.texts, [r.logits() for r in rows]
+
+
+def alone(model, processor, images, i, caches, step):
+    record = Recorder()
+    prompt = mlx_vlm.apply_chat_template(processor, model.config, PROMPTS[i], num_images=1)
+    out = mlx_vlm.generate(
+        model,
+        processor,
+        prompt,
+        image=[images[i]],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logits_processors=[record],
+        prompt_cache=caches,
+        prefill_step_size=step,
+    )
+    return out.text, record.logits()
+
+
+def test_fp16_batch_equals_alone_and_mlx_vlms_own_batch(folder):
+    load, images = folder
+    model, processor = load(mx.float16)
+    own_texts, own = batched(model, processor, images, None, 32)
+    texts, got = batched(model, processor, images, lambda: vq.make_prompt_cache(model, "fp16"), 32)
+    assert texts == own_texts
+    for i in range(2):
+        text, logits = alone(model, processor, images, i, vq.make_prompt_cache(model, "fp16"), 32)
+        assert texts[i] == text
+        assert float(mx.abs(got[i] - logits).max()) == 0.0
+        assert float(mx.abs(got[i] - own[i]).max()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "recipe,sets", [("kivi", ["window=16", "group=16"]), ("h2o", ["budget=32"]), ("snapkv", ["budget=32", "window=8"])]
+)
+def test_lossy_batch_equals_alone(folder, recipe, sets):
+    load, images = folder
+    model, processor = load(mx.float32)
+    make = lambda: vq.make_prompt_cache(model, recipe, sets)
+    texts, got = batched(model, processor, images, make, 4096)
+    for i in range(2):
+        text, logits = alone(model, processor, images, i, make(), 4096)
+        assert texts[i] == text
+        assert float(mx.abs(got[i] - logits).max()) < LOSSY_TOL
