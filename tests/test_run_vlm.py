@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from veloxquant.cli import main  # noqa: E402
-
 from vlm_folder import image, qwen2_5_vl_folder, words  # noqa: E402
+
+from veloxquant.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
