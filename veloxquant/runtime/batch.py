@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
 from . import batch_chain as chain
-from . import batch_left, layer_attention
+from . import batch_left
 from .eviction import batch_heads as heads
 
 
@@ -50,15 +50,17 @@ def why_not(cache) -> Optional[str]:
 
 
 def check(cache) -> None:
-    if (why := why_not(cache)) is not None:
+    why = why_not(cache)
+    if why is not None:
         raise BatchRefused(f"{why}; serve it one sequence at a time (veloxquant serve does)")
 
 
 def _blank(like):
     """An empty cache of like's layer, sharing its compiled plan."""
     fresh = type(like)(like.plan)
-    for name in {"fingerprint", "plan_root"} & set(vars(like)):
-        setattr(fresh, name, getattr(like, name))
+    for name in ("fingerprint", "plan_root"):
+        if hasattr(like, name):
+            setattr(fresh, name, getattr(like, name))
     return fresh
 
 
@@ -223,51 +225,8 @@ def _attend_plain(cache, queries: mx.array, scale: float, mask):
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-class BatchProtocol:
-    """mlx-lm's batch methods on TieredCache (BatchKVCache's names), each routed to the functions above."""
-
-    _rows: Optional[Rows] = None
-    lead = shift = protected = None  # left padding to come, the block's (batch_left.py); image tokens kept
-
-    @property
-    def rows(self) -> Optional[Rows]:
-        """The batch's rows; None: the cache holds one sequence."""
-        return self._rows
-
-    @rows.setter
-    def rows(self, rows) -> None:
-        self._rows = rows  # a batch answers attention by its rows, a single sequence by its tiers' route
-        self.route = attend if rows is not None else layer_attention.route_for(self)
-
-    @property
-    def merge(self):
-        """merge(caches) -> one batch cache; absent (BatchRefused, an AttributeError) where the plan refuses."""
-        check(self)
-        return merge
-
-    def _layout(self) -> "Layout":
-        return HEADS if heads.is_heads(self) else CHAIN if chain.is_chain(self) else PLAIN
-
-    def extend(self, other) -> None:
-        self._layout().extend(self, other)
-
-    def filter(self, batch_indices) -> None:
-        self._layout().filter(self, list(batch_indices))
-
-    def extract(self, idx: int):
-        return self._layout().extract(self, idx, _blank)
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        self._layout().prepare(self, left_padding, lengths, right_padding)
-
-    def finalize(self) -> None:
-        self._layout().finalize(self)
-
-    def to_batch(self, left_padding):  # mlx-vlm's BatchGenerator: an empty batch, rows left-padded
-        return batch_left.to_batch(self, left_padding, merge, _blank)
-
-
-_settled = lambda cache: None  # nothing is left to settle between steps
+def _settled(cache) -> None:
+    """Nothing is left to settle between steps."""
 
 
 class Layout(NamedTuple):

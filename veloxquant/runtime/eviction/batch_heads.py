@@ -209,7 +209,7 @@ def filter(cache, keep: List[int]) -> None:
         rows.pending = rows.pending[idx]
     tier.scorer.keep_rows(idx)
     if cache.protected is not None:
-        protected.assign(cache, cache.protected.keep_rows(keep))
+        protected.assign(cache, cache.protected.keep_rows(idx))
     if tier.count:
         slots.keep_rows(tier, mx.array(idx, dtype=mx.int32), int(rows.counts.max(initial=0)))
     cache.offset = mx.array(rows.seen, dtype=mx.int32)

@@ -89,12 +89,13 @@ class Protected:
 
     def keep_rows(self, keep) -> "Protected":
         """The runs of rows `keep`, renumbered (a batch's filter)."""
+        keep = np.asarray(keep, dtype=np.int64)
+        renumbered = np.full(self.seen.size, -1, dtype=np.int64)
+        renumbered[keep] = np.arange(keep.size)
+        live = renumbered[self.row] >= 0
         kept = Protected(self.ids, 0)
-        where = {r: i for i, r in enumerate(keep)}
-        live = np.isin(self.row, list(keep))
-        kept.starts, kept.ends = self.starts[live], self.ends[live]
-        kept.row = np.array([where[r] for r in self.row[live].tolist()], dtype=np.int64)
-        kept.seen = self.seen[np.asarray(keep, dtype=np.int64)]
+        kept.starts, kept.ends, kept.row = self.starts[live], self.ends[live], renumbered[self.row[live]]
+        kept.seen = self.seen[keep]
         return kept
 
     def joined(self, other: Optional["Protected"], rows: int) -> "Protected":
