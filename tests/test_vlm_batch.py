@@ -23,6 +23,8 @@ from mlx_vlm.utils import StoppingCriteria  # noqa: E402
 from vlm_folder import image, qwen2_5_vl_folder, words  # noqa: E402
 
 import veloxquant as vq  # noqa: E402
+from veloxquant.errors import VeloxError  # noqa: E402
+from veloxquant.runtime import batch_left  # noqa: E402
 
 from test_vlm import gemma3, model_of  # noqa: E402
 
@@ -128,15 +130,22 @@ def test_fp16_batch_equals_alone_and_mlx_vlms_own_batch(folder):
 @pytest.mark.parametrize(
     "recipe,sets", [("kivi", ["window=16", "group=16"]), ("h2o", ["budget=32"]), ("snapkv", ["budget=32", "window=8"])]
 )
-def test_lossy_batch_equals_alone(folder, recipe, sets):
+def test_lossy_batch_equals_alone(folder, recipe, sets, monkeypatch):
     load, images = folder
     model, processor = load(mx.float32)
     make = lambda: vq.make_prompt_cache(model, recipe, sets)
+    batches, to_batch = [], batch_left.to_batch
+    monkeypatch.setattr(batch_left, "to_batch", lambda *a: batches.append(to_batch(*a)) or batches[-1])
     texts, got = batched(model, processor, images, make, 4096)
     for i in range(2):
         text, logits = alone(model, processor, images, i, make(), 4096)
         assert texts[i] == text
         assert float(mx.abs(got[i] - logits).max()) < LOSSY_TOL
+    assert len(batches) == len(model.language_model.layers)
+    for c in batches if recipe != "kivi" else ():  # every head of both rows still holds its row's 4 image tokens
+        tier = c.tiers[0]
+        assert c.protected.held_rows().tolist() == [4, 4] and tier.count < c.rows.seen.max()  # some were cut
+        assert (mx.sum(c.protected.mask(tier.positions), axis=-1) == 4).all().item()
 
 
 # Gemma 3 (sliding-window layers, a bidirectional mask over the image's tokens): mlx-vlm's BatchGenerator
@@ -212,3 +221,10 @@ def test_gemma3_batch_equals_alone(recipe, sets, step, tol):
         alone = gemma3_alone(model, row, pixels, make(), step)
         assert mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(alone, axis=-1))
         assert float(mx.abs(batched - alone).max()) <= tol
+
+
+def test_a_recipe_that_does_not_batch_is_refused_with_its_reason(folder):
+    load, images = folder
+    model, processor = load(mx.float16)
+    with pytest.raises(VeloxError, match="recipe 'adakv' does not batch: layer 0: "):
+        batched(model, processor, images, lambda: vq.make_prompt_cache(model, "adakv"), 32)
