@@ -66,8 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_recipe_opts(p)
     p.add_argument("--vlm", action="store_true", help="--model is an mlx-vlm model (pip install veloxquant[vlm])")
-    p.add_argument("--image", action="append", default=[], metavar="FILE", help="--vlm: an image for the prompt")
-    p.add_argument("--image-tokens", choices=("keep", "evict"), default="keep", help="--vlm: eviction keeps them")
+    p.add_argument(
+        "--image", action="append", default=[], metavar="FILE", help="--vlm: an image for the prompt (repeatable)"
+    )
+    p.add_argument(
+        "--image-tokens",
+        choices=("keep", "evict"),
+        default="keep",
+        help="--vlm: eviction keeps image tokens on top of its budget, or ranks them as any token",
+    )
 
     p = sub.add_parser("check", help="load and compile recipes; report errors")
     p.add_argument("recipes", nargs="+")
