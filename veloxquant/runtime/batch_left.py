@@ -19,6 +19,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..errors import VeloxError
+
 
 def to_batch(cache, left_padding, merge, blank):
     """An empty batch cache of `cache`'s layer, its rows left-padded (mlx-vlm asks the caches its model's
@@ -58,18 +60,17 @@ def padded(layout):
 
     def prepare(cache, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None and max(left_padding) > 0:
-            if cache.size() or cache.lead is not None:
-                raise ValueError("left padding can only be added to an empty batch cache")
+            if not cache.empty() or cache.lead is not None:
+                raise VeloxError("left padding can only be added to an empty batch cache")
             cache.lead = np.array(left_padding, dtype=np.int64)
             _reoffset(cache)
             left_padding = None
         layout.prepare(cache, left_padding, lengths, right_padding)
 
     def update_and_fetch(cache, keys, values):
-        shift = _shifts(cache, keys.shape[2])
+        shift = cache.shift = _shifts(cache, keys.shape[2])  # every attention call of this block reads it
         if shift is None:
             return layout.update_and_fetch(cache, keys, values)
-        cache.shift = shift
         cache.rows.pending = keys.shape[2] - shift  # this block's real columns, first once rolled
         out = layout.update_and_fetch(cache, _roll(keys, shift), _roll(values, shift))
         cache.rows.pending = None
@@ -90,7 +91,6 @@ def padded(layout):
         shift = cache.shift
         if shift is None:
             return layout.attend(cache, queries, scale, mask)
-        cache.shift = None
         return _roll(layout.attend(cache, _roll(queries, shift), scale, mask), shift, back=True)
 
     def filter(cache, keep):
@@ -101,7 +101,7 @@ def padded(layout):
 
     def extend(cache, other):
         if cache.lead is not None or other.lead is not None:
-            raise ValueError("a batch joins another once their prompts' left padding is fed")
+            raise VeloxError("a batch joins another once their prompts' left padding is fed")
         layout.extend(cache, other)
 
     return layout._replace(
