@@ -118,7 +118,8 @@ def room(tier, budget: int, offset: Optional[int] = None) -> int:
 def room_rows(tier, budget: int) -> np.ndarray:
     """room() per row of a batch (runtime/eviction/batch_heads.py): each row's own image tokens on top."""
     extra = tier.protected.held_rows(None, tier.window) if tier.protected is not None else np.zeros(1, np.int64)
-    return np.minimum(budget + extra, tier.window) if tier.window else budget + extra
+    capped = np.minimum(budget + extra, tier.window) if tier.window else budget + extra
+    return np.where(extra > 0, capped, budget + extra)  # as room(): a row without image tokens keeps `budget`
 
 
 def protect(tier, protected: mx.array, positions: mx.array) -> mx.array:
