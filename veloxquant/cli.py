@@ -65,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
         "to half): batched where the recipe batches, else one at a time; per-sequence and aggregate figures",
     )
     _add_recipe_opts(p)
+    p.add_argument("--vlm", action="store_true", help="--model is an mlx-vlm model (pip install veloxquant[vlm])")
+    p.add_argument(
+        "--image", action="append", default=[], metavar="FILE", help="--vlm: an image for the prompt (repeatable)"
+    )
+    p.add_argument(
+        "--image-tokens",
+        choices=("keep", "evict"),
+        default="keep",
+        help="--vlm: eviction keeps image tokens on top of its budget, or ranks them as any token",
+    )
 
     p = sub.add_parser("check", help="load and compile recipes; report errors")
     p.add_argument("recipes", nargs="+")
@@ -254,6 +264,10 @@ def main(argv=None) -> int:
             from .serve.cli import cmd_serve
 
             return cmd_serve(args)
+        if args.command == "run" and (args.vlm or args.image):
+            from .run_vlm import cmd_run_vlm
+
+            return cmd_run_vlm(args)
         if args.command == "run" and args.batch is not None:
             from .run_batch import cmd_run_batch
 

@@ -6,8 +6,9 @@ sequences, extend the batch with joining ones and extract a sequence's cache whe
 (`Layout`, picked by compiler/batching.py) does that its own way: plain 16-bit rows here, as BatchKVCache does (rows
 left-padded to a common end, `Rows.left`; each row's position offset in `cache.offset`, an array RoPE reads; padding
 columns are zeros the mask hides, never a sequence's tokens), tier chains in runtime/batch_chain.py and eviction
-rows in runtime/eviction/batch_heads.py. A refused plan raises here, never computes a batch that would change a
-sequence's output.
+rows in runtime/eviction/batch_heads.py. mlx-vlm's BatchGenerator instead left-pads its prompts and asks each cache
+for `to_batch(left_padding)` (runtime/batch_left.py). A refused plan raises here, never computes a batch that would
+change a sequence's output.
 """
 
 from typing import Callable, List, NamedTuple, Optional
@@ -17,7 +18,7 @@ import mlx.core as mx
 from ..compiler.batching import layer_layout, refusal
 from ..errors import VeloxError
 from . import batch_chain as chain
-from . import layer_attention
+from . import batch_left
 from .eviction import batch_heads as heads
 
 
@@ -224,46 +225,6 @@ def _attend_plain(cache, queries: mx.array, scale: float, mask):
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-class BatchProtocol:
-    """mlx-lm's batch methods on TieredCache (BatchKVCache's names), each routed to the functions above."""
-
-    _rows: Optional[Rows] = None
-
-    @property
-    def rows(self) -> Optional[Rows]:
-        """The batch's rows; None: the cache holds one sequence."""
-        return self._rows
-
-    @rows.setter
-    def rows(self, rows) -> None:
-        self._rows = rows  # a batch answers attention by its rows, a single sequence by its tiers' route
-        self.route = attend if rows is not None else layer_attention.route_for(self)
-
-    @property
-    def merge(self):
-        """merge(caches) -> one batch cache; absent (BatchRefused, an AttributeError) where the plan refuses."""
-        check(self)
-        return merge
-
-    def _layout(self) -> "Layout":
-        return HEADS if heads.is_heads(self) else CHAIN if chain.is_chain(self) else PLAIN
-
-    def extend(self, other) -> None:
-        self._layout().extend(self, other)
-
-    def filter(self, batch_indices) -> None:
-        self._layout().filter(self, list(batch_indices))
-
-    def extract(self, idx: int):
-        return self._layout().extract(self, idx, _blank)
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        self._layout().prepare(self, left_padding, lengths, right_padding)
-
-    def finalize(self) -> None:
-        self._layout().finalize(self)
-
-
 def _settled(cache) -> None:
     """Nothing is left to settle between steps."""
 
@@ -293,6 +254,6 @@ def _tiers_layout(module, settle=_settled) -> Layout:
     return Layout(*ops, module.update_and_fetch, attend, module.make_mask, settle)
 
 
-CHAIN = _tiers_layout(chain)
-HEADS = _tiers_layout(heads, heads.settle)
+CHAIN = batch_left.padded(_tiers_layout(chain))
+HEADS = batch_left.padded(_tiers_layout(heads, heads.settle))
 LAYOUTS = {"plain": PLAIN, "chain": CHAIN, "heads": HEADS}

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..compiler.plan import LayerPlan
 from ..errors import VeloxError
 from . import batch, hook, kinds, layer_attention, trimming
+from .batch_protocol import BatchProtocol
 from .copying import copy_sharing
 from .eviction import deferred, per_head
 from .eviction.saliency import Saliency
@@ -29,7 +30,7 @@ def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
     return b if a is None else a if b is None else min(a, b)
 
 
-class TieredCache(batch.BatchProtocol, _BaseCache):
+class TieredCache(BatchProtocol, _BaseCache):
     lends = False  # later layers attend over this cache too (Gemma 4): runtime/shared_kv.py
 
     def __init__(self, plan: LayerPlan):

@@ -10,6 +10,7 @@ from ..errors import VeloxError
 from ..models.vlm import image_token_ids, is_vlm, text_model
 from ..recipe import Recipe, load_recipe
 from . import batch, cache_list, hook, sharding
+from .batch_protocol import BatchProtocol
 from .cache import TieredCache
 from .coordinator import link_groups
 from .eviction import model_pass, protected
@@ -105,7 +106,7 @@ def guard_merges() -> None:
 
     def _merge_caches(caches):
         for c in caches[0] if caches else ():
-            if isinstance(c, batch.BatchProtocol):
+            if isinstance(c, BatchProtocol):
                 batch.check(c)
         return original(caches)
 

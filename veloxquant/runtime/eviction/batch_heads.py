@@ -26,9 +26,8 @@ import numpy as np
 
 from ...errors import VeloxError
 from .. import hook
-from . import batch_attention, slots
+from . import batch_attention, protected, slots
 from .protected import protect
-from .protected import room as protected_room
 from .ragged import PAD
 
 ROW_FIELDS = ("counts", "seen", "decided", "exact", "first_q", "real")
@@ -65,9 +64,10 @@ def _offset(rows: HeadRows) -> mx.array:
 
 
 # --- cuts ---------------------------------------------------------------------
-def _keep(tier, priority: mx.array, offset: mx.array, width: int, cutting: Optional[mx.array] = None) -> None:
-    """Each row keeps its `width` highest-priority slots (HeadTier.keep, per row); `cutting` [B] False:
+def _keep(tier, rows, priority: mx.array, offset: mx.array, keep: np.ndarray, cutting=None) -> None:
+    """Each row keeps its `keep` [B] highest-priority slots (HeadTier.keep, per row); `cutting` [B] False:
     that row keeps every token it holds."""
+    width = int(keep.max())
     pos = tier.positions
     protected = pos < tier.route.sinks
     recent = getattr(tier.route, "recent", 0)
@@ -80,8 +80,13 @@ def _keep(tier, priority: mx.array, offset: mx.array, width: int, cutting: Optio
     if cutting is not None:
         priority = mx.where(cutting[:, None, None], priority, mx.inf)
     priority = mx.where(pos >= PAD, -mx.inf, priority)
-    order = mx.argpartition(-priority, kth=width - 1, axis=2)[:, :, :width]
-    slots.gather(tier, slots.by_position(tier, order), width)
+    if not ((keep < width) & (rows.counts > keep)).any():  # rows under `width` hold only what they keep
+        order = mx.argpartition(-priority, kth=width - 1, axis=2)[:, :, :width]
+        return slots.gather(tier, slots.by_position(tier, order), width)
+    # rows keep different numbers (their own image tokens on top of the budget): ranked, the rest let go
+    slots.gather(tier, mx.argsort(-priority, axis=2)[:, :, :width], width)
+    slots.release(tier, mx.arange(width)[None, None] >= mx.array(keep)[:, None, None])
+    slots.gather(tier, mx.argsort(tier.positions, axis=2), width)
 
 
 def settle(cache) -> None:
@@ -92,24 +97,24 @@ def settle(cache) -> None:
         over = rows.counts > (tier.window or PAD)
         if over.any():
             keep = np.where(over, tier.window, rows.counts)
-            _keep(tier, mx.zeros(tier.positions.shape, mx.float32), _offset(rows), int(keep.max()), mx.array(over))
+            _keep(tier, rows, mx.zeros(tier.positions.shape, mx.float32), _offset(rows), keep, mx.array(over))
             rows.cut(over, keep)
         return
-    budget = protected_room(tier, tier.budget)
-    if tier.count <= budget:
+    budget = protected.room_rows(tier, tier.budget)
+    if (tier.count <= budget).all():
         return
     keep = np.minimum(rows.counts, budget)
     offset = _offset(rows)
     if getattr(tier.route, "pool", 1) > 1:  # scores max-pooled over neighbours: each row in position order
         slots.gather(tier, mx.argsort(tier.positions, axis=2), tier.count)
-    _keep(tier, tier.scorer.priority(tier, offset, None), offset, int(keep.max()))
+    _keep(tier, rows, tier.scorer.priority(tier, offset, None), offset, keep)
     rows.cut(rows.counts > budget, keep)
 
 
 def _finish(cache, ending: np.ndarray) -> None:
     """`once` routes: the rows whose prompt ends now decide (per_head.finish_prompt, per row)."""
     tier, rows = cache.tiers[0], cache.rows
-    budget = protected_room(tier, tier.budget)
+    budget = protected.room_rows(tier, tier.budget)
     cutting = ending & (rows.counts > budget)
     if cutting.any():
         offset = _offset(rows)
@@ -119,7 +124,7 @@ def _finish(cache, ending: np.ndarray) -> None:
         weigh = batch_attention.weigher(cache, k, tier.positions)
         keep = np.where(cutting, np.minimum(rows.counts, budget), rows.counts)
         priority = tier.scorer.priority(tier, offset, weigh)
-        _keep(tier, priority, offset, int(keep.max()), mx.array(cutting))
+        _keep(tier, rows, priority, offset, keep, mx.array(cutting))
         rows.cut(cutting, keep)
     rows.decided = rows.decided | ending
     tier.scorer.release_rows(ending)
@@ -175,12 +180,14 @@ def merge(caches: list, blank):
     batch.rows = HeadRows(np.array([t.count for t in tiers]), np.array([c.offset for c in caches]), decided)
     batch.rows.exact = np.array([slots.exact(t) for t in tiers], dtype=bool)
     batch.offset = mx.array(batch.rows.seen, dtype=mx.int32)
+    protected.assign(batch, protected.stacked(caches))  # each row's image tokens, at its own positions
     return batch
 
 
 def extend(cache, other) -> None:
     cache._settle()
     other._settle()
+    protected.assign(cache, protected.stacked([cache, other]))  # before the rows are joined: it counts them
     a, b = cache.rows, other.rows
     ta, tb = cache.tiers[0], other.tiers[0]
     ta.scorer.stack([ta.scorer, tb.scorer], [a.seen.size, b.seen.size])
@@ -201,6 +208,8 @@ def filter(cache, keep: List[int]) -> None:
     if rows.pending is not None:
         rows.pending = rows.pending[idx]
     tier.scorer.keep_rows(idx)
+    if cache.protected is not None:
+        protected.assign(cache, cache.protected.keep_rows(idx))
     if tier.count:
         slots.keep_rows(tier, mx.array(idx, dtype=mx.int32), int(rows.counts.max(initial=0)))
     cache.offset = mx.array(rows.seen, dtype=mx.int32)

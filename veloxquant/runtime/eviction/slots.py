@@ -29,6 +29,13 @@ def gather(tier, idx: mx.array, width: int) -> None:
     tier.count, tier.uniform = width, False
 
 
+def release(tier, unused: mx.array) -> None:
+    """The slots where `unused` [B, 1 or H, W] holds become unused: position PAD, zeros."""
+    for _, bufs, name, fill in each(tier):
+        arr = bufs[name].view()
+        bufs[name].set(mx.where(unused.reshape(*unused.shape, *([1] * (arr.ndim - 3))), fill, arr))
+
+
 def by_position(tier, idx: mx.array) -> mx.array:
     """idx reordered so each row's kept slots run in position order (unused slots last)."""
     pos = mx.take_along_axis(tier.positions, idx, axis=2)
