@@ -13,6 +13,17 @@ import mlx.core as mx
 
 Partial = Tuple[mx.array, mx.array]  # out [B, Hq, Lq, D] (normalized, f32), lse [B, Hq, Lq]
 
+# float32 scores one block of query positions may hold (64 MiB): a long prefill chunk over a long
+# tier attends in blocks of queries, never as one [batch x heads x queries x keys] array.
+SCORE_ELEMENTS = 1 << 24
+
+
+def query_rows(mask: Optional[mx.array], Lq: int, start: int, n: int) -> Optional[mx.array]:
+    """The rows [start, start + n) of a mask broadcastable to [..., Lq, Lk] (one without a query axis as is)."""
+    if mask is None or mask.ndim < 2 or mask.shape[-2] != Lq:
+        return mask
+    return mask[..., start : start + n, :]
+
 
 def partial_attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[mx.array] = None
@@ -22,12 +33,24 @@ def partial_attention(
     `mask` is boolean, broadcastable to [Lq, Lk] (True = may attend).
     """
     B, Hq, Lq, D = queries.shape
-    Hkv = keys.shape[1]
-    rep = Hq // Hkv
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    block = max(1, SCORE_ELEMENTS // max(1, B * Hq * Lk))
+    if Lq <= block:
+        return _partial(queries, keys, values, scale, mask, Hkv)
+    parts = [
+        _partial(queries[:, :, s : s + block], keys, values, scale, query_rows(mask, Lq, s, block), Hkv)
+        for s in range(0, Lq, block)
+    ]
+    return mx.concatenate([o for o, _ in parts], axis=2), mx.concatenate([l for _, l in parts], axis=2)
+
+
+def _partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, Hkv: int) -> Partial:
+    B, Hq, Lq, D = queries.shape
     # The rep query heads of a kv head become rows of one matmul (no broadcast K/V).
-    q = queries.reshape(B, Hkv, rep * Lq, D).astype(mx.float32) * scale
-    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep*Lq, Lk]
-    return partial_from_scores(scores, mask, Lq, lambda weights: weights @ values.astype(mx.float32))
+    q = queries.reshape(B, Hkv, (Hq // Hkv) * Lq, D).astype(mx.float32) * scale
+    scores = q @ keys.swapaxes(-1, -2)  # [B, Hkv, rep*Lq, Lk]
+    return partial_from_scores(scores, mask, Lq, lambda weights: weights @ values)
 
 
 def partial_from_scores(
