@@ -10,7 +10,7 @@ import sys
 from typing import Dict
 
 from . import shared_kv
-from .eviction import model_pass, protected
+from .eviction import hidden, model_pass, protected
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
@@ -83,3 +83,4 @@ def uninstall(model=None) -> None:
     EPOCH[0] += 1
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/eviction/model_pass.py)
     protected.uninstall(getattr(model, "language_model", model) if model is not None else None)  # image tokens
+    hidden.uninstall(getattr(model, "language_model", model) if model is not None else None)  # kvzap's inputs
