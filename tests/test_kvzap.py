@@ -17,6 +17,7 @@ from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.kvzap import KVzap, predict
 
 from conftest import CharTokenizer
+from test_chunk_invariance import TINY, check
 
 
 @pytest.fixture
@@ -127,3 +128,17 @@ def test_the_fitters_recover_what_they_are_fitted_to():
     bent = np.abs(x @ w)  # not linear in x: the MLP's case (r2 0.99 measured; the linear map's about 0)
     assert KVzap(predictor="mlp", width=64).fit_scores(x, bent)["r2"].min() > 0.95
     assert KVzap(predictor="linear").fit_scores(x, bent)["r2"].max() < 0.1
+
+
+def test_same_tokens_same_cache_however_they_arrive(llama_model, tmp_path, monkeypatch):
+    """test_chunk_invariance's check (one block, chunks, single steps; nbytes = every array reachable),
+    on a calibrated kvzap: scores come from each block's own hidden states, so the feed does not matter."""
+    monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(chr(int(i)) for i in np.random.default_rng(0).integers(32, 500, 1024)))
+    recipe = tmp_path / "kvzap_small.yaml"
+    recipe.write_text(f'veloxquant: 1\nname: kvzap_small\npipeline: kvzap(budget=64, corpus="{corpus}", tokens=1024)\n')
+    plan = vq.compile_recipe(vq.load_recipe(str(recipe)), ModelShape.from_model(llama_model))
+    calibrate(plan, llama_model, CharTokenizer(), progress=False)
+    held = check(llama_model, str(recipe), TINY)
+    assert held["chunks"] < held["singles"]  # told the prompt ended, the chunks kept 64 tokens a head
