@@ -6,7 +6,7 @@ tokens: the repeat pass's softmax, hence the score, depends on the context's len
 is prefilled through fresh kvzip caches while the attention inputs are recorded
 (runtime/eviction/hidden.py's watch); kvzip's repeat pass then scores every token it holds (nothing
 is evicted before the prompt ends), and SAMPLED tokens of the segment are kept, as kvpress keeps
-500 of each text.
+500 of each text (on a sliding-window layer, those of them the layer still holds: its window).
 """
 
 import sys
@@ -18,8 +18,7 @@ from tqdm import tqdm
 
 from ..errors import VeloxError
 from ..runtime.eviction import model_pass
-from ..runtime.eviction.call_watch import CallWatch
-from ..runtime.eviction.hidden import attention_modules
+from ..runtime.eviction.hidden import tapped
 from ..runtime.make import make_prompt_cache
 
 SEGMENT = 1024  # tokens per kvzip run
@@ -36,16 +35,14 @@ def collect_targets(
         raise VeloxError(f"kvzap calibrates on segments of {SEGMENT} tokens; {len(ids)} tokens make none")
     rng = np.random.default_rng(0)
     got: Dict[int, Dict[str, list]] = {i: {"h": [], "s": []} for i in layers}
-    watch, heard = CallWatch(), {}
+    heard: Dict[int, list] = {}
     listening = [False]
 
-    def observe(arg, args, kwargs):
+    def record(cache, x):
         if listening[0]:
-            heard.setdefault(id(arg("cache")), []).append(args[0] if args else arg("x"))
+            heard.setdefault(id(cache), []).append(x)
 
-    for module in attention_modules(model):
-        watch.install(module, observe)
-    try:
+    with tapped(model, record):
         starts = range(0, len(ids) - SEGMENT + 1, SEGMENT)
         for s in tqdm(starts, desc="calibrate: kvzip scores", unit="segment", file=sys.stderr, disable=not progress):
             x = mx.array(ids[s : s + SEGMENT])[None]
@@ -60,11 +57,12 @@ def collect_targets(
             keep = np.sort(rng.choice(SEGMENT, SAMPLED, replace=False))
             for i in layers:
                 tier = caches[i].tiers[0]
-                hidden = mx.concatenate(heard[id(caches[i])], axis=1)[0].astype(mx.float32)
-                scores = mx.log(mx.maximum(tier.scores[0], FLOOR)).T  # [L, H], positions 0.. in order
-                got[i]["h"].append(np.array(hidden)[keep])
-                got[i]["s"].append(np.array(scores)[keep])
-    finally:
-        for module in attention_modules(model):
-            watch.uninstall(module)
+                hidden = np.array(mx.concatenate(heard[id(caches[i])], axis=1)[0].astype(mx.float32))
+                # [SEGMENT, H] by position; a sliding-window layer holds only its window (the rest stay NaN)
+                pos, scores = np.array(tier.positions[0]), np.array(mx.log(mx.maximum(tier.scores[0], FLOOR)))
+                dense = np.full((SEGMENT, pos.shape[0]), np.nan, np.float32)
+                dense[pos, np.arange(pos.shape[0])[:, None]] = scores
+                rows = keep[np.isfinite(dense[keep]).all(axis=1)]
+                got[i]["h"].append(hidden[rows])
+                got[i]["s"].append(dense[rows])
     return {i: {k: np.concatenate(v) for k, v in d.items()} for i, d in got.items()}

@@ -61,6 +61,7 @@ def install(model) -> int:
         _ORIGINALS[module.__name__] = current
         setattr(module, _NAME, _routed(current))
         count += 1
+    hidden.install(model)  # the attention inputs, for scorers that read them (kvzap; runtime/eviction/hidden.py)
     EPOCH[0] += 1
     return count
 
@@ -83,4 +84,4 @@ def uninstall(model=None) -> None:
     EPOCH[0] += 1
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/eviction/model_pass.py)
     protected.uninstall(getattr(model, "language_model", model) if model is not None else None)  # image tokens
-    hidden.uninstall(getattr(model, "language_model", model) if model is not None else None)  # kvzap's inputs
+    hidden.uninstall(model)  # and the attention inputs handed to scorers (runtime/eviction/hidden.py)

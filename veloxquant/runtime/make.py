@@ -12,7 +12,7 @@ from ..recipe import Recipe, load_recipe
 from . import batch, cache_list, hook, sharding
 from .cache import TieredCache
 from .coordinator import link_groups
-from .eviction import hidden, model_pass, protected
+from .eviction import model_pass, protected
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
@@ -89,7 +89,6 @@ def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
     caches = caches_for(plan)
     guard_merges()  # a refused recipe's batch fails with its reason, a VeloxError
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
-    hidden.attach(model, caches)  # recipes whose scores come from the layers' input hidden states (kvzap)
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))
 
 

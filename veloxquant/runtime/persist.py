@@ -16,7 +16,7 @@ from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
 from . import cache_list, checksums, coded, hook, kept_state, sharding
 from .cache_list import kept_caches, recipe_caches
-from .eviction import hidden, per_head
+from .eviction import per_head
 from .make import caches_for
 
 FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)
@@ -134,7 +134,6 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None, model
         raise CacheFileError(f"{path}: {e}") from None
     if model is not None:
         hook.install(model)
-        hidden.attach(getattr(model, "language_model", model), caches)
     return caches, user
 
 

@@ -3,47 +3,60 @@
 mlx-lm's attention modules are called as `self_attn(x, mask, cache)` with x the
 layer's input after its norm; the cache then sees only the keys and values made
 from x. Scorers that declare the need "hidden" (runtime/eviction/scorers/kvzap.py)
-score each token from x, so each attention class's __call__ is wrapped
-(reversibly, as the model pass records ids: runtime/eviction/model_pass.py) to
-hand x to the tiers of the cache it is called with, before the cache is
-updated. The scorer turns it into scores at once and keeps nothing of it.
+score each token from x, so, with the attention hook (hook.install calls
+`install`), each attention class's __call__ is wrapped (reversibly, as the model
+pass records ids: runtime/eviction/model_pass.py) to hand x to the listening
+tiers of the cache it is called with, before the cache is updated. The scorer
+turns it into scores at once and keeps nothing of it. A cache without such a
+tier costs one look at its tiers per call.
 """
 
-from typing import List
+import inspect
+from contextlib import contextmanager
+from typing import Callable, List
 
 from .call_watch import CallWatch
 
 NEED = "hidden"
 _WATCH = CallWatch()  # the attention classes whose calls are watched
+_TAPS: List[Callable] = []  # fn(cache, x) also told of every call (calibration records with it: `tapped`)
 
 
 def attention_modules(model) -> List:
-    """The attention module of each of the model's (text model's) layers."""
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        layers = getattr(getattr(model, "model", None), "layers", [])
-    found = (getattr(layer, name, None) for layer in layers for name in ("self_attn", "attention"))
-    return [m for m in found if m is not None]
+    """The modules of `model` that attend with a cache: a layer's `self_attn` / `attention`, called with `cache`."""
+    named = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in ("self_attn", "attention")]
+    takes = {cls: "cache" in inspect.signature(cls.__call__).parameters for cls in {type(m) for m in named}}
+    return [m for m in named if takes[type(m)]]
 
 
-def listeners(cache) -> List:
-    return [t for t in getattr(cache, "tiers", ()) if NEED in t.needs]
+def install(model) -> None:
+    """Wrap the attention classes of `model` (once per class)."""
+    for module in attention_modules(model):
+        _WATCH.install(module, _observe)
 
 
-def attach(model, caches) -> None:
-    """Wrap the model's attention classes if a tier of `caches` scores from hidden states
-    (make_prompt_cache and load_prompt_cache call this)."""
-    if any(listeners(c) for c in caches):
-        for module in attention_modules(model):
-            _WATCH.install(module, _observe)
+@contextmanager
+def tapped(model, fn: Callable):
+    """Meanwhile `fn(cache, x)` sees every attention call of `model` (one watch for both uses: two
+    wrappers of one class, removed out of order, would drop each other)."""
+    install(model)
+    _TAPS.append(fn)
+    try:
+        yield
+    finally:
+        _TAPS.remove(fn)
 
 
 def _observe(arg, args, kwargs) -> None:
-    tiers = listeners(arg("cache"))
-    if tiers:
-        x = args[0] if args else arg("x")
-        for t in tiers:
-            t.scorer.hear(x)
+    cache = arg("cache")
+    for fn in _TAPS:
+        fn(cache, args[0] if args else arg("x"))
+    tiers = getattr(cache, "tiers", None)
+    if not tiers:
+        return
+    for t in tiers:
+        if NEED in getattr(t, "needs", ()):
+            t.scorer.hear(args[0] if args else arg("x"))
 
 
 def uninstall(model=None) -> None:
