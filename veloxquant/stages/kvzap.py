@@ -45,7 +45,7 @@ class KVzap(_PerHeadRoute):
     sinks: int = attrs.field(default=4, validator=[in_range(0, 1 << 20), _sinks_below_budget])
     recent: int = attrs.field(default=0, validator=in_range(0, 1 << 24))
     keep: str = attrs.field(default="budget", validator=choices("budget", "threshold"))
-    threshold: float = attrs.field(default=-6.0, validator=in_range(-1e6, 1e6))
+    threshold: float = attrs.field(default=-5.0, validator=in_range(-1e6, 1e6))
     predictor: str = attrs.field(default="mlp", validator=choices("linear", "mlp"))
     width: int = attrs.field(default=512, validator=in_range(1, 1 << 16))
     corpus: str = "austen:emma"
@@ -59,7 +59,9 @@ class KVzap(_PerHeadRoute):
     score = "kvzap"
     # budgets: the route's, or per head from the threshold (runtime/eviction/allocation.py)
     layers, strength, heads, alpha = "fixed", 0.0, "equal", 1.0
-    runtime_params = ("budget", "sinks", "recent", "keep", "threshold")  # not fitted on: no new artifact
+    # How it keeps is not fitted on: the artifact's key sees these fixed values (not the defaults, so a
+    # changed default keeps artifacts valid), and any budget or threshold runs on one artifact.
+    CALIBRATION_VIEW = {"budget": 256, "sinks": 4, "recent": 0, "keep": "budget", "threshold": -6.0}
 
     @property
     def floor(self) -> int:
@@ -70,8 +72,7 @@ class KVzap(_PerHeadRoute):
 
     def for_calibration(self) -> "KVzap":
         """The stage as its artifact's key sees it: what it is fitted on, not how it evicts."""
-        defaults = {a.name: a.default for a in attrs.fields(type(self)) if a.name in self.runtime_params}
-        return attrs.evolve(self, artifact="", slot="", **defaults)
+        return attrs.evolve(self, artifact="", slot="", **self.CALIBRATION_VIEW)
 
     def explain_pass(self) -> str:
         model = "a linear map" if self.predictor == "linear" else f"a 2-layer MLP (width {self.width}, GELU)"
