@@ -1,4 +1,4 @@
-"""`kvzap`: KVzap (Jegou & Jeblick, arXiv:2601.07891; NVIDIA kvpress's KVzapPress + DMSPress).
+"""`kvzap`: KVzap (arXiv:2601.07891; NVIDIA kvpress's KVzapPress + DMSPress).
 
 A small model per layer predicts, from the hidden state a token enters the
 layer's attention with (after the input norm), the log of the score KVzip would
