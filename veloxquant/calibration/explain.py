@@ -14,7 +14,8 @@ def calibration_lines(plan: Plan, model=None, model_label: str = "") -> List[str
         return []
     cfg = settings(plan)
     kinds = Counter((s.stage_name, side[0]) for _, _, side, s in sites)
-    shown = ", ".join(f"{name} on {'keys' if side == 'k' else 'values'} x{n}" for (name, side), n in kinds.items())
+    what = {"k": "keys", "v": "values", "r": "scores"}  # "r": a route's scorer (kvzap)
+    shown = ", ".join(f"{name} on {what[side]} x{n}" for (name, side), n in kinds.items())
     lines = [
         "",
         f"calibrated stages: {shown} (per layer and kv head), fitted on {cfg['tokens']} tokens of '{cfg['corpus']}'",

@@ -16,6 +16,7 @@ from ..data.corpus import load_text
 from ..errors import VeloxError
 from ..runtime.codec import Codec
 from .collect import collect
+from .kvzip_targets import collect_targets
 
 
 def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: str = "") -> Dict:
@@ -27,11 +28,17 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     if len(ids) < cfg["tokens"]:
         raise VeloxError(f"corpus '{cfg['corpus']}' has {len(ids)} tokens, fewer than the {cfg['tokens']} asked for")
     sites = calibrated_stages(plan)
-    samples = collect(model, ids, {i for i, _, _, _ in sites}, progress)
+    coded = {i for i, _, side, _ in sites if side != "route"}
+    samples = collect(model, ids, coded, progress) if coded else {}
+    routed = {i for i, _, side, _ in sites if side == "route"}  # kvzap: hidden states -> kvzip's scores
+    targets = collect_targets(model, tokenizer, ids, routed, progress) if routed else {}
     arrays: Dict[str, np.ndarray] = {}
     fitted: Dict[Site, Dict[str, np.ndarray]] = {}
     for site in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
         i, t, side, stage = site
+        if side == "route":
+            fitted[site] = stage.fit_scores(targets[i]["h"], targets[i]["s"])
+            continue
         x, q = _in_stage_domain(plan, site, samples[i])
         if getattr(stage, "fits_layer", False):  # measures attention outputs: needs the layer's raw q, k, v too
             fitted[site] = stage.fit(x, q, samples[i], side[0], plan.layers[i].window)

@@ -17,7 +17,7 @@ from .lower import compile_recipe
 from .plan import Plan
 from .shape import SMOLLM2_135M
 
-Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v" or "k.r0" (a residual stage), stage)
+Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v", "k.r0" (a residual stage) or "route", stage)
 
 
 def _calibrated(codec) -> List[Tuple[str, object]]:
@@ -34,6 +34,8 @@ def calibrated_stages(plan: Plan) -> List[Site]:
         for t, tier in enumerate(layer.tiers):
             for side, codec in (("k", tier.keys), ("v", tier.values)):
                 out += [(layer.index, t, f"{side}.{where}" if where else side, s) for where, s in _calibrated(codec)]
+            if getattr(tier.route, "calibrated", False):  # a route whose scorer is fitted (kvzap)
+                out.append((layer.index, t, "route", tier.route))
     return out
 
 
@@ -69,6 +71,8 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
                         ),
                     )
                 sides[side] = codec
+            if getattr(tier.route, "calibrated", False):
+                sides["route"] = fn(layer.index, t, "route", tier.route)
             tiers.append(attrs.evolve(tier, **sides))
         layers.append(attrs.evolve(layer, tiers=tuple(tiers)))
     return attrs.evolve(plan, layers=tuple(layers))

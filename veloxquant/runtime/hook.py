@@ -10,7 +10,7 @@ import sys
 from typing import Dict
 
 from . import shared_kv
-from .eviction import model_pass, protected
+from .eviction import hidden, model_pass, protected
 
 _ORIGINALS: Dict[str, object] = {}
 _NAME = "scaled_dot_product_attention"
@@ -51,8 +51,11 @@ def model_modules(model):
     return [sys.modules[n] for n in sorted(names) if n in sys.modules]
 
 
-def install(model) -> int:
-    """Route attention of every module of `model`; returns how many were rebound."""
+def install(model, hidden_states: bool = True) -> int:
+    """Route attention of every module of `model`; returns how many were rebound. With `hidden_states`,
+    also hand each attention call's inputs to the scorers that read them (kvzap): a caller that built
+    the caches (make_prompt_cache, load_prompt_cache) passes False and attaches that watch only where
+    a cache needs it (runtime/eviction/hidden.py), so other recipes' attention calls stay unwrapped."""
     count = 0
     for module in model_modules(model):
         current = getattr(module, _NAME, None)
@@ -61,6 +64,8 @@ def install(model) -> int:
         _ORIGINALS[module.__name__] = current
         setattr(module, _NAME, _routed(current))
         count += 1
+    if hidden_states:
+        hidden.install(model)
     EPOCH[0] += 1
     return count
 
@@ -83,3 +88,4 @@ def uninstall(model=None) -> None:
     EPOCH[0] += 1
     model_pass.uninstall(model)  # and the prompt-id recording of a model pass (runtime/eviction/model_pass.py)
     protected.uninstall(getattr(model, "language_model", model) if model is not None else None)  # image tokens
+    hidden.uninstall(model)  # and the attention inputs handed to scorers (runtime/eviction/hidden.py)

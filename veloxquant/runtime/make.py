@@ -13,7 +13,7 @@ from . import batch, cache_list, hook, sharding
 from .batch_protocol import BatchProtocol
 from .cache import TieredCache
 from .coordinator import link_groups
-from .eviction import model_pass, protected
+from .eviction import hidden, model_pass, protected
 
 
 def plan_for(model, recipe: Union[str, Recipe], sets: Iterable[str] = (), use_hook: bool = True) -> Plan:
@@ -74,7 +74,7 @@ def make_prompt_cache(
     if vlm and images == "keep":
         protected.attach(lm, caches, image_token_ids(model))
     if use_hook:
-        hook.install(model)
+        hook.install(model, hidden_states=False)
     return caches
 
 
@@ -90,6 +90,7 @@ def prompt_caches(model, plan: Plan, tokenizer=None) -> list:
     caches = caches_for(plan)
     guard_merges()  # a refused recipe's batch fails with its reason, a VeloxError
     model_pass.attach(model, caches, tokenizer)  # recipes whose scores come from a pass through the model
+    hidden.attach(model, caches)  # recipes whose scores come from the attention inputs (kvzap)
     return cache_list.assemble(plan, caches, None if plan.shape.trivial_layout else own_caches(model))
 
 

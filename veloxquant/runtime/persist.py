@@ -16,7 +16,7 @@ from ..compiler.rebuild import plan_from_json
 from ..errors import CacheFileError, VeloxError
 from . import cache_list, checksums, coded, hook, kept_state, sharding
 from .cache_list import kept_caches, recipe_caches
-from .eviction import per_head
+from .eviction import hidden, per_head
 from .make import caches_for
 
 FORMAT = "veloxquant-cache/2"  # /2: per-array and metadata checksums (runtime/checksums.py)
@@ -133,7 +133,8 @@ def load_prompt_cache(path: str, expect_fingerprint: Optional[str] = None, model
     except VeloxError as e:
         raise CacheFileError(f"{path}: {e}") from None
     if model is not None:
-        hook.install(model)
+        hook.install(model, hidden_states=False)
+        hidden.attach(model, caches)  # a next prompt's kvzap scores read the attention inputs
     return caches, user
 
 

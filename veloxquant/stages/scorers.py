@@ -56,6 +56,7 @@ SPECS: Dict[str, ScorerSpec] = {
         ScorerSpec("newest"),
         ScorerSpec("window", _QUERIES, ("window", "pool"), selectable=False),
         ScorerSpec("reconstruct", frozenset({"model_pass"}), ("chunk", "sinks"), selectable=False),
+        ScorerSpec("kvzap", frozenset({"hidden"}), selectable=False),
     )
 }
 

@@ -16,6 +16,8 @@ layers=squeeze (SqueezeAttention): a layer whose attention is spread needs
   the base budgets themselves (h2o bit for bit).
 heads=score (NestedKV's head-wise competition): the same rule on the scorer's own
   scores, which must be comparable across heads (nested's lie in [0, 1]).
+keep=threshold (KVzap, as kvpress's DMSPress): each head keeps the tokens its scorer puts at
+  or above a threshold (the scorer's `head_budgets`), so heads and layers keep different counts.
 heads=adakv (Ada-KV): a layer's H * B tokens go to the heads whose tokens
   carry the most attention: every head keeps its `alpha` * B best (the
   paper's safeguard; at least the protected tokens), and the rest of the
@@ -37,7 +39,8 @@ from .. import sharding
 def allocates(route) -> bool:
     """The route's budgets are open until the end of the prompt (squeeze with strength > 0, or adakv
     below alpha=1); otherwise they are the recipe's, nothing is collected, and it runs as it would without."""
-    return watches(route) or (getattr(route, "heads", "equal") == "score" and route.alpha < 1)
+    thresholded = getattr(route, "keep", "budget") == "threshold"
+    return watches(route) or thresholded or (getattr(route, "heads", "equal") == "score" and route.alpha < 1)
 
 
 def watches(route) -> bool:
@@ -66,7 +69,9 @@ def decide(caches: List) -> Dict[str, list]:
     for (c, t), p, b in zip(found, dists, layer):
         if t.route.heads == "score" and t.route.alpha < 1:  # NestedKV: heads compete on the scorer's own scores
             p = mx.mean(t.scorer.priority(t, c.offset, None), axis=0)
-        if t.route.heads in ("adakv", "score") and t.route.alpha < 1:  # over all ranks' heads, this rank's share
+        if getattr(t.route, "keep", "budget") == "threshold":  # KVzap: the scorer's own per-head counts
+            heads = t.scorer.head_budgets(t, c.offset)
+        elif t.route.heads in ("adakv", "score") and t.route.alpha < 1:  # over all ranks' heads, this rank's share
             shard = sharding.of(c.plan_root)
             heads = sharding.my_heads(shard, adakv(sharding.gather_heads(shard, p), b, t.route.alpha, t.route.floor))
         else:
