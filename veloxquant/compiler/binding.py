@@ -17,7 +17,7 @@ from .lower import compile_recipe
 from .plan import Plan
 from .shape import SMOLLM2_135M
 
-Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v" or "k.r0" (a residual stage), stage)
+Site = Tuple[int, int, str, object]  # (layer, tier, "k"/"v", "k.r0" (a residual stage) or "route", stage)
 
 
 def _calibrated(codec) -> List[Tuple[str, object]]:
@@ -32,6 +32,8 @@ def calibrated_stages(plan: Plan) -> List[Site]:
     out = []
     for layer in plan.layers:
         for t, tier in enumerate(layer.tiers):
+            if getattr(tier.route, "calibrated", False):  # a route fitted per layer (duo's gates)
+                out.append((layer.index, t, "route", tier.route))
             for side, codec in (("k", tier.keys), ("v", tier.values)):
                 out += [(layer.index, t, f"{side}.{where}" if where else side, s) for where, s in _calibrated(codec)]
     return out
@@ -55,6 +57,8 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
         tiers = []
         for t, tier in enumerate(layer.tiers):
             sides = {}
+            if getattr(tier.route, "calibrated", False):
+                sides["route"] = fn(layer.index, t, "route", tier.route)
             for side, codec in (("keys", tier.keys), ("values", tier.values)):
                 if codec is not None and getattr(codec.store, "calibrated", False):
                     codec = attrs.evolve(codec, store=fn(layer.index, t, side[0], codec.store))
