@@ -116,7 +116,9 @@ def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[fl
             if not n:  # once: the fraction of the prefix's (token, head) pairs really let go
                 kept = sum(len(c.tiers[-1].kept) * c.tiers[-1].count + c.tiers[-1].n_kv_heads * held for c in mine)
                 removed = 1 - kept / sum(c.tiers[-1].n_kv_heads * cfg.prefix for c in mine)
-                print(f"  {spec} at {1 - b / cfg.prefix:g}: retrieval={share:.4f}, removed {removed:.4f}", file=sys.stderr)
+                print(
+                    f"  {spec} at {1 - b / cfg.prefix:g}: retrieval={share:.4f}, removed {removed:.4f}", file=sys.stderr
+                )
             nll[i] += float(score(model, x, mine, cfg.prefix, cfg.score_chunk))
         n += x.shape[1] - 1 - cfg.prefix
     return [math.exp(v / n) for v in nll]

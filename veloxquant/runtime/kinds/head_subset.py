@@ -26,13 +26,15 @@ class HeadSubsetTier(Tier):
         self.kept = tuple(int(h) for h in plan.route.kept_heads(n_kv_heads))
         self.n_kv_heads = n_kv_heads
         self.whole = len(self.kept) == n_kv_heads  # every head kept: an ordinary tier
-        self.kept_index = mx.array(self.kept or (0,), mx.int32)
+        self.kept_index: Optional[mx.array] = None  # made with the first tokens: a fresh cache holds nothing
         self._maps: Dict[int, Tuple[mx.array, mx.array]] = {}  # query heads -> (kept query heads, scatter index)
 
     def append(self, keys: mx.array, values: mx.array, start: int, scores: Optional[mx.array] = None) -> None:
         if not self.kept:
             return  # every head of this layer streams: nothing held here
         if not self.whole:
+            if self.kept_index is None:
+                self.kept_index = mx.array(self.kept, mx.int32)
             keys, values = mx.take(keys, self.kept_index, axis=1), mx.take(values, self.kept_index, axis=1)
         super().append(keys, values, start, scores)
 
@@ -65,7 +67,9 @@ class HeadSubsetTier(Tier):
     @property
     def nbytes(self) -> int:
         """The kept heads' arrays, and the head index arrays held beside them."""
-        index = self.kept_index.nbytes + sum(a.nbytes for pair in self._maps.values() for a in pair)
+        index = (self.kept_index.nbytes if self.kept_index is not None else 0) + sum(
+            a.nbytes for pair in self._maps.values() for a in pair
+        )
         return super().nbytes + index
 
     def _own(self, queries: mx.array, scale: float, mask, hidden: int):
