@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import veloxquant as vq
+from veloxquant.bench import kvpress
 from veloxquant.calibration.fit import calibrate
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.batching import layer_layout, refusal
@@ -153,3 +154,13 @@ def test_refusals(model, recipe):
     vq.uninstall(model)
     with pytest.raises(VeloxError):
         model(mx.array([[1, 2, 3]]), cache=caches)  # without the hook the heads cannot be told apart
+
+
+def test_kvpress_rows_remove_the_fraction_by_heads():
+    """bench kvpress: the share of heads kept whole that removes a fraction of the prefix, streaming heads
+    holding sinks + window; token rows (and the bench's own streaming row) are not head splits."""
+    for fraction in (0.5, 0.75, 0.85):
+        share = kvpress.retrieval_share(fraction, 68, 1536)
+        assert (1 - share) * (1 - 68 / 1536) == pytest.approx(fraction)
+    assert kvpress.retrieval_share(0.99, 68, 1536) == 0.0  # past what streaming every head removes
+    assert kvpress.head_split("duo_attention[window=32]") and not kvpress.head_split("h2o")

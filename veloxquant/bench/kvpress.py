@@ -128,12 +128,12 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
     """PPL of the continuation at each budget, summed over the windows."""
     import mlx.core as mx
 
-    if head_split(spec):
-        return measure_heads(model, windows, spec, budgets, cfg)
     if spec == "streaming":
         path = where / "streaming.yaml"
         path.write_text(STREAMING)
         spec = str(path)
+    if head_split(spec):
+        return measure_heads(model, windows, spec, budgets, cfg)
     nll, n = [0.0] * len(budgets), 0
     for w in windows:
         x = mx.array(w)[None]
