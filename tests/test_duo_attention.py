@@ -8,6 +8,7 @@ import pytest
 
 import veloxquant as vq
 from veloxquant.bench import kvpress
+from veloxquant.board.predict import held_bytes
 from veloxquant.calibration.fit import calibrate
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.compiler.batching import layer_layout, refusal
@@ -164,3 +165,13 @@ def test_kvpress_rows_remove_the_fraction_by_heads():
         assert (1 - share) * (1 - 68 / 1536) == pytest.approx(fraction)
     assert kvpress.retrieval_share(0.99, 68, 1536) == 0.0  # past what streaming every head removes
     assert kvpress.head_split("duo_attention[window=32]") and not kvpress.head_split("h2o")
+
+
+def test_recommend_predicts_the_held_bytes(model, recipe):
+    """board/predict.py: the duo tier at the retrieval share of the heads (3 of 6 here), 256-token steps."""
+    ids = mx.random.randint(0, 500, (1, 300), key=mx.random.key(11))
+    caches = _caches(model, recipe)
+    mx.eval(model(ids, cache=caches))
+    measured = sum(c.nbytes for c in caches)
+    predicted = held_bytes(recipe[0], [], ModelShape.from_model(model), 300)
+    assert predicted == pytest.approx(measured, rel=0.02)
