@@ -152,6 +152,9 @@ def test_refusals(model, recipe):
     caches = _caches(model, recipe)
     assert layer_layout(caches[0].plan) is None  # batches refuse, saying why
     assert "duo route holds tokens in a tier kind of its own" in refusal(caches[0].plan_root)
+    assert not hasattr(caches[0], "merge")  # mlx-lm's server serves it one sequence at a time
+    with pytest.raises(VeloxError, match="does not batch: layer 0: its duo route"):
+        caches[0].merge([caches[0], _caches(model, recipe)[0]])
     vq.uninstall(model)
     with pytest.raises(VeloxError):
         model(mx.array([[1, 2, 3]]), cache=caches)  # without the hook the heads cannot be told apart
