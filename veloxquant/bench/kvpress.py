@@ -10,7 +10,8 @@ a recipe run with `budget=` set from the fraction (and `once=true` where the
 recipe decides every step by default), so our scorers and kvpress's presses
 are compared on the same footing. A head-split row (duo_attention) keeps whole the share of kv
 heads that removes the same fraction (the others keep sinks + window), its prefix fed as one
-block so that nothing leaves before the prefix ends. kvpress's own figures (issue 14: kvpress
+block so that nothing leaves before the prefix ends, and its windows grow by the continuation
+(appended uncompressed, as for every row). kvpress's own figures (issue 14: kvpress
 0.5.5, transformers 5.2.0, H200, float32, same windows) are printed beside
 ours; they are not re-measured here.
 """
@@ -100,7 +101,9 @@ def retrieval_share(fraction: float, held: int, prefix: int) -> float:
 
 def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[float]:
     """A head-split row: per fraction, the share of heads kept whole from the streaming heads'
-    holding; the prefix goes in as one block, so nothing is dropped before it ends (compressed once)."""
+    holding; the prefix goes in as one block, so nothing is dropped before it ends (compressed once),
+    and the streaming heads' windows then grow by the continuation (appended uncompressed)."""
+    import attrs
     import mlx.core as mx
 
     caches = recipe_caches(model, spec)
@@ -113,6 +116,10 @@ def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[fl
             mine = recipe_caches(model, spec, (f"retrieval={share:.6f}",))
             model(x[:, : cfg.prefix], cache=mine)
             settle(mine)
+            for c in mine:  # the continuation is appended uncompressed, as every row's: the windows stop sliding
+                for t in c.tiers:
+                    if t.route is not None and t.route.stage_name == "recent":
+                        t.route = attrs.evolve(t.route, n=t.route.n + cfg.score_tokens + 1)
             if not n:  # once: the fraction of the prefix's (token, head) pairs really let go
                 kept = sum(len(c.tiers[-1].kept) * c.tiers[-1].count + c.tiers[-1].n_kv_heads * held for c in mine)
                 removed = 1 - kept / sum(c.tiers[-1].n_kv_heads * cfg.prefix for c in mine)
