@@ -11,7 +11,7 @@ import test_mlx_contract as contract
 from test_mlx_contract import prompt, smollm2  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
-CALIBRATED = ("commvq", "a2ats", "ratekivi", "lagrate", "kvzap")
+CALIBRATED = ("commvq", "a2ats", "ratekivi", "lagrate", "kvzap", "duo_attention", "duo_kivi")
 CHECKS = {
     "save_load": contract.test_save_load_round_trip_with_metadata,
     "two_steps": contract.test_generating_in_two_steps_equals_one,

@@ -9,6 +9,7 @@ from veloxquant.runtime import kinds
 from veloxquant.runtime.eviction.head_tier import HeadTier
 from veloxquant.runtime.kinds import HEAD_KINDS, KINDS, KindBase, TierKind
 from veloxquant.runtime.kinds.anchor_tier import AnchorTier
+from veloxquant.runtime.kinds.head_subset import HeadSubsetTier
 from veloxquant.runtime.kinds.latent_tier import LatentTier
 from veloxquant.runtime.kinds.merged_tier import MergedTier
 from veloxquant.runtime.kinds.query_aware_tier import QueryAwareTier
@@ -19,7 +20,13 @@ from veloxquant.runtime.make import caches_for
 
 
 def test_kind_modules_register_themselves():
-    assert KINDS == {"latent": LatentTier, "merged": MergedTier, "anchor": AnchorTier, "query_aware": QueryAwareTier}
+    assert KINDS == {
+        "latent": LatentTier,
+        "merged": MergedTier,
+        "anchor": AnchorTier,
+        "query_aware": QueryAwareTier,
+        "heads": HeadSubsetTier,
+    }
     assert HEAD_KINDS == {"sparse_decode": SparseDecodeTier}
 
 
@@ -40,6 +47,7 @@ BUILT = {
     "rocketkv": {SparseDecodeTier},
     "snapkv": {HeadTier},
     "xquant": {ReuseTier, Tier},
+    "duo_attention": {HeadSubsetTier, Tier},
 }
 
 

@@ -8,7 +8,10 @@ it ONCE when the prefix ends, keeping (1 - fraction) x prefix tokens per kv
 head; the continuation is then appended uncompressed and scored. Every row is
 a recipe run with `budget=` set from the fraction (and `once=true` where the
 recipe decides every step by default), so our scorers and kvpress's presses
-are compared on the same footing. kvpress's own figures (issue 14: kvpress
+are compared on the same footing. A head-split row (duo_attention) keeps whole the share of kv
+heads that removes the same fraction (the others keep sinks + window), its prefix fed as one
+block so that nothing leaves before the prefix ends, and its windows grow by the continuation
+(appended uncompressed, as for every row). kvpress's own figures (issue 14: kvpress
 0.5.5, transformers 5.2.0, H200, float32, same windows) are printed beside
 ours; they are not re-measured here.
 """
@@ -27,7 +30,7 @@ from ..data import load_text
 from ..eval.config import EvalConfig
 from ..eval.feed import score, settle
 from ..eval.ppl import window_nll, windows
-from ..eval.rows import recipe_caches
+from ..eval.rows import parse_row, recipe_caches
 from ..models import load_model
 from ..runtime import make_prompt_cache
 from ..runtime.eviction import model_pass
@@ -82,6 +85,52 @@ def fork(caches, budget: int):
     return copies
 
 
+def head_split(spec: str) -> bool:
+    """The row splits kv heads rather than tokens (duo: a `retrieval` share of heads kept whole)."""
+    from ..recipe import load_recipe
+
+    row = parse_row(spec)
+    return row.kind == "recipe" and "retrieval" in load_recipe(row.ref).params
+
+
+def retrieval_share(fraction: float, held: int, prefix: int) -> float:
+    """The share of kv heads kept whole that removes `fraction` of the prefix when every other head
+    keeps `held` tokens (sinks + window): fraction = (1 - share) * (1 - held / prefix)."""
+    return max(0.0, 1.0 - fraction / (1.0 - held / prefix))
+
+
+def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[float]:
+    """A head-split row: per fraction, the share of heads kept whole from the streaming heads'
+    holding; the prefix goes in as one block, so nothing is dropped before it ends (compressed once),
+    and the streaming heads' windows then grow by the continuation (appended uncompressed)."""
+    import attrs
+    import mlx.core as mx
+
+    caches = recipe_caches(model, spec)
+    held = sum(t.route.n for t in caches[0].tiers if t.route is not None and t.route.stage_name in ("sink", "recent"))
+    nll, n = [0.0] * len(budgets), 0
+    for w in windows:
+        x = mx.array(w)[None]
+        for i, b in enumerate(budgets):
+            share = retrieval_share(1 - b / cfg.prefix, held, cfg.prefix)
+            mine = recipe_caches(model, spec, (f"retrieval={share:.6f}",))
+            model(x[:, : cfg.prefix], cache=mine)
+            settle(mine)
+            for c in mine:  # the continuation is appended uncompressed, as every row's: the windows stop sliding
+                for t in c.tiers:
+                    if t.route is not None and t.route.stage_name == "recent":
+                        t.route = attrs.evolve(t.route, n=t.route.n + cfg.score_tokens + 1)
+            if not n:  # once: the fraction of the prefix's (token, head) pairs really let go
+                kept = sum(len(c.tiers[-1].kept) * c.tiers[-1].count + c.tiers[-1].n_kv_heads * held for c in mine)
+                removed = 1 - kept / sum(c.tiers[-1].n_kv_heads * cfg.prefix for c in mine)
+                print(
+                    f"  {spec} at {1 - b / cfg.prefix:g}: retrieval={share:.4f}, removed {removed:.4f}", file=sys.stderr
+                )
+            nll[i] += float(score(model, x, mine, cfg.prefix, cfg.score_chunk))
+        n += x.shape[1] - 1 - cfg.prefix
+    return [math.exp(v / n) for v in nll]
+
+
 def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> List[float]:
     """PPL of the continuation at each budget, summed over the windows."""
     import mlx.core as mx
@@ -90,6 +139,8 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
         path = where / "streaming.yaml"
         path.write_text(STREAMING)
         spec = str(path)
+    if head_split(spec):
+        return measure_heads(model, windows, spec, budgets, cfg)
     nll, n = [0.0] * len(budgets), 0
     for w in windows:
         x = mx.array(w)[None]

@@ -3,7 +3,8 @@
 Per layer, tokens fill the tiers newest first as the runtime routes them:
 `sink(n)` holds the first n, `recent(n)` the newest n, a per-head route
 (`evict`, `snap`, ...) `budget` (+ `slack`) tokens, `drop` none, the last
-tier the rest; each at its codecs' bits per element (compiler/groups.py
+tier the rest (`duo`: for its retrieval share of the model's heads, spread evenly over the layers);
+each at its codecs' bits per element (compiler/groups.py
 codec_bits, metadata included; a per-head tier's positions and scores too);
 a 16-bit unbounded tier is rounded up to its 256-token allocation step, as
 the runtime allocates it (coded tiers hold exactly their tokens). A sliding-window
@@ -47,6 +48,9 @@ def _tokens_held(tier, remaining: int) -> Optional[int]:
         return remaining if over <= 0 else remaining - -(-over // tier.chunk) * tier.chunk
     if name == "drop":
         return 0
+    if getattr(route, "held_share", None) is not None:  # duo: the rest, for the retrieval share of the heads
+        step = UNBOUNDED_STEP if _sixteen_bit(tier) else 1
+        return -(-remaining // step) * step if remaining else 0
     # A fixed per-layer budget (squeeze moves budgets between layers at run time).
     if getattr(route, "per_head", False) and hasattr(route, "budget") and getattr(route, "layers", "fixed") == "fixed":
         return min(remaining, route.budget + getattr(route, "slack", 0))
@@ -68,7 +72,8 @@ def layer_bytes(layer: LayerPlan, context: int) -> Optional[float]:
             )
             if math.isnan(bits):
                 return None
-            total += held * layer.n_kv_heads * layer.head_dim * bits / 8
+            share = getattr(tier.route, "held_share", 1.0)  # duo: the model's share of heads (not this layer's)
+            total += share * held * layer.n_kv_heads * layer.head_dim * bits / 8
             if getattr(tier.route, "per_head", False):
                 total += held * layer.n_kv_heads * META_BYTES
         remaining -= min(held, remaining)

@@ -6,7 +6,9 @@ from pathlib import Path
 def add_calibrate_args(p) -> None:
     p.add_argument("recipe")
     p.add_argument("--model", help="mlx-lm model folder or 'gemma3' (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--corpus", help="calibration text: sets the recipe's 'corpus' parameter ('austen:emma', a file)")
+    p.add_argument(
+        "--corpus", help="calibration text: sets the recipe's 'corpus' parameter ('austen:emma', 'passkey', a file)"
+    )
     p.add_argument("--tokens", type=int, help="calibration tokens: sets the recipe's 'tokens' parameter")
     p.add_argument(
         "--set",

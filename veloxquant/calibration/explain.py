@@ -14,8 +14,8 @@ def calibration_lines(plan: Plan, model=None, model_label: str = "") -> List[str
         return []
     cfg = settings(plan)
     kinds = Counter((s.stage_name, side[0]) for _, _, side, s in sites)
-    what = {"k": "keys", "v": "values", "r": "scores"}  # "r": a route's scorer (kvzap)
-    shown = ", ".join(f"{name} on {what[side]} x{n}" for (name, side), n in kinds.items())
+    on = {"k": "keys", "v": "values", "r": "a route"}  # "r": a route's fit (kvzap's scores, duo's gates)
+    shown = ", ".join(f"{name} on {on[side]} x{n}" for (name, side), n in kinds.items())
     lines = [
         "",
         f"calibrated stages: {shown} (per layer and kv head), fitted on {cfg['tokens']} tokens of '{cfg['corpus']}'",

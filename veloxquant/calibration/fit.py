@@ -2,7 +2,7 @@
 
 import sys
 import time
-from typing import Dict
+from typing import Dict, Tuple
 
 import attrs
 import mlx.core as mx
@@ -28,16 +28,20 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     if len(ids) < cfg["tokens"]:
         raise VeloxError(f"corpus '{cfg['corpus']}' has {len(ids)} tokens, fewer than the {cfg['tokens']} asked for")
     sites = calibrated_stages(plan)
-    coded = {i for i, _, side, _ in sites if side != "route"}
-    samples = collect(model, ids, coded, progress) if coded else {}
-    routed = {i for i, _, side, _ in sites if side == "route"}  # kvzap: hidden states -> kvzip's scores
-    targets = collect_targets(model, tokenizer, ids, routed, progress) if routed else {}
+    # kvzap's route fits hidden states to kvzip's scores; every other site (duo's gates too) the layer's q, k, v
+    scored = {i for i, _, side, stage in sites if side == "route" and hasattr(stage, "fit_scores")}
+    sampled = {i for i, _, side, stage in sites if not (side == "route" and hasattr(stage, "fit_scores"))}
+    samples = collect(model, ids, sampled, progress) if sampled else {}
+    targets = collect_targets(model, tokenizer, ids, scored, progress) if scored else {}
     arrays: Dict[str, np.ndarray] = {}
     fitted: Dict[Site, Dict[str, np.ndarray]] = {}
     for site in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
         i, t, side, stage = site
-        if side == "route":
+        if side == "route" and hasattr(stage, "fit_scores"):
             fitted[site] = stage.fit_scores(targets[i]["h"], targets[i]["s"])
+            continue
+        if side == "route":  # duo's gates: the layer's attention output through its own o_proj
+            fitted[site] = stage.fit_gates(samples[i], _held_before(plan, site), *_attention_of(model, plan, i))
             continue
         x, q = _in_stage_domain(plan, site, samples[i])
         if getattr(stage, "fits_layer", False):  # measures attention outputs: needs the layer's raw q, k, v too
@@ -65,6 +69,27 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     }
     path = artifact.save(key, arrays, meta)
     return {**artifact.find(key), "path": str(path)}
+
+
+def _held_before(plan: Plan, site: Site) -> Tuple[int, int]:
+    """(sinks, window): what the tiers before a route site hold of every head (sink(n), recent(n))."""
+    i, t, _, _ = site
+    routes = [tier.route for tier in plan.layers[i].tiers[:t]]
+    sinks = sum(r.n for r in routes if r is not None and r.stage_name == "sink")
+    window = sum(r.n for r in routes if r is not None and r.stage_name == "recent")
+    return sinks, window
+
+
+def _attention_of(model, plan: Plan, i: int):
+    """(scale, o_proj [hidden, Hq * D] float32 or None, sliding window) of recipe layer i's attention."""
+    attn = getattr(model.layers[plan.shape.model_layers(i)[0]], "self_attn", None)
+    scale = float(getattr(attn, "scale", plan.layers[i].head_dim ** -0.5))
+    proj = getattr(attn, "o_proj", None)
+    weight = getattr(proj, "weight", None)
+    if weight is not None and getattr(proj, "scales", None) is not None:  # a quantized projection
+        weight = mx.dequantize(weight, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits)
+    o_proj = None if weight is None else np.array(weight.astype(mx.float32))
+    return scale, o_proj, plan.layers[i].window
 
 
 def _in_stage_domain(plan: Plan, site: Site, layer: Dict[str, np.ndarray]):

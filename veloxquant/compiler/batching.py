@@ -129,6 +129,9 @@ def layer_refusal(layer: LayerPlan) -> Optional[str]:
     """Why this layer's cache cannot hold a batch (None: it can)."""
     if layer.share is not None:
         return "its layers share codes across layers (a cross-layer group is not batched yet)"
+    held = [t.route for t in layer.tiers if getattr(t.route, "tier_kind", None) and not t.route.per_head]
+    if held:  # duo: some kv heads only
+        return f"its {held[0].stage_name} route holds tokens in a tier kind of its own ({held[0].tier_kind})"
     if layer.needs:
         return _heads_refusal(layer)
     if len(layer.tiers) == 1 and _plain(layer.tiers[0]):

@@ -32,10 +32,10 @@ def calibrated_stages(plan: Plan) -> List[Site]:
     out = []
     for layer in plan.layers:
         for t, tier in enumerate(layer.tiers):
+            if getattr(tier.route, "calibrated", False):  # a route fitted per layer (duo's gates, kvzap's scorer)
+                out.append((layer.index, t, "route", tier.route))
             for side, codec in (("k", tier.keys), ("v", tier.values)):
                 out += [(layer.index, t, f"{side}.{where}" if where else side, s) for where, s in _calibrated(codec)]
-            if getattr(tier.route, "calibrated", False):  # a route whose scorer is fitted (kvzap)
-                out.append((layer.index, t, "route", tier.route))
     return out
 
 
@@ -57,6 +57,8 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
         tiers = []
         for t, tier in enumerate(layer.tiers):
             sides = {}
+            if getattr(tier.route, "calibrated", False):
+                sides["route"] = fn(layer.index, t, "route", tier.route)
             for side, codec in (("keys", tier.keys), ("values", tier.values)):
                 if codec is not None and getattr(codec.store, "calibrated", False):
                     codec = attrs.evolve(codec, store=fn(layer.index, t, side[0], codec.store))
@@ -71,8 +73,6 @@ def _map_stores(plan: Plan, fn: Callable) -> Plan:
                         ),
                     )
                 sides[side] = codec
-            if getattr(tier.route, "calibrated", False):
-                sides["route"] = fn(layer.index, t, "route", tier.route)
             tiers.append(attrs.evolve(tier, **sides))
         layers.append(attrs.evolve(layer, tiers=tuple(tiers)))
     return attrs.evolve(plan, layers=tuple(layers))

@@ -116,7 +116,10 @@ def long_run_bits(layer: LayerPlan) -> float:
     if not kept:
         return 0.0  # bounded memory: bits per element of context tends to zero
     t = kept[-1]
-    return (codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)) / 2
+    share = getattr(t.route, "held_share", 1.0)  # duo: the retrieval heads alone hold the long context
+    return (
+        share * (codec_bits(t.keys, layer.head_dim, layer.role) + codec_bits(t.values, layer.head_dim, layer.role)) / 2
+    )
 
 
 def render(plan: Plan) -> str:

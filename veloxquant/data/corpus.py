@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 from ..errors import VeloxError
+from .passkey_text import passkey_corpus
 
 DEB_PACKAGE = "r-cran-janeaustenr"
 DEFAULT_BOOK = "pride"
@@ -191,8 +192,10 @@ def austen_text(book: str | None = None, progress: bool = True) -> str:
 
 
 def load_text(name_or_path: str | os.PathLike, progress: bool = True) -> str:
-    """Text by corpus name ("austen", "austen:emma") or from a text file path."""
+    """Text by corpus name ("austen", "austen:emma", "passkey": data/passkey_text.py) or from a text file path."""
     name = str(name_or_path)
+    if name == "passkey" or name.startswith("passkey:"):  # synthetic retrieval text over an Austen book
+        return passkey_corpus(austen_text(name.partition(":")[2] or "emma", progress=progress))
     if name == "austen" or name.startswith("austen:"):
         book = name.partition(":")[2] or None
         return austen_text(book, progress=progress)

@@ -1,6 +1,7 @@
 """Which runtime class holds a tier: the tier kinds behind one protocol (runtime/kinds/protocol.py).
 
-A store stage that needs its own kind of tier names it (`tier_kind = "latent"`);
+A store stage that needs its own kind of tier names it (`tier_kind = "latent"`), and so may a
+route (`duo`: "heads");
 TieredCache asks `build` and never branches on kinds itself. A kind registers itself
 (`@kind("latent")`, or `@head_kind(...)` for a per-head route's `tier_kind`: RocketKV's
 decode-time selection); every module of this package is imported here, so a new kind
@@ -30,6 +31,8 @@ def kind_of(plan: TierPlan):
     if plan.drops:
         return None
     asked = {getattr(c.store, "tier_kind", None) for c in (plan.keys, plan.values)} - {None}
+    if not getattr(plan.route, "per_head", False) and getattr(plan.route, "tier_kind", None):
+        asked.add(plan.route.tier_kind)  # a route that holds its tokens its own way (duo: some heads only)
     if len(asked) > 1:
         raise VeloxError(f"one tier cannot be held by two tier kinds ({', '.join(sorted(asked))})")
     return asked.pop() if asked else None
