@@ -74,12 +74,19 @@ def measure_task(model_ref: Optional[str], recipe_text: str, sl: Slice) -> Dict[
 
 
 def slices(
-    tokens: Sequence[int], calib_windows: int, heldout_windows: int, prefix: int, score_tokens: int
+    tokens: Sequence[int],
+    calib_windows: int,
+    heldout_windows: int,
+    prefix: int,
+    score_tokens: int,
+    heldout_tokens: Optional[Sequence[int]] = None,
 ) -> List[Slice]:
-    """Calibration windows from the first half of the corpus, held-out windows from the second."""
+    """Calibration windows from the first half of the corpus, held-out windows from the second,
+    or from all of `heldout_tokens` (another text) when given."""
     half = len(tokens) // 2
+    held = tokens[half:] if heldout_tokens is None else heldout_tokens
     length = prefix + score_tokens + 1
     return [
         Slice("calibration", tuple(map(tuple, windows(tokens[:half], calib_windows, length))), prefix),
-        Slice("held-out", tuple(map(tuple, windows(tokens[half:], heldout_windows, length))), prefix),
+        Slice("held-out", tuple(map(tuple, windows(held, heldout_windows, length))), prefix),
     ]

@@ -15,6 +15,7 @@ measurements; the held-out confirmation always runs.
 
 import hashlib
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..compiler.binding import needs_artifact
 from ..paths import recipes_dir
 from ..pool import run_all
 from ..recipe import builtin_names
+from . import hybrid
 from .measure import Slice, measure_task
 from .space import Candidate, grid, mixes, shortlist
 
@@ -138,8 +140,9 @@ def builtin_text(name: str) -> str:
     return (recipes_dir() / f"{name}.yaml").read_text()
 
 
-def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
-    """The whole search; returns {entries, best, fp16, front, builtins_in_budget}."""
+def run(search: Search, bases: Sequence[str], max_ratio: float, seed: int = 0) -> dict:
+    """The whole search; returns {entries, best, fp16, front, builtins_in_budget}. The base
+    `hybrid` is the hybrid space (hybrid.py), its points measured in an order drawn from `seed`."""
     calib, held = search.calib, search.held
     fp16 = builtin_text("fp16")
     builtins = {n: builtin_text(n) for n in builtin_names() if n != "fp16" and not needs_artifact(n)}
@@ -151,8 +154,10 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     first = [("fp16", fp16)] + [(f"built-in {n}", builtins[n]) for n in builtins if n in fitting]
     for label, t in first:
         entries[t] = Entry(label, t, builtin=label.startswith("built-in"))
-    cands = [c for base in bases for c in grid(base)]
+    cands = [c for base in bases if base != hybrid.NAME for c in grid(base)]
     short = shortlist(cands, search.shape, search.context, max_ratio)
+    if hybrid.NAME in bases:  # each point already spends the budget exactly: no shortlist, the seeded order kept
+        short += [(p, max_ratio) for p in hybrid.points(search.shape, search.context, max_ratio, seed)]
     for c, _ in short:
         entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
     # The grid gets 70% of the time budget, so per-layer mixes of its best are measured too.
@@ -167,9 +172,7 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
 
     best = _best([t for t in cand_of if fits(t)], results)
     if best is not None:  # per-layer mixes of the best parameters
-        extra = [
-            c for c, _ in shortlist(list(mixes(cand_of[best])), search.shape, search.context, max_ratio, floor=0.8)
-        ][:8]
+        extra = _mixes(cand_of[best], search, max_ratio, seed)[:8]
         for c in extra:
             cand_of[c.yaml("candidate")] = c
             entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
@@ -188,6 +191,15 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
         "fp16": fp16,
         "front": pareto([e for e in entries.values() if e.calib]),
     }
+
+
+def _mixes(best, search: Search, max_ratio: float, seed: int) -> list:
+    """Per-layer variants of the best candidate that may fit, in the order they are measured."""
+    if isinstance(best, hybrid.Hybrid):
+        out = list(hybrid.mixes(best, search.shape, search.context, max_ratio))
+        random.Random(seed).shuffle(out)
+        return out
+    return [c for c, _ in shortlist(list(mixes(best)), search.shape, search.context, max_ratio, floor=0.8)]
 
 
 def _best(texts, results) -> Optional[str]:
