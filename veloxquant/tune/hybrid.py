@@ -31,7 +31,7 @@ CODECS = {
     "affine": "affine(bits=${side}_bits, group=32, axis=token)",
 }
 BITS = (2, 3, 4)
-WINDOWS = (0, 16, 32)
+WINDOWS = (0, 16, 32, 64, 128)
 BUDGET_STEP = 8  # budgets are solved to a multiple of this many tokens
 SIDES = ("key", "value")
 
