@@ -1,5 +1,6 @@
 """`veloxquant tune` on a tiny random model: measured bytes within budget, resumable, a loadable recipe."""
 
+import json
 import random
 
 import attrs
@@ -10,7 +11,7 @@ from tests.test_eval import CharTokenizer
 from veloxquant import cli, pool
 from veloxquant.compiler import ModelShape, compile_recipe
 from veloxquant.recipe import load_recipe
-from veloxquant.tune import hybrid
+from veloxquant.tune import hybrid, search
 from veloxquant.tune.measure import recipe_from_text
 from veloxquant.tune.space import Candidate, estimate_ratio, grid, mixes
 
@@ -114,7 +115,10 @@ def test_tune_searches_the_hybrid_space(tiny, tmp_path, capsys, monkeypatch):
     argv = ["tune", "tiny", "--max-bytes", "0.2", "--from", "hybrid", "--corpus", str(tiny), "-o", str(out)]
     argv += ["--state", str(tmp_path / "s.jsonl"), "--seed", "3", *ARGS]
     assert cli.main(argv) == 0
-    assert "(tuned)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "(tuned)" in text and "| ΔPPL vs fp16 | KLD |" in text
+    results = [json.loads(x)["result"] for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert all(r["kld"] >= 0 for r in results) and min(r["kld"] for r in results) < 1e-6  # fp16 against itself
     written = out.read_text()
     assert "score=lagkv" in written and "extends" not in written
     assert float(written.split("held-out:    bytes ")[1].split(",")[0]) <= 0.2
@@ -124,3 +128,8 @@ def test_tune_searches_the_hybrid_space(tiny, tmp_path, capsys, monkeypatch):
 def test_unknown_base_is_still_an_error(capsys):
     assert cli.main(["tune", "tiny", "--max-bytes", "0.2", "--from", "hybrd"]) == 2
     assert "hybrd" in capsys.readouterr().err
+
+
+def test_the_objective_picks_the_best():
+    results = {"a": {"nll": 10.0, "tokens": 10, "kld": 0.2}, "b": {"nll": 12.0, "tokens": 10, "kld": 0.1}}
+    assert search._best(["a", "b"], results, "ppl") == "a" and search._best(["a", "b"], results, "kld") == "b"

@@ -38,6 +38,13 @@ def add_tune_args(p) -> None:
         metavar="TEXT",
         help="held-out windows from this text instead (e.g. austen:persuasion; calibration stays on --corpus)",
     )
+    p.add_argument(
+        "--objective",
+        choices=("kld", "ppl"),
+        default="kld",
+        help="what the best candidate minimises on calibration: mean KL divergence from fp16's next-token "
+        "distributions, or perplexity (default kld)",
+    )
     p.add_argument("--seed", type=int, default=0, help="order in which the hybrid space is sampled (default 0)")
     p.add_argument("--prefix", type=int, default=1024, help="tokens prefilled before scoring (default 1024)")
     p.add_argument("--score-tokens", type=int, default=128, help="tokens scored per window (default 128)")
@@ -99,7 +106,14 @@ def cmd_tune(args) -> int:
     )
     deadline = started + 60 * args.budget_minutes if args.budget_minutes else None
     search = Search(
-        model_ref, ModelShape.from_model(model), sl, State(state), args.ray, deadline, progress=not args.no_progress
+        model_ref,
+        ModelShape.from_model(model),
+        sl,
+        State(state),
+        args.ray,
+        deadline,
+        progress=not args.no_progress,
+        objective=args.objective,
     )
     out = run(search, bases, args.max_bytes, args.seed)
     wall = time.time() - started
@@ -131,26 +145,27 @@ def report(out, max_ratio, search, wall) -> str:
         f"budget {max_ratio} of fp16's bytes at {search.context} tokens",
         "",
         "Pareto front (calibration; bytes are held / fp16's, measured):",
-        "| recipe | bytes vs fp16 | PPL | ΔPPL | within budget |",
-        "|---|---|---|---|---|",
+        "| recipe | bytes vs fp16 | PPL | ΔPPL | KLD | within budget |",
+        "|---|---|---|---|---|---|",
     ]
     for e in out["front"]:
         fits = "yes" if e.calib["ratio"] <= max_ratio else "no"
         lines.append(
-            f"| {e.label} | {e.calib['ratio']:.3f} | {e.calib['ppl']:.3f} | {_dppl(e.calib, fp16.calib)} | {fits} |"
+            f"| {e.label} | {e.calib['ratio']:.3f} | {e.calib['ppl']:.3f} | {_dppl(e.calib, fp16.calib)} | "
+            f"{e.calib['kld']:.4f} | {fits} |"
         )
     lines += [
         "",
         f"held-out slice (recipes within {max_ratio} of fp16's bytes on calibration):",
-        "| recipe | bytes vs fp16 | PPL | ΔPPL vs fp16 |",
-        "|---|---|---|---|",
+        "| recipe | bytes vs fp16 | PPL | ΔPPL vs fp16 | KLD |",
+        "|---|---|---|---|---|",
     ]
     held = sorted((e for e in entries.values() if e.heldout), key=lambda e: e.heldout["ppl"])
     for e in held:
         mark = " (tuned)" if e.text == best else ""
         lines.append(
             f"| {e.label}{mark} | {e.heldout['ratio']:.3f} | {e.heldout['ppl']:.3f} | "
-            f"{_dppl(e.heldout, fp16.heldout)} |"
+            f"{_dppl(e.heldout, fp16.heldout)} | {e.heldout['kld']:.4f} |"
         )
     rivals = [e for e in held if e.builtin]
     if best is not None:
@@ -158,12 +173,18 @@ def report(out, max_ratio, search, wall) -> str:
         if not rivals:
             lines.append(f"no built-in fits {max_ratio} of fp16's bytes here, so there is none to beat")
         else:
-            top = min(rivals, key=lambda e: e.heldout["ppl"])
-            verdict = "beats" if mine["ppl"] < top.heldout["ppl"] else "does NOT beat"
-            lines.append(
-                f"the tuned recipe {verdict} the best built-in within budget ({top.label}): "
-                f"held-out ΔPPL {_dppl(mine, fp16.heldout)} vs {_dppl(top.heldout, fp16.heldout)}"
-            )
+            for what in ("ppl", "kld"):
+                top = min(rivals, key=lambda e: e.heldout[what])
+                verdict = "beats" if mine[what] < top.heldout[what] else "does NOT beat"
+                mine_text, top_text = (
+                    (_dppl(mine, fp16.heldout), _dppl(top.heldout, fp16.heldout))
+                    if what == "ppl"
+                    else (f"{mine['kld']:.4f}", f"{top.heldout['kld']:.4f}")
+                )
+                lines.append(
+                    f"on held-out {'ΔPPL' if what == 'ppl' else 'KLD'} the tuned recipe {verdict} the best "
+                    f"built-in within budget ({top.label}): {mine_text} vs {top_text}"
+                )
     lines.append(f"wall {wall:.0f} s")
     return "\n".join(lines)
 
