@@ -203,9 +203,10 @@ def recipe_file(out, args, model_name, name) -> str:
         f"ΔPPL vs fp16, corpus {args.corpus}"
         + (f", held-out on {args.heldout_corpus}" if args.heldout_corpus else "")
         + "):\n"
-        f"  calibration: bytes {e.calib['ratio']:.3f}, PPL {e.calib['ppl']:.3f} ({_dppl(e.calib, fp16.calib)})\n"
+        f"  calibration: bytes {e.calib['ratio']:.3f}, PPL {e.calib['ppl']:.3f} ({_dppl(e.calib, fp16.calib)}), "
+        f"KLD {e.calib['kld']:.4f}\n"
         f"  held-out:    bytes {e.heldout['ratio']:.3f}, PPL {e.heldout['ppl']:.3f} "
-        f"({_dppl(e.heldout, fp16.heldout)})\n"
+        f"({_dppl(e.heldout, fp16.heldout)}), KLD {e.heldout['kld']:.4f}\n"
         f"Command: {command}"
     )
     return out["candidate"].yaml(name, header)
