@@ -31,20 +31,23 @@ class Slice:
     score_chunk: int = 32
 
 
-_REFERENCES: Dict[tuple, list] = {}  # (model, slice) -> fp16's log-probs per window: one fp16 pass per process
+# (id(model), slice) -> (model, fp16's log-probs per window): one fp16 pass per process and slice. The
+# model is kept beside them so that an id reused by another model after this one is freed never matches.
+_REFERENCES: Dict[tuple, tuple] = {}
 
 
 def _references(model, sl: Slice) -> list:
     key = (id(model), sl)
-    if key not in _REFERENCES:
+    if key not in _REFERENCES or _REFERENCES[key][0] is not model:
         fp16 = load_recipe("fp16")
-        _REFERENCES[key] = [
+        refs = [
             reference(
                 model, lambda: make_prompt_cache(model, fp16), list(w), sl.prefix, sl.prefill_chunk, sl.score_chunk
             )
             for w in sl.windows
         ]
-    return _REFERENCES[key]
+        _REFERENCES[key] = (model, refs)
+    return _REFERENCES[key][1]
 
 
 def measure(model, recipe_text: str, sl: Slice, base_dir: Optional[str] = None) -> Dict[str, float]:
