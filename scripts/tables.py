@@ -14,7 +14,15 @@ other JSON with a `rows` list renders as a table of its rows' fields, under its 
 
 renders the output a session recorded under KEY (a bench's printed table) as it was printed; a
 `<!-- kvpress: results/A.json -->` block renders `veloxquant bench kvpress --json`'s ΔPPL by fraction,
-kvpress's published rows beside ours.
+kvpress's published rows beside ours. A block
+
+    <!-- ranks: results/A.json [results/B.json ...] :: results/C.json [results/D.json ...] -->
+
+compares two corpora: the rows of the `eval --json` files before `::` (one corpus; rows matched by
+name, each ΔPPL against its own file's fp16) with the same rows in the files after it (a second
+corpus), grouped by held bytes at the issue's points (≤ 0.25, 0.20, 0.125, 0.083, 0.0625 of fp16's),
+each point's rows ordered by ΔPPL on the first corpus with their rank on the second, and Spearman's
+rank correlation (of ΔPPL, and of mean KL divergence vs fp16) over all the rows both corpora measured.
 
     python scripts/tables.py           # rewrite the blocks in docs/*.md and README.md
     python scripts/tables.py --check   # exit 1, naming the docs whose tables differ from results/
@@ -31,7 +39,7 @@ from veloxquant.eval import report
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(
-    r"(<!-- (?P<kind>table|printed|kvpress): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S
+    r"(<!-- (?P<kind>table|printed|kvpress|ranks): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S
 )
 
 
@@ -111,7 +119,75 @@ def kvpress(spec: str, root: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+POINTS = (0.0625, 0.083, 0.125, 0.20, 0.25)  # held / fp16 bytes: the frontier issue's points
+
+
+def _dppl(paths: List[str], root: Path) -> Dict[str, tuple]:
+    """{row name: (held / fp16, ΔPPL %, mean KLD)} over eval files, ΔPPL against each file's own fp16."""
+    out = {}
+    for p in paths:
+        rows = json.loads((root / p).read_text())["rows"]
+        fp16 = next(r["ppl"] for r in rows if r["name"] == "fp16")
+        out.update(
+            {
+                r["name"]: (r["cost"]["ratio"], 100 * (r["ppl"] / fp16 - 1), r["divergence"]["kld_mean"])
+                for r in rows
+                if r["name"] != "fp16"
+            }
+        )
+    return out
+
+
+def _ranks(values: List[float]) -> List[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    for r, i in enumerate(order):
+        out[i] = float(r)
+    return out
+
+
+def spearman(a: List[float], b: List[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def ranks(spec: str, root: Path = ROOT) -> str:
+    first, second = (x.split() for x in spec.split("::", 1))
+    a, b = _dppl(first, root), _dppl(second, root)
+    names = [n for n in a if n in b]
+    point = {n: next((f"≤ {p:g}" for p in POINTS if a[n][0] <= p + 5e-4), "> 0.25") for n in names}
+    lines = [
+        f"First corpus: {', '.join(f'`{p}`' for p in first)}; second: {', '.join(f'`{p}`' for p in second)}. "
+        "Rows at each point ordered by ΔPPL on the first corpus; rank = place within the point.",
+        "",
+        "| point | row | held ÷ fp16 | ΔPPL first | ΔPPL second | KLD first | KLD second | rank first | rank second |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    agree = []
+    for label in [f"≤ {p:g}" for p in POINTS] + ["> 0.25"]:
+        group = sorted((n for n in names if point[n] == label), key=lambda n: a[n][1])
+        second_order = sorted(group, key=lambda n: b[n][1])
+        if len(group) > 1:
+            agree.append(group == second_order)
+        for i, n in enumerate(group):
+            cells = [label, n, f"{a[n][0]:.3f}", f"{a[n][1]:+.2f}%", f"{b[n][1]:+.2f}%", f"{a[n][2]:.4f}"]
+            cells += [f"{b[n][2]:.4f}", i + 1]
+            lines.append("| " + " | ".join(map(str, cells + [second_order.index(n) + 1])) + " |")
+    rho, rho_kld = (spearman([a[n][k] for n in names], [b[n][k] for n in names]) for k in (1, 2))
+    lines += [
+        "",
+        f"Spearman's ρ over all {len(names)} rows: {rho:.3f} on ΔPPL, {rho_kld:.3f} on mean KLD; "
+        "the ΔPPL order within a point agrees at "
+        f"{sum(agree)} of the {len(agree)} points with two rows or more.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _body(m, root: Path) -> str:
+    if m.group("kind") == "ranks":
+        return ranks(m.group("spec"), root)
     if m.group("kind") == "printed":
         return printed(m.group("spec"), root)
     if m.group("kind") == "kvpress":

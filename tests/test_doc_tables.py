@@ -48,3 +48,12 @@ def test_a_hand_edited_table_is_stale(tmp_path):
     j = text.index("| ", i)
     doc.write_text(text[:j] + "| edited " + text[j + 2 :])
     assert tables.stale(tmp_path) == [str(doc.relative_to(tmp_path))]
+
+
+def test_ranks_compare_the_order_on_two_texts():
+    assert tables.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == 1.0
+    assert tables.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
+    doc = (ROOT / "docs" / "results.md").read_text()
+    spec = doc.split("<!-- ranks: ")[1].split(" -->")[0]
+    text = tables.ranks(spec)
+    assert "| ≤ 0.125 | lagquant | 0.123 |" in text and "Spearman's ρ over all" in text

@@ -15,6 +15,7 @@ measurements; the held-out confirmation always runs.
 
 import hashlib
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..compiler.binding import needs_artifact
 from ..paths import recipes_dir
 from ..pool import run_all
 from ..recipe import builtin_names
+from . import hybrid
 from .measure import Slice, measure_task
 from .space import Candidate, grid, mixes, shortlist
 
@@ -59,7 +61,8 @@ class State:
 
 
 def key_of(text: str, sl: Slice, model: str) -> str:
-    h = hashlib.sha256(json.dumps([text, attrs.asdict(sl), model]).encode()).hexdigest()
+    # "kld": measurements made before results carried the KL divergence are measured again
+    h = hashlib.sha256(json.dumps([text, attrs.asdict(sl), model, "kld"]).encode()).hexdigest()
     return h[:24]
 
 
@@ -73,8 +76,10 @@ class Search:
         ray=None,
         deadline: Optional[float] = None,
         progress: bool = True,
+        objective: str = "kld",
     ):
         self.model_ref, self.shape, self.state, self.ray, self.deadline = model_ref, shape, state, ray, deadline
+        self.objective = objective  # what "best" minimises: OBJECTIVES
         self.calib, self.held = slices
         self.progress = progress
         self.started = time.time()
@@ -138,8 +143,9 @@ def builtin_text(name: str) -> str:
     return (recipes_dir() / f"{name}.yaml").read_text()
 
 
-def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
-    """The whole search; returns {entries, best, fp16, front, builtins_in_budget}."""
+def run(search: Search, bases: Sequence[str], max_ratio: float, seed: int = 0) -> dict:
+    """The whole search; returns {entries, best, fp16, front, builtins_in_budget}. The base
+    `hybrid` is the hybrid space (hybrid.py), its points measured in an order drawn from `seed`."""
     calib, held = search.calib, search.held
     fp16 = builtin_text("fp16")
     builtins = {n: builtin_text(n) for n in builtin_names() if n != "fp16" and not needs_artifact(n)}
@@ -151,8 +157,10 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
     first = [("fp16", fp16)] + [(f"built-in {n}", builtins[n]) for n in builtins if n in fitting]
     for label, t in first:
         entries[t] = Entry(label, t, builtin=label.startswith("built-in"))
-    cands = [c for base in bases for c in grid(base)]
+    cands = [c for base in bases if base != hybrid.NAME for c in grid(base)]
     short = shortlist(cands, search.shape, search.context, max_ratio)
+    if hybrid.NAME in bases:  # each point already spends the budget exactly: no shortlist, the seeded order kept
+        short += [(p, max_ratio) for p in hybrid.points(search.shape, search.context, max_ratio, seed)]
     for c, _ in short:
         entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
     # The grid gets 70% of the time budget, so per-layer mixes of its best are measured too.
@@ -165,16 +173,14 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
         r = results.get(text)
         return r is not None and r["ratio"] <= max_ratio
 
-    best = _best([t for t in cand_of if fits(t)], results)
+    best = _best([t for t in cand_of if fits(t)], results, search.objective)
     if best is not None:  # per-layer mixes of the best parameters
-        extra = [
-            c for c, _ in shortlist(list(mixes(cand_of[best])), search.shape, search.context, max_ratio, floor=0.8)
-        ][:8]
+        extra = _mixes(cand_of[best], search, max_ratio, seed)[:8]
         for c in extra:
             cand_of[c.yaml("candidate")] = c
             entries.setdefault(c.yaml("candidate"), Entry(c.label, c.yaml("candidate")))
         results.update(search.measure([(c.label, c.yaml("candidate")) for c in extra], calib, "mixes", True))
-        best = _best([t for t in cand_of if fits(t)], results)
+        best = _best([t for t in cand_of if fits(t)], results, search.objective)
     entries = {t: attrs.evolve(e, calib=results.get(t)) for t, e in entries.items()}
     confirm = [("fp16", fp16)] + [(e.label, t) for t, e in entries.items() if e.builtin and fits(t)]
     if best is not None:
@@ -186,19 +192,34 @@ def run(search: Search, bases: Sequence[str], max_ratio: float) -> dict:
         "best": best,
         "candidate": cand_of.get(best),
         "fp16": fp16,
-        "front": pareto([e for e in entries.values() if e.calib]),
+        "front": pareto([e for e in entries.values() if e.calib], search.objective),
     }
 
 
-def _best(texts, results) -> Optional[str]:
-    return min(texts, key=lambda t: results[t]["nll"] / results[t]["tokens"], default=None)
+def _mixes(best, search: Search, max_ratio: float, seed: int) -> list:
+    """Per-layer variants of the best candidate that may fit, in the order they are measured."""
+    if isinstance(best, hybrid.Hybrid):
+        out = list(hybrid.mixes(best, search.shape, search.context, max_ratio))
+        random.Random(seed).shuffle(out)
+        return out
+    return [c for c, _ in shortlist(list(mixes(best)), search.shape, search.context, max_ratio, floor=0.8)]
 
 
-def pareto(entries: List[Entry]) -> List[Entry]:
-    """Entries no other entry beats on both calibration bytes and perplexity, by bytes."""
-    front, best_ppl = [], float("inf")
-    for e in sorted(entries, key=lambda e: (e.calib["ratio"], e.calib["ppl"])):
-        if e.calib["ppl"] < best_ppl:
+# kld: mean KL divergence from fp16's next-token distributions at every scored position; it ranks recipes
+# alike on two texts where perplexity of one short window does not (docs/results.md, the ranks table).
+OBJECTIVES = {"kld": lambda r: r["kld"], "ppl": lambda r: r["nll"] / r["tokens"]}
+
+
+def _best(texts, results, objective: str = "kld") -> Optional[str]:
+    return min(texts, key=lambda t: OBJECTIVES[objective](results[t]), default=None)
+
+
+def pareto(entries: List[Entry], objective: str = "kld") -> List[Entry]:
+    """Entries no other entry beats on both calibration bytes and the objective, by bytes."""
+    score = OBJECTIVES[objective]
+    front, best = [], float("inf")
+    for e in sorted(entries, key=lambda e: (e.calib["ratio"], score(e.calib))):
+        if score(e.calib) < best:
             front.append(e)
-            best_ppl = e.calib["ppl"]
+            best = score(e.calib)
     return front
