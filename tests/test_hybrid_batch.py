@@ -9,11 +9,11 @@ fp16 recipe's batch equals mlx-lm's own batch instead, which is all a pass-throu
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator
 
 import veloxquant as vq
 
 from test_batch import LOGPROB_TOL, MAX_TOKENS, _alone, _batched, _prompts
+from test_batch_eviction import _run
 from test_layouts import KIVI, gemma4, tiny_jamba, tiny_qwen3_5, tiny_qwen3_next
 
 
@@ -45,18 +45,8 @@ def test_jamba_batch_equals_mlx_lms_own_batch():
     model = tiny_jamba()
     prompts, steps = _prompts()[:3], 6
 
-    def run(caches):
-        gen = BatchGenerator(model, prefill_batch_size=3, completion_batch_size=3)
-        uids = gen.insert(prompts, [steps] * 3, caches=caches)
-        got = {}
-        while responses := gen.next_generated():
-            for r in responses:
-                got.setdefault(r.uid, []).append((r.token, r.logprobs))
-        gen.close()
-        return [got[u] for u in uids]
-
-    own = run(None)
-    ours = run([vq.make_prompt_cache(model, "fp16") for _ in prompts])
+    own = _run(model, prompts, [steps] * 3, None)
+    ours = _run(model, prompts, [steps] * 3, [vq.make_prompt_cache(model, "fp16") for _ in prompts])
     for a, b in zip(own, ours):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert max(float(mx.abs(x - y).max()) for (_, x), (_, y) in zip(a, b)) < LOGPROB_TOL

@@ -11,6 +11,7 @@ from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.utils import get_model_and_args, update_module_configs  # noqa: E402
 from PIL import Image  # noqa: E402  (mlx-vlm depends on Pillow)
 from transformers import CLIPImageProcessorPil, Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil  # noqa: E402
+from vlm_folder import qwen2_5_vl_configs  # noqa: E402
 
 import veloxquant as vq  # noqa: E402
 from veloxquant.errors import VeloxError  # noqa: E402
@@ -32,17 +33,7 @@ def build(config):
 
 
 def qwen2_5_vl():
-    text = dict(
-        model_type="qwen2_5_vl",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-6,
-        vocab_size=500,
-        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
-    )
+    text, vision = qwen2_5_vl_configs(vocab_size=500)
     model = build(
         dict(
             **text,
@@ -51,16 +42,7 @@ def qwen2_5_vl():
             vision_start_token_id=402,
             vision_end_token_id=403,
             text_config=dict(text),
-            vision_config=dict(
-                model_type="qwen2_5_vl",
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                out_hidden_size=64,
-                num_heads=2,
-                fullatt_block_indexes=[1],
-                window_size=56,
-            ),
+            vision_config=vision,
         )
     )
     o = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[IMAGE], return_tensors="np")

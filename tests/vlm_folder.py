@@ -51,14 +51,9 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return hf
 
 
-def qwen2_5_vl_folder(path: Path, dtype=mx.float16) -> Path:
-    """A tiny Qwen2.5-VL (2 layers, 1 kv head, a 56x56 image is 4 image tokens) written to `path`."""
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
-    tokenizer.save_pretrained(path)
-    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIALS}
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56, "patch_size": 14, "merge_size": 2}
-    (path / "preprocessor_config.json").write_text(json.dumps({**pixels, "temporal_patch_size": 2}))
+def qwen2_5_vl_configs(vocab_size: int):
+    """(text, vision) configs of the tiny Qwen2.5-VL the tests build: 2 layers, 1 kv head, and a 56x56
+    image is 4 image tokens."""
     text = dict(
         model_type="qwen2_5_vl",
         hidden_size=64,
@@ -67,7 +62,7 @@ def qwen2_5_vl_folder(path: Path, dtype=mx.float16) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         rms_norm_eps=1e-6,
-        vocab_size=320,
+        vocab_size=vocab_size,
         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
     )
     vision = dict(
@@ -80,6 +75,18 @@ def qwen2_5_vl_folder(path: Path, dtype=mx.float16) -> Path:
         fullatt_block_indexes=[1],
         window_size=56,
     )
+    return text, vision
+
+
+def qwen2_5_vl_folder(path: Path, dtype=mx.float16) -> Path:
+    """A tiny Qwen2.5-VL (2 layers, 1 kv head, a 56x56 image is 4 image tokens) written to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer()
+    tokenizer.save_pretrained(path)
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIALS}
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56, "patch_size": 14, "merge_size": 2}
+    (path / "preprocessor_config.json").write_text(json.dumps({**pixels, "temporal_patch_size": 2}))
+    text, vision = qwen2_5_vl_configs(vocab_size=320)
     config = dict(
         **text,
         image_token_id=ids["<|image_pad|>"],

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Tuple
 import attrs
 
 from ..compiler import ModelShape
-from .space import LAYER_SETS, estimate_ratio
+from .space import LAYER_SETS, estimate_ratio, layer_lines
 
 NAME = "hybrid"  # what `--from` names this space by
 CODECS = {
@@ -87,12 +87,7 @@ class Hybrid:
             "pipeline: |",
             self.pipeline().rstrip("\n"),
         ]
-        if self.layers:
-            lines.append("layers:")
-            for sel, ps in self.layers:
-                inner = ", ".join(f"{k}: {v}" for k, v in ps)
-                lines.append(f'  "{sel}": {{params: {{{inner}}}}}')
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + layer_lines(self.layers)) + "\n"
 
 
 def fit_budget(point: Hybrid, shape: ModelShape, context: int, max_ratio: float) -> Optional[Hybrid]:

@@ -50,12 +50,16 @@ class Candidate:
         if self.params:
             lines.append("params:")
             lines += [f"  {k}: {v}" for k, v in self.params]
-        if self.layers:
-            lines.append("layers:")
-            for sel, ps in self.layers:
-                inner = ", ".join(f"{k}: {v}" for k, v in ps)
-                lines.append(f'  "{sel}": {{params: {{{inner}}}}}')
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + layer_lines(self.layers)) + "\n"
+
+
+def layer_lines(layers) -> List[str]:
+    """A recipe's `layers:` block for per-layer parameter overrides ((selector, ((name, value), ...)), ...)."""
+    lines = ["layers:"] if layers else []
+    for sel, ps in layers:
+        inner = ", ".join(f"{k}: {v}" for k, v in ps)
+        lines.append(f'  "{sel}": {{params: {{{inner}}}}}')
+    return lines
 
 
 def grid(base: str) -> Iterator[Candidate]:
