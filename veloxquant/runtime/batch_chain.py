@@ -250,8 +250,13 @@ def extract(cache, i: int, blank):
 
 
 def prepare(cache, left_padding=None, lengths=None, right_padding=None) -> None:
+    """A chain or eviction batch (runtime/eviction/batch_heads.py takes these two as they are): a
+    right-padded prompt's real lengths, to count only real tokens while it is fed."""
     if left_padding is not None and max(left_padding) > 0:
-        raise VeloxError("a coded tier chain's batch is never left-padded: each row starts at column 0")
+        raise VeloxError(
+            "a coded tier chain's or eviction batch is never left-padded: each row starts at column 0 "
+            "(mlx-vlm's left-padded batches go through runtime/batch_left.py)"
+        )
     if right_padding is not None and max(right_padding) > 0:
         cache.rows.pending = np.array(lengths, dtype=np.int64)
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import VeloxError
-from .. import hook
+from .. import batch_chain, hook
 from . import batch_attention, protected, slots
 from .protected import protect
 from .ragged import PAD
@@ -231,15 +231,7 @@ def extract(cache, i: int, blank):
     return alone
 
 
-def prepare(cache, left_padding=None, lengths=None, right_padding=None) -> None:
-    if left_padding is not None and max(left_padding) > 0:
-        raise VeloxError("an eviction batch is never left-padded: each row keeps its own slots")
-    if right_padding is not None and max(right_padding) > 0:
-        cache.rows.pending = np.array(lengths, dtype=np.int64)
-
-
-def finalize(cache) -> None:
-    cache.rows.pending = None
+prepare, finalize = batch_chain.prepare, batch_chain.finalize  # right padding counted the same way
 
 
 attend = batch_attention.attend
