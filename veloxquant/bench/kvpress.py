@@ -32,6 +32,7 @@ from ..eval.feed import score, settle
 from ..eval.ppl import window_nll, windows
 from ..eval.rows import parse_row, recipe_caches
 from ..models import load_model
+from ..recipe import load_recipe
 from ..runtime import make_prompt_cache
 from ..runtime.eviction import model_pass
 from .registry import bench
@@ -87,8 +88,6 @@ def fork(caches, budget: int):
 
 def head_split(spec: str) -> bool:
     """The row splits kv heads rather than tokens (duo: a `retrieval` share of heads kept whole)."""
-    from ..recipe import load_recipe
-
     row = parse_row(spec)
     return row.kind == "recipe" and "retrieval" in load_recipe(row.ref).params
 

@@ -28,16 +28,15 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     if len(ids) < cfg["tokens"]:
         raise VeloxError(f"corpus '{cfg['corpus']}' has {len(ids)} tokens, fewer than the {cfg['tokens']} asked for")
     sites = calibrated_stages(plan)
-    # kvzap's route fits hidden states to kvzip's scores; every other site (duo's gates too) the layer's q, k, v
-    scored = {i for i, _, side, stage in sites if side == "route" and hasattr(stage, "fit_scores")}
-    sampled = {i for i, _, side, stage in sites if not (side == "route" and hasattr(stage, "fit_scores"))}
+    scored = {i for i, _, side, stage in sites if _fits_scores(side, stage)}
+    sampled = {i for i, _, side, stage in sites if not _fits_scores(side, stage)}
     samples = collect(model, ids, sampled, progress) if sampled else {}
     targets = collect_targets(model, tokenizer, ids, scored, progress) if scored else {}
     arrays: Dict[str, np.ndarray] = {}
     fitted: Dict[Site, Dict[str, np.ndarray]] = {}
     for site in tqdm(sites, desc="calibrate: fit", unit="stage", file=sys.stderr, disable=not progress):
         i, t, side, stage = site
-        if side == "route" and hasattr(stage, "fit_scores"):
+        if _fits_scores(side, stage):
             fitted[site] = stage.fit_scores(targets[i]["h"], targets[i]["s"])
             continue
         if side == "route":  # duo's gates: the layer's attention output through its own o_proj
@@ -69,6 +68,12 @@ def calibrate(plan: Plan, model, tokenizer, progress: bool = True, model_name: s
     }
     path = artifact.save(key, arrays, meta)
     return {**artifact.find(key), "path": str(path)}
+
+
+def _fits_scores(side: str, stage) -> bool:
+    """kvzap's route: fitted from hidden states to our kvzip's scores. Every other site (duo's gates
+    too) is fitted on the layer's own q, k, v."""
+    return side == "route" and hasattr(stage, "fit_scores")
 
 
 def _held_before(plan: Plan, site: Site) -> Tuple[int, int]:
