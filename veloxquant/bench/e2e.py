@@ -40,8 +40,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
+from ..eval.rows import parse_row, recipe_caches, split_specs
 from ..kernels import table as kernel_table
-from ..runtime import make_prompt_cache, uninstall
+from ..runtime import uninstall
 from ..runtime.warmup import warmup
 from .e2e_batch import measure_batch
 from .registry import bench
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 x hidden)")
     ap.add_argument("--window", type=int, default=512, help="gemma3: sliding layers' window")
     ap.add_argument("--sliding-pattern", type=int, default=6, help="gemma3: every n-th layer is global")
-    ap.add_argument("--recipes", default="fp16,kivi")
+    ap.add_argument("--recipes", default="fp16,kivi", help="comma-separated row specs: kivi, kivi[bits=2], kivi@tc")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
     ap.add_argument(
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
         "| first use ÷ warm | peak memory GiB | cache MiB |"
     )
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
-    rows += [(r, lambda r=r: make_prompt_cache(model, r.split("@")[0])) for r in args.recipes.split(",") if r]
+    rows += [(r, lambda r=r: recipe_caches(model, r.split("@")[0])) for r in split_specs(args.recipes)]
 
     def run(label, make):
         with _impl(label):
@@ -224,7 +225,8 @@ def main(argv=None) -> int:
     if args.warmup:
         for label, _ in rows[1:]:
             with _impl(label):
-                warmed[label] = warmup(model, label.split("@")[0], args.context, args.decode)[1]
+                row = parse_row(label.split("@")[0])
+                warmed[label] = warmup(model, row.ref, args.context, args.decode, row.sets)[1]
         print("warm-up seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in warmed.items()))
     print(head)
     print("|---|---|---|---|---|---|---|---|")

@@ -24,7 +24,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from ..compiler.batching import refusal
-from ..runtime import make_prompt_cache, uninstall
+from ..eval.rows import recipe_caches as row_caches
+from ..eval.rows import split_specs
+from ..runtime import uninstall
 from ..runtime.cache_list import recipe_caches
 from .e2e import random_model
 from .registry import bench
@@ -59,7 +61,7 @@ def _serial(model, prompts, caches, decode):
 
 def measure(model, recipe: str, n: int, context: int, decode: int, vocab: int):
     prompts = mx.random.randint(0, vocab, (n, context)).tolist()
-    caches = [make_prompt_cache(model, recipe) for _ in range(n)]
+    caches = [row_caches(model, recipe) for _ in range(n)]
     batched = refusal(recipe_caches(caches[0])[0].plan_root) is None
     mx.synchronize()
     mx.reset_peak_memory()
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         "process peak MiB |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for recipe in args.recipes.split(","):
+    for recipe in split_specs(args.recipes):
         for n in map(int, args.concurrency.split(",")):
             r = measure(model, recipe, n, args.context, args.decode, args.vocab)
             print(

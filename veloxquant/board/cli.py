@@ -4,7 +4,7 @@ import shlex
 import sys
 from pathlib import Path
 
-PROTOCOL_NAMES = ("cpu", "standard")  # board/protocol.py's PROTOCOLS (kept light: no MLX for --help)
+PROTOCOL_NAMES = ("cpu", "standard", "gpu")  # board/protocol.py's PROTOCOLS (kept light: no MLX for --help)
 
 
 def add_leaderboard_args(p) -> None:
@@ -16,7 +16,7 @@ def add_leaderboard_args(p) -> None:
         choices=PROTOCOL_NAMES,
         help="cpu: 1 window of 640+128 tokens, one 512-token passkey prompt (a minute or two a row on "
         "a share of 2 CPU cores with SmolLM2); standard: eval's defaults (4 windows of 1536+256, "
-        "passkey 1k/2k)",
+        "passkey 1k/2k); gpu: the GPU tables' 4k protocol (4 windows of 3840+256, passkey 4k/8k)",
     )
     p.add_argument(
         "--out",

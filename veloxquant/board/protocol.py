@@ -16,7 +16,8 @@ from ..eval.config import EvalConfig
 from ..recipe import builtin_names, load_recipe
 
 # "cpu": a row in a minute or two on a share of 2 busy CPU cores with SmolLM2-135M (float32);
-# "standard": eval's defaults (4 windows of 1536 + 256, passkey at 1k and 2k), for a GPU.
+# "standard": eval's defaults (4 windows of 1536 + 256, passkey at 1k and 2k), for a GPU;
+# "gpu": the 4k protocol of the GPU result tables (4 windows of 3840 + 256, passkey at 4k and 8k).
 PROTOCOLS: Dict[str, EvalConfig] = {
     "cpu": EvalConfig(
         windows=1,
@@ -30,6 +31,7 @@ PROTOCOLS: Dict[str, EvalConfig] = {
         passkey_trials=1,
     ),
     "standard": EvalConfig(fidelity_windows=0),
+    "gpu": EvalConfig(prefix=3840, fidelity_windows=0, passkey_lengths=(4096, 8192)),
 }
 
 FRACTIONS = (4, 8)  # eviction budgets: context / 4 and context / 8
