@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -216,10 +217,19 @@ def main(argv=None) -> int:
         with _impl(label):
             try:
                 if args.batch > 1:
-                    return measure_batch(model, prompt, make, args.batch, args.decode)
-                return measure(model, prompt, make(), args.decode)
+                    got = measure_batch(model, prompt, make, args.batch, args.decode)
+                else:
+                    got = measure(model, prompt, make(), args.decode)
             finally:
                 uninstall(model)
+        # Each run as it ends, on stderr: a long run cut short keeps what it measured.
+        print(
+            f"  {label}: prefill {got[0]:,.0f} tok/s, decode {got[1]:,.1f} tok/s, "
+            f"peak {got[2] / 2**30:.2f} GiB, cache {got[3] / 2**20:,.1f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+        return got
 
     warmed = {}
     if args.warmup:
