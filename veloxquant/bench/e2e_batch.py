@@ -7,6 +7,8 @@ from typing import Callable, List
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+PREFILL_BATCH = 1  # prompts prefilled one at a time (8 x 32k at once does not fit an H200), decoded together
+
 
 def measure_batch(model, prompt: mx.array, make: Callable[[], List], n: int, decode: int):
     """(prefill tok/s, decode tok/s, peak bytes, cache bytes) over all `n` sequences: mlx-lm's own
@@ -16,7 +18,7 @@ def measure_batch(model, prompt: mx.array, make: Callable[[], List], n: int, dec
     caches = [make() for _ in range(n)]
     mx.synchronize()
     mx.reset_peak_memory()
-    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=n, prefill_batch_size=n)
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=n, prefill_batch_size=PREFILL_BATCH)
     try:
         uids = gen.insert(prompts, [decode] * n, caches=caches)
         finished = {}
