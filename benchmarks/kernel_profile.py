@@ -22,7 +22,7 @@ import time
 
 import mlx.core as mx
 
-from veloxquant.bench.attention import timeit
+from veloxquant.bench.timing import timeit
 from veloxquant.kernels import cuda, mma, tc, tc_launch
 from veloxquant.kernels.source import strip
 from veloxquant.stages.store import Affine
