@@ -22,8 +22,8 @@ import time
 
 import mlx.core as mx
 
-from veloxquant.bench.attention import timeit
-from veloxquant.kernels import cuda, tc, tc_launch
+from veloxquant.bench.timing import timeit
+from veloxquant.kernels import cuda, mma, tc, tc_launch
 from veloxquant.kernels.source import strip
 from veloxquant.stages.store import Affine
 
@@ -63,7 +63,7 @@ def methods(S: int, bits: int, copies: int, impls) -> dict:
         if impl == "tc":
             att = tc_launch.partials(*shape)
         else:
-            att = cuda.mma_partials(*shape)
+            att = mma.mma_partials(*shape)
         out[impl + "-attend"] = cycler(
             [
                 lambda ke=ke, ve=ve, att=att: att(

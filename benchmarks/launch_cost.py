@@ -5,7 +5,7 @@ Rows: a one-input kernel; 13 inputs; 13 inputs whose shapes and strides the text
 (`ensure_row_contiguous=False`); 5 outputs; 16 template arguments; 12 kB and 26 kB of header
 text (MLX rebuilds the kernel's text on every call and hashes it at evaluation); all of
 them; and a built-in add. Columns: `host` = microseconds per call building the graph alone
-(kernel_profile.host_us), `wall` = per call with 32 calls per evaluation (bench.attention.timeit);
+(kernel_profile.host_us), `wall` = per call with 32 calls per evaluation (bench.timing.timeit);
 medians of 5 interleaved rounds. attend_tc's binding (kernels/tc_launch.py) was shaped by it.
 """
 
@@ -14,7 +14,7 @@ import statistics
 import mlx.core as mx
 
 from benchmarks.kernel_profile import host_us
-from veloxquant.bench.attention import timeit
+from veloxquant.bench.timing import timeit
 
 
 def empty_kernel(name: str, n_in: int, n_out: int, strides: bool, n_template: int, header_bytes: int):

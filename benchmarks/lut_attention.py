@@ -15,7 +15,8 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from veloxquant.bench.attention import HBM_GBPS, SEQ, array_bytes, cycled, median_run, timeit
+from veloxquant.bench.attention import HBM_GBPS, SEQ
+from veloxquant.bench.timing import array_bytes, cycled, median_run, timeit
 from veloxquant.compiler import compile_recipe
 from veloxquant.compiler.shape import ModelShape
 from veloxquant.kernels import lut

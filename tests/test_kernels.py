@@ -141,12 +141,12 @@ def test_kernel_layout_fits_every_supported_config():
 
 
 def test_mma_kernel_scope_and_default():
-    from veloxquant.kernels import cuda
+    from veloxquant.kernels import mma
 
     kivi = ((4, 32, "channel"), (4, 32, "token"))
-    assert cuda.mma_supported(32, 1, 128, 8, 32768, *kivi) == ""
-    assert "rows" in cuda.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
-    assert "per-channel" in cuda.mma_supported(8, 1, 128, 2, 512, (4, 32, "token"), (4, 32, "token"))
+    assert mma.mma_supported(32, 1, 128, 8, 32768, *kivi) == ""
+    assert "rows" in mma.mma_supported(32, 2, 128, 8, 32768, *kivi)  # 8 rows per kv head
+    assert "per-channel" in mma.mma_supported(8, 1, 128, 2, 512, (4, 32, "token"), (4, 32, "token"))
 
 
 def test_bank_model_pads_rows_that_lanes_read_on_one_bank():
@@ -197,10 +197,10 @@ def _kernel(impl, monkeypatch) -> str:
 
 
 def _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs):
-    from veloxquant.kernels import cuda, tc
+    from veloxquant.kernels import mma, tc
     from veloxquant.kernels.reference import spec_fields
 
-    why = tc.supported if impl in ("tc", "tc2") else cuda.mma_supported if impl == "mma" else None
+    why = tc.supported if impl in ("tc", "tc2") else mma.mma_supported if impl == "mma" else None
     if why and why(Hq, Lq, D, Hkv, L, spec_fields(ks), spec_fields(vs)):
         pytest.skip(f"not a call the {impl} kernel takes")
 
@@ -312,13 +312,14 @@ def test_cuda_reduce_folds_dense_tiers(case, impl, monkeypatch):
     exact attention over 16-bit tiers (contiguous or strided views), written in q's dtype."""
     from veloxquant.kernels import cuda
     from veloxquant.kernels.partials import merge_partials
+    from veloxquant.kernels.tail import tail_unsupported
 
     B, Hq, Hkv, Lq, D, L, ks, vs, qdt, dense = case
     _skip_unless_taken(impl, Hq, Lq, D, Hkv, L, ks, vs)
     q, ke, ve = make(B, Hq, Hkv, Lq, D, L, ks, vs, qdt)
     tail = [_dense_tier(B, Hkv, W, D, qdt, i, cap) for i, (W, cap) in enumerate(dense)]
     scale = D**-0.5
-    assert cuda.tail_unsupported(tuple(q.shape), tail) == ""
+    assert tail_unsupported(tuple(q.shape), tail) == ""
     got = cuda.launcher(
         tuple(q.shape), q.dtype, tuple(ke["codes"].shape), ks, vs, scale, impl=_kernel(impl, monkeypatch)
     )(q, ke, ve, tail)

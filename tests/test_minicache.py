@@ -9,7 +9,7 @@ from veloxquant.compiler.explain import render
 from veloxquant.kernels.partials import partial_attention
 from veloxquant.recipe import load_recipe
 from veloxquant.runtime.cache import TieredCache
-from veloxquant.runtime.kinds.merged_tier import MergedSide
+from veloxquant.runtime.kinds.merged_side import MergedSide
 from veloxquant.runtime.persist import load_prompt_cache, save_prompt_cache
 from veloxquant.stages.slerp import Slerp
 

@@ -17,14 +17,13 @@ and prints a markdown table: microseconds per call, effective GB/s over the
 bytes each method must read (its K/V storage), the fused kernel's speedups,
 and each method's peak transient memory.
 
-Timing: warmup calls, then `iters` calls each queued with mx.async_eval (so
+Timing (timing.py): warmup calls, then `iters` calls each queued with mx.async_eval (so
 host-side graph building overlaps the device) and one final synchronize.
 Consecutive calls cycle through `--copies` independent copies of K/V (default
 4) so that they read from HBM, not from the previous call's L2 lines.
 """
 
 import argparse
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -36,51 +35,12 @@ from veloxquant.kernels.tc_launch import held_bytes
 from veloxquant.stages.store import Affine
 
 from .registry import bench
+from .timing import array_bytes, cycled, median_run, memory_limit, peak_mib, timeit
 
 HBM_GBPS = 4800.0  # H200 HBM3e peak, for the % column
 
 SEQ = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768, "128k": 131072}
 SHAPES = ["32/8/128", "9/3/64", "4/1/256"]
-
-
-def array_bytes(*arrays) -> int:
-    return sum(a.nbytes for a in arrays)
-
-
-def timeit(fn: Callable, warmup: int, iters: int, per_eval: int) -> float:
-    """Microseconds per call. Each evaluation holds `per_eval` independent calls
-    (a decode step evaluates every layer's attention in one graph), queued
-    with mx.async_eval so host-side graph building overlaps the device."""
-    for _ in range(warmup):
-        mx.eval([fn() for _ in range(per_eval)])
-    mx.synchronize()
-    start = time.perf_counter()
-    held = []
-    for _ in range(iters):
-        outs = [fn() for _ in range(per_eval)]
-        mx.async_eval(outs)
-        held.append(outs)
-    mx.eval(held[-1])
-    mx.synchronize()
-    return (time.perf_counter() - start) / (iters * per_eval) * 1e6
-
-
-def peak_mib(fn: Callable) -> float:
-    """Transient memory of one call: peak above what was held before it."""
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mx.eval(fn())
-    mx.synchronize()
-    return max(0, mx.get_peak_memory() - base) / 2**20
-
-
-def _memory_limit() -> Optional[int]:
-    try:
-        info = mx.device_info()
-        return int(info.get("memory_size") or info.get("total_memory") or 0) or None
-    except Exception:
-        return None
 
 
 def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[int]):
@@ -139,26 +99,6 @@ def build_methods(q, k, v, bits: int, group: int, scale: float, chunk: Optional[
     return methods
 
 
-def cycled(sets: List[Dict[str, Tuple[Callable, object]]]) -> Dict[str, Tuple[Callable, object]]:
-    """One method table over several independent copies of the inputs: each
-    call takes the next copy, so consecutive calls do not find their K/V in
-    the 50 MB L2 cache (a decode step reads every layer's cache once)."""
-    out = {}
-    for name, (fn, nbytes) in sets[0].items():
-        fns = [st[name][0] for st in sets]
-        if fn is None or len(fns) == 1:
-            out[name] = (fn, nbytes)
-            continue
-        state = {"i": 0}
-
-        def call(fns=fns, state=state):
-            state["i"] = (state["i"] + 1) % len(fns)
-            return fns[state["i"]]()
-
-        out[name] = (call, nbytes)
-    return out
-
-
 def run_one(name, fn, nbytes, a) -> Dict:
     if fn is None:
         return {"err": nbytes}
@@ -171,18 +111,6 @@ def run_one(name, fn, nbytes, a) -> Dict:
         return r
     except Exception as e:  # noqa: BLE001 -- e.g. an op the backend lacks
         return {"err": f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"}
-
-
-def median_run(runs: List[Dict]) -> Dict:
-    """The run with the median µs per call (its lone-call figure too), or the first failure."""
-    bad = [r for r in runs if "err" in r]
-    if bad:
-        return bad[0]
-    r = dict(sorted(runs, key=lambda r: r["us"])[len(runs) // 2])
-    lone = sorted(x["us_single"] for x in runs if "us_single" in x)
-    if lone:
-        r["us_single"] = lone[len(lone) // 2]
-    return r
 
 
 def cell(r: Dict) -> str:
@@ -227,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cap = SEQ.get(a.max_seq) or int(a.max_seq)
         seqs = [s for s in seqs if s <= cap]
     wanted = a.methods.split(",")
-    limit = _memory_limit()
+    limit = memory_limit()
     print(
         f"device: {mx.default_device()}  mlx {mx.__version__}  B=1, one query, "
         f"keys per-channel / values per-token affine, group {a.group}; "

@@ -1,7 +1,8 @@
-"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`: the v1 and
-attend_mma kernels (registered in the kernel table, table.py; attend_tc: tc_launch.py) and
-the reduce launches. An attend kernel writes one max/sum/accumulator partial per block
-along the sequence and `reduce` merges them (attend_tc in its own launch where it can).
+"""Binding of kernels/cuda/affine_attention.cu through `mx.fast.cuda_kernel`: the v1 kernel
+(the `v1` row of the kernel table, table.py), the attend family's scope (`unsupported`, what
+v1 takes), the launcher every attend kernel is reached by, and the reduce launches (attend_mma:
+mma.py; attend_tc: tc_launch.py). An attend kernel writes one max/sum/accumulator partial per
+block along the sequence and `reduce` merges them (attend_tc in its own launch where it can).
 Contract and format: kernels/CONTRACT.md.
 """
 
@@ -17,29 +18,11 @@ from .geometry import MAX_ROWS, SM_COUNT, SMEM_MAX, blocks_per_sm, choose_chunk,
 from .reference import Spec, spec_fields
 from .source import split_sections
 from .source import strip as _strip
-from .table import KERNELS, Kernel, attend_route, register
+from .table import KERNELS, Binding, attend_route
+from .tail import FLOATS as _QTYPES
+from .tail import TAIL_MAX
 
 SOURCE = "cuda/affine_attention.cu"
-TAIL_MAX = 512  # dense tokens reduce_tail scores in shared memory (its XMAX)
-_QTYPES = (mx.float16, mx.bfloat16, mx.float32)
-
-# attend_mma (section attend_mma): per-channel keys, per-token values, rows = rep * Lq <= 4.
-# The default where attend_tc is not, from MMA_MIN_TOKENS at D = 128 (docs/kernels.md).
-MMA_MIN_TOKENS = 16384
-MMA_WARPS = 4  # warps per attend_mma block
-MMA_BLOCKS_PER_SM = 4  # blocks along the sequence are sized for this many per SM (3 fit: 133 registers)
-
-
-def mma_supported(Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
-    """Why attend_mma cannot take a call the kernel family supports ('' when it can)."""
-    (_, kg, kax), (_, vg, vax) = kspec, vspec
-    if kax != "channel" or vax != "token":
-        return "mma kernel: keys per-channel and values per-token only"
-    if (Hq // Hkv) * Lq > 4:
-        return "mma kernel: at most 4 rows (rep x queries) per kv head"
-    if kg % 16 or vg < 16 or L % 16:
-        return "mma kernel: groups / tier length"
-    return ""
 
 
 @lru_cache(maxsize=None)
@@ -137,22 +120,7 @@ def _reduce_tail_kernel():
     )
 
 
-def tail_unsupported(qshape: tuple, tail) -> str:
-    """Why reduce_tail cannot fold these dense tiers into the reduce ('' when it can)."""
-    if not 1 <= len(tail) <= 2:
-        return "reduce_tail: one or two dense tiers"
-    B, Hq, Lq, D = qshape
-    if sum(k.shape[2] for k, _ in tail) > TAIL_MAX:
-        return f"reduce_tail: more than {TAIL_MAX} dense tokens"
-    for k, v in tail:
-        if k.dtype not in _QTYPES or v.dtype != k.dtype or k.dtype != tail[0][0].dtype:
-            return "reduce_tail: dense tiers of one float dtype"
-        if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
-            return "reduce_tail: dense tier shapes"
-    return ""
-
-
-class _Launch(NamedTuple):
+class Launch(NamedTuple):
     """Everything one call needs, prepared once per (shapes, specs, scale)."""
 
     attend: object
@@ -197,7 +165,7 @@ def _reduce_kw(qshape: tuple) -> dict:
 
 
 @lru_cache(maxsize=1024)
-def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int) -> _Launch:
+def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int) -> Launch:
     B, Hq, Lq, D = qshape
     _, Hkv, L, _ = cshape
     p = plan(B, Hq, Lq, D, Hkv, L, qdtype, kspec, vspec, scale, chunk)
@@ -210,68 +178,7 @@ def _launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sc
         output_shapes=[(nrows, p.nc), (nrows, p.nc), (nrows, p.nc, D)],
         output_dtypes=[f32, f32, f32],
     )
-    return _Launch(_attend_kernel(p.smem, D), a_kw, scale, True)
-
-
-@lru_cache(maxsize=None)
-def _mma_kernel():
-    return variants.kernel(
-        name="vq_affine_attend_mma",
-        input_names=["q", "kc", "ks", "kz", "vc", "vs", "vz"],
-        output_names=["pm", "pl", "pacc"],
-        source=_strip(sections()["attend_mma"]),
-        header=_strip(sections()["mma_header"]),
-    )
-
-
-def mma_prefetch(D: int, kb: int, vb: int) -> int:
-    """1 when the next step's codes fit in registers next to the current ones
-    (no spills at D=256 otherwise; ptxas -v on sm_90)."""
-    kw, vw = D * kb // 128, max(1, D * vb // 256)
-    return int(2 * (2 * kw + 4 * vw) + D // 8 + D // 4 <= 140)
-
-
-@lru_cache(maxsize=1024)
-def _launch_mma(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float) -> _Launch:
-    B, Hq, Lq, D = qshape
-    _, Hkv, L, _ = cshape
-    (kb, kg, _), (vb, vg, _) = kspec, vspec
-    rows = (Hq // Hkv) * Lq
-    nstep = L // 16
-    want = max(1, math.ceil(SM_COUNT * MMA_BLOCKS_PER_SM / (B * Hkv)))
-    ns = max(1, min(nstep, want))
-    spb = math.ceil(nstep / ns)
-    ns = math.ceil(nstep / spb)  # every block gets at least one step
-    nrows = B * Hq * Lq
-    f32 = mx.float32
-    nt = 32 * MMA_WARPS
-    template = [
-        ("T", qdtype),
-        ("D", D),
-        ("ROWS", rows),
-        ("BK", kb),
-        ("GK", kg),
-        ("BV", vb),
-        ("GV", vg),
-        ("QSCALE", float_bits(scale * math.log2(math.e))),
-        ("NW", MMA_WARPS),
-        ("PF", mma_prefetch(D, kb, vb)),
-    ]
-    a_kw = dict(
-        template=template,
-        grid=(ns * nt, B * Hkv, 1),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(nrows, ns), (nrows, ns), (nrows, ns, D)],
-        output_dtypes=[f32, f32, f32],
-    )
-    return _Launch(_mma_kernel(), a_kw, scale)
-
-
-def mma_partials(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float):
-    """`attend(codes) -> (pm, pl, pacc)`: attend_mma's launch without the merge (codes = the 7
-    inputs), as tc_launch.partials is attend_tc's: what a profile times apart from the merge."""
-    la = _launch_mma(qshape, qdtype, cshape, kspec, vspec, scale)
-    return lambda codes: la.attend(inputs=codes, **la.a_kw)
+    return Launch(_attend_kernel(p.smem, D), a_kw, scale, True)
 
 
 def launcher(
@@ -295,7 +202,7 @@ def launcher(
     return KERNELS[which].launch(qshape, qdtype, cshape, ksp, vsp, float(scale), chunk)
 
 
-def _runner(la: _Launch, qshape: tuple, qdtype):
+def runner(la: Launch, qshape: tuple, qdtype):
     """The `run` of an attend launch whose partials the reduce (or reduce_tail) merges."""
 
     def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden: int = 0):
@@ -314,36 +221,7 @@ def _runner(la: _Launch, qshape: tuple, qdtype):
 
 
 def _launch_v1(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0):
-    return _runner(_launch(qshape, qdtype, cshape, kspec, vspec, scale, chunk), qshape, qdtype)
-
-
-def _launch_mma_run(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, scale: float, chunk: int = 0):
-    return _runner(_launch_mma(qshape, qdtype, cshape, kspec, vspec, scale), qshape, qdtype)
-
-
-def _mma_scope(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
-    return mma_supported(Hq, Lq, D, Hkv, L, kspec, vspec)
-
-
-def _mma_prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vspec: tuple) -> str:
-    return "" if D == 128 and L >= MMA_MIN_TOKENS else f"mma: the default at D = 128 from {MMA_MIN_TOKENS} tokens"
-
-
-# Verified: tests/test_kernels.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(
-    Kernel("v1", "attend", "affine_attention.cu, CUDA-core attend", frozenset({"cuda"}), lambda *call: "", _launch_v1)
-)
-register(
-    Kernel(
-        "mma",
-        "attend",
-        "affine_attention.cu, tensor-core attend_mma",
-        frozenset({"cuda"}),
-        _mma_scope,
-        _launch_mma_run,
-        _mma_prefer,
-    )
-)
+    return runner(_launch(qshape, qdtype, cshape, kspec, vspec, scale, chunk), qshape, qdtype)
 
 
 def merge(pm, pl, pacc, q, qshape: tuple, qdtype, scale: float, tail=None):
@@ -372,3 +250,6 @@ def affine_partial_attention(
     return launcher(
         tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, impl, chunk or 0, hides=hidden > 0
     )(q, k_enc, v_enc, hidden=hidden)
+
+
+BINDINGS = {"v1": Binding(lambda *call: "", _launch_v1)}  # v1 takes every call the family does (`unsupported`)

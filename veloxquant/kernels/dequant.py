@@ -10,7 +10,7 @@ import mlx.core as mx
 from . import variants
 from .cuda import _QTYPES, _strip, sections
 from .reference import Spec, spec_fields
-from .table import Kernel, register
+from .table import Binding
 
 
 @lru_cache(maxsize=None)
@@ -63,7 +63,4 @@ def dequantize(enc: Dict[str, mx.array], spec: Spec, dtype, length: Optional[int
     )[0]
 
 
-# Verified: tests/test_kernels.py's gpu dequant cases passed on an NVIDIA H200 (docs/kernels.md).
-register(
-    Kernel("dequant", "dequant", "affine_attention.cu, dequant", frozenset({"cuda"}), dequant_unsupported, dequantize)
-)
+BINDINGS = {"dequant": Binding(dequant_unsupported, dequantize)}

@@ -14,9 +14,13 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import cuda, dequant, lut, mlx_affine, reference, tc_launch  # noqa: F401 -- each registers its kernels
+from . import mlx_affine, reference
 from .reference import Spec, spec_fields
-from .table import KERNELS, OFF_ENV, Kernel, attend_route, family, kernels_off, mlx_attend, verified
+from .table import KERNELS, OFF_ENV, Kernel, attend_route, family, kernels_off, mlx_attend, plugin, verified
+
+# The CUDA bindings (cuda.py, mma.py, tc_launch.py, dequant.py, lut.py with their sources and
+# geometry) are reached through their table rows (`plugin`, `Kernel.launch`): imported the first
+# time a call on the CUDA backend asks for them, never on a backend that has none verified.
 
 
 def backend() -> str:
@@ -64,7 +68,7 @@ def choice(
     hit = _CHOICES.get(key) if key is not None else None
     if hit is not None:
         return hit
-    why = cuda.unsupported(q, k_enc, v_enc, k_spec, v_spec)
+    why = plugin("v1").unsupported(q, k_enc, v_enc, k_spec, v_spec)  # v1 takes every call its family does
     if why:
         res = ("reference", why)
     else:
@@ -92,6 +96,12 @@ def _mlx_choice(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, be: str) -> Tuple[s
     return ("reference", why) if why else (name, f"MLX's own kernels ({KERNELS[name].source})")
 
 
+def cuda_launcher(qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float, hides: bool = False):
+    """The CUDA attend launch (`cuda.launcher`: the attend kernel `table.attend_route` picks) for
+    calls of these shapes, `run(q, k_enc, v_enc, tail=None, hidden=0) -> (out, lse)`."""
+    return plugin("v1").launcher(qshape, qdtype, cshape, k_spec, v_spec, scale, hides=hides)
+
+
 def mlx_launcher(name: str, qshape: tuple, qdtype, cshape: tuple, k_spec: Spec, v_spec: Spec, scale: float):
     """The attend-mlx kernel `name`'s `run(q, k_enc, v_enc, tail=None, hidden=0) -> (out, lse)`."""
     return KERNELS[name].launch(qshape, qdtype, cshape, spec_fields(k_spec), spec_fields(v_spec), float(scale))
@@ -105,7 +115,7 @@ def fused_affine_partial(
     reference."""
     impl, _ = choice(q, k_enc, v_enc, k_spec, v_spec, scale)
     if impl == "cuda":
-        return cuda.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
+        return plugin("v1").affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
     if impl in KERNELS:
         return mlx_launcher(impl, q.shape, q.dtype, k_enc["codes"].shape, k_spec, v_spec, scale)(q, k_enc, v_enc)
     return reference.affine_partial_attention(q, k_enc, v_enc, k_spec, v_spec, scale)
@@ -114,7 +124,7 @@ def fused_affine_partial(
 def dequantizer():
     """The CUDA dequant binding (module `dequant`: `dequant_unsupported`, then
     `dequantize`), or None where it is not verified or with VELOXQUANT_KERNELS=off."""
-    return None if kernels_off() or not verified("dequant", backend()) else dequant
+    return None if kernels_off() or not verified("dequant", backend()) else plugin("dequant")
 
 
 def encode_kernel(codec):

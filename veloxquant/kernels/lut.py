@@ -24,7 +24,7 @@ from . import variants
 from .cuda import sections as affine
 from .geometry import SM_COUNT
 from .source import split_sections, strip
-from .table import Kernel, register
+from .table import Binding
 
 SOURCE = "cuda/lut_attention.cu"
 WARPS = 4
@@ -245,18 +245,7 @@ def encode(codec, x: mx.array) -> Dict[str, mx.array]:
     return enc
 
 
-# Verified: tests/test_lut_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(
-    Kernel(
-        "lut",
-        "code",
-        "lut_attention.cu, lut_attend",
-        frozenset({"cuda"}),
-        unsupported,
-        partial_attention,
-        chains=CHAINS,
-    )
-)
-register(
-    Kernel("lloyd_encode", "encode", "lut_attention.cu, lloyd_encode", frozenset({"cuda"}), encode_unsupported, encode)
-)
+BINDINGS = {
+    "lut": Binding(unsupported, partial_attention, chains=CHAINS),
+    "lloyd_encode": Binding(encode_unsupported, encode),
+}

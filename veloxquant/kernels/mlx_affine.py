@@ -25,7 +25,7 @@ from typing import Dict
 import mlx.core as mx
 
 from .reference import Spec, spec_fields
-from .table import Kernel, register
+from .table import Binding
 
 BITS = (2, 3, 4, 5, 6, 8)  # mx.quantized_matmul's affine widths (bit order checked in tests/test_mlx_affine.py)
 GROUPS = (32, 64, 128)  # its group sizes
@@ -176,15 +176,4 @@ def launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sca
     return run
 
 
-# Built from MLX's own primitives, so it runs wherever MLX does; verified (parity with the
-# decode path, tests/test_mlx_affine.py) on CPU only: nothing here ran on Metal (docs/kernels.md).
-register(
-    Kernel(
-        "qmm",
-        "attend-mlx",
-        "mlx_affine.py, mx.quantized_matmul",
-        frozenset({"cpu"}),
-        lambda *call: scope(*call),
-        launch,
-    )
-)
+BINDINGS = {"qmm": Binding(lambda *call: scope(*call), launch)}

@@ -1,13 +1,16 @@
 """The kernel table: every fused kernel by name, the calls it takes, how it launches, and
 the backends it is verified on.
 
-Each kernel module registers its kernels here when imported (`veloxquant.kernels` imports
-them all); `dispatch` routes by this table and the compiler asks it what is verified. A kernel
+Each row names the module that binds it (its `BINDINGS[name]`: scope, launcher, preference,
+chains); `dispatch` routes by this table and the compiler asks it what is verified. A kernel
 lists a backend in `verified` only after its parity tests passed there on real hardware
 (docs/kernels.md, "Parity on the H200"); everywhere else the MLX-ops reference answers.
 """
 
 import os
+from functools import lru_cache
+from importlib import import_module
+from types import ModuleType
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 OFF_ENV = "VELOXQUANT_KERNELS"  # =off (or 0, reference): every call runs the reference
@@ -21,18 +24,88 @@ def _anywhere(*_) -> str:
     return ""
 
 
-class Kernel(NamedTuple):
-    name: str
-    family: str  # "attend" (affine partial), "dequant", "code" (attention from codes), "encode"
-    source: str  # where it lives, for `explain`
-    verified: frozenset  # backends its parity tests passed on
+class Binding(NamedTuple):
+    """What a kernel's module supplies for its row (the module's `BINDINGS[name]`)."""
+
     scope: Callable[..., str]  # why it cannot take a call ('' when it can); arguments per family
     launch: Callable  # the binding: attend (qshape, qdtype, cshape, kspec, vspec, scale, chunk) -> run
     prefer: Callable[..., str] = _anywhere  # attend: why it is not the default for a call its scope takes
     chains: Tuple[tuple, ...] = ()  # code and encode kernels: the stage chains (keys "/" values) they read
 
 
-KERNELS: Dict[str, Kernel] = {}
+class Kernel(NamedTuple):
+    name: str
+    family: str  # "attend" (affine partial), "dequant", "code" (attention from codes), "encode"
+    source: str  # where it lives, for `explain`
+    verified: frozenset  # backends its parity tests passed on
+    module: str  # the module binding it: imported the first time the row's binding is asked for
+
+    @property
+    def binding(self) -> Binding:
+        return bound(self.module, self.name)
+
+    @property
+    def scope(self) -> Callable[..., str]:
+        return self.binding.scope
+
+    @property
+    def launch(self) -> Callable:
+        return self.binding.launch
+
+    @property
+    def prefer(self) -> Callable[..., str]:
+        return self.binding.prefer
+
+    @property
+    def chains(self) -> Tuple[tuple, ...]:
+        return self.binding.chains
+
+
+@lru_cache(maxsize=None)
+def bound(module: str, name: str) -> Binding:
+    """Kernel `name`'s binding in `module`. The table is a registry of backend-specific plugins:
+    a row's module (its kernel source, geometry, launches) is imported here on first use, so a
+    backend that never asks for a CUDA row never loads the CUDA bindings. This is a registry
+    resolving a backend-specific plugin by the path its row names, not a function-level import
+    dodging a cycle: the binding modules import this one statically, never the reverse."""
+    return _module(module).BINDINGS[name]
+
+
+def plugin(name: str) -> ModuleType:
+    """The module binding kernel `name` (imported on first use, as `bound`)."""
+    return _module(KERNELS[name].module)
+
+
+@lru_cache(maxsize=None)
+def _module(path: str) -> ModuleType:
+    return import_module(path)  # once per module: a decode step asks for its kernels every layer
+
+
+_CUDA = frozenset({"cuda"})
+# Order is the order `family` answers in (the first attend-mlx row is that family's default).
+KERNELS: Dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        # Verified: tests/test_kernels.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+        Kernel("v1", "attend", "affine_attention.cu, CUDA-core attend", _CUDA, "veloxquant.kernels.cuda"),
+        Kernel("mma", "attend", "affine_attention.cu, tensor-core attend_mma", _CUDA, "veloxquant.kernels.mma"),
+        Kernel("dequant", "dequant", "affine_attention.cu, dequant", _CUDA, "veloxquant.kernels.dequant"),
+        # Verified: tests/test_lut_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+        Kernel("lut", "code", "lut_attention.cu, lut_attend", _CUDA, "veloxquant.kernels.lut"),
+        Kernel("lloyd_encode", "encode", "lut_attention.cu, lloyd_encode", _CUDA, "veloxquant.kernels.lut"),
+        # Built from MLX's own primitives, so it runs wherever MLX does; verified (parity with the
+        # decode path, tests/test_mlx_affine.py) on CPU only: nothing here ran on Metal (docs/kernels.md).
+        Kernel(
+            "qmm",
+            "attend-mlx",
+            "mlx_affine.py, mx.quantized_matmul",
+            frozenset({"cpu"}),
+            "veloxquant.kernels.mlx_affine",
+        ),
+        # Verified: tests/test_tc_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
+        Kernel("tc", "attend", "tc_attention.cu, lean tensor-core attend_tc", _CUDA, "veloxquant.kernels.tc_launch"),
+    )
+}
 # The attend default: the first kernel here verified on the backend whose scope and
 # preference take the call (measurements behind the order: docs/kernels.md). v1 takes
 # every call the family does (`cuda.unsupported`), and alone a chunk size or a hidden front.
@@ -45,6 +118,7 @@ MLX_ATTEND_BACKENDS = frozenset({"metal"})
 
 
 def register(kernel: Kernel) -> Kernel:
+    """Put `kernel` in the table in place of its name's row (a bench marking a kernel verified on its backend)."""
     KERNELS[kernel.name] = kernel
     return kernel
 

@@ -32,7 +32,7 @@ MAX_ROWS = 16
 _BLOCKS_PER_SM = int(os.environ.get("VELOXQUANT_TC_BLOCKS_PER_SM", "0") or 0)
 _STAGES = int(os.environ.get("VELOXQUANT_TC_STAGES", "0") or 0)
 TAIL_TOKENS = 32  # dense tail tokens per tail block (the kernel's warp width)
-TAIL_BLOCKS_MAX = 16  # 512 tail tokens: cuda.TAIL_MAX
+TAIL_BLOCKS_MAX = 16  # 512 tail tokens: tail.TAIL_MAX
 # The head's last block merges rows x blocks partials of D floats: one SM reading them
 # all through L2. Above this many bytes per head, the merge is its own launch (the reduce,
 # one block per row and 32 channels). VELOXQUANT_TC_FOLD=0 / 1 forces (benchmarks).

@@ -20,7 +20,7 @@ import mlx.core as mx
 from . import tc, variants
 from .cuda import merge
 from .source import strip
-from .table import Kernel, register
+from .table import Binding
 
 _CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 CODES = ["q", "kc", "ks", "kz", "vc", "vs", "vz"]
@@ -170,17 +170,12 @@ def _prefer(B: int, Hq: int, Lq: int, D: int, Hkv: int, L: int, kspec: tuple, vs
     return "tc kernel: D > 128 in two launches"
 
 
-# Verified: tests/test_tc_kernel.py's gpu parity cases passed on an NVIDIA H200 (docs/kernels.md).
-register(
-    Kernel(
-        "tc",
-        "attend",
-        "tc_attention.cu, lean tensor-core attend_tc",
-        frozenset({"cuda"}),
+BINDINGS = {
+    "tc": Binding(
         _scope,
         lambda qshape, qdtype, cshape, kspec, vspec, scale, chunk=0: launcher(
             qshape, qdtype, cshape, kspec, vspec, scale
         ),
         _prefer,
     )
-)
+}

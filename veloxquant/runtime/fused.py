@@ -13,7 +13,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..kernels import cuda, dispatch
+from ..kernels import dispatch
+from ..kernels.tail import TAIL_MAX, tail_unsupported
 
 
 class KernelAnswer:
@@ -48,7 +49,7 @@ def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
     impl = dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0]
     shapes = (tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
     if impl == "cuda":
-        return cuda.launcher(*shapes, hides=hides)
+        return dispatch.cuda_launcher(*shapes, hides=hides)
     return None if impl == "reference" else dispatch.mlx_launcher(impl, *shapes)  # MLX's own kernels
 
 
@@ -64,10 +65,10 @@ def tail(rest: List, queries: mx.array, dtype, layouts: dict):
         if not t.sixteen_bit:
             return None
         held += t.count
-    if held > cuda.TAIL_MAX:
+    if held > TAIL_MAX:
         return None
     views = [t.decoded(dtype) for t in rest]
     key = (queries.shape, dtype, len(rest))
     if key not in layouts:
-        layouts[key] = cuda.tail_unsupported(tuple(key[0]), views)
+        layouts[key] = tail_unsupported(tuple(key[0]), views)
     return None if layouts[key] else views
