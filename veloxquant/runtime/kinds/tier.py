@@ -46,11 +46,14 @@ class Tier(TierRows, KindBase):
         # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
         self.side_state: Dict[str, mx.array] = {}
         self.plain = None
+        self._lays = False
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
             return
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        # Buffers holding exactly their tokens are contiguous: their reshapes for decode are views, kept.
+        self._lays = self._fusable and (exact or (plan.route is not None and plan.route.bounded))
         # The key codec scores its codes (runtime/code_attention.py): decided once, asked every step.
         self.codes_attend = code_attention.applies(self, 1)
         self.buffers = {}
@@ -134,7 +137,18 @@ class Tier(TierRows, KindBase):
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
+        laid = self._laid(side, enc) if self._lays else None
+        if laid is not None:  # one compiled kernel over arrays reshaped once per chunk, not per step
+            return self.codecs[side].store.decode_laid(laid, dtype)
         return self.codecs[side].decode(enc, dtype, self.start)
+
+    def _laid(self, side: str, enc: Dict[str, mx.array]):
+        """The affine store's arrays laid out for its one-kernel decode (stages/store.py), kept with
+        the views: reshapes of the contiguous buffers, so they share their storage."""
+        key = side + ".laid"
+        if key not in self._views:
+            self._views[key] = self.codecs[side].store.laid_out(enc)
+        return self._views[key]
 
     def placeable(self, dtype) -> bool:
         """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
