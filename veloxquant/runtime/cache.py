@@ -18,10 +18,11 @@ from ..errors import VeloxError
 from . import batch, hook, kinds, layer_attention, trimming
 from .batch_protocol import BatchProtocol
 from .copying import copy_sharing
+from .decoded_attention import decoded_run
 from .eviction import deferred, per_head
 from .eviction.saliency import Saliency
 from .eviction.scoring import position_mask
-from .kinds.tier import Tier, decoded_run
+from .kinds.tier import Tier
 
 _start = attrgetter("start")
 
@@ -72,7 +73,7 @@ class TieredCache(BatchProtocol, _BaseCache):
 
     # --- mlx-lm protocol ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        if self.rows is not None:  # B sequences (runtime/batch.py)
+        if self._rows is not None:  # B sequences (runtime/batch.py); the field, not the property: every step
             return batch.update_and_fetch(self, keys, values)
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
@@ -189,7 +190,7 @@ class TieredCache(BatchProtocol, _BaseCache):
 
     def held_in_order(self) -> List:
         """The tiers holding tokens, by position (the order decoded keys are laid out in)."""
-        held = self.held()
+        held = [t for t in self.tiers if t.count and not t.drops]
         if len(held) > 1:
             held.sort(key=_start)
         return held
@@ -200,8 +201,9 @@ class TieredCache(BatchProtocol, _BaseCache):
         n = keys.shape[2]
         for i, s, e in self._routing(start, n, first):
             scored = (self.saliency.scores_for(s, e - s),) if self.saliency and i == self.saliency.index else ()
-            if e - s == n:  # the whole block (every decode step): no slice ops
-                self.tiers[i].append(keys, values, s, *scored)
+            if e - s == n:  # the whole block (every decode step): no slice ops; a 16-bit tier's run appends
+                tier = self.tiers[i]
+                (tier.plain if tier.plain is not None and not scored else tier).append(keys, values, s, *scored)
             else:
                 self.tiers[i].append(keys[:, :, s - start : e - start], values[:, :, s - start : e - start], s, *scored)
 
@@ -209,7 +211,7 @@ class TieredCache(BatchProtocol, _BaseCache):
         if not self._unsettled:
             return
         self._unsettled = False
-        if self.rows is not None:  # B sequences: an eviction batch cuts (runtime/batch.py)
+        if self._rows is not None:  # B sequences: an eviction batch cuts (runtime/batch.py)
             return batch.settle(self)
         if self.per_head:  # only per-head layers hold decode queries: scored before a cut (evict(slack))
             per_head.settle_held(self)

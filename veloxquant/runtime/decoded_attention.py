@@ -1,13 +1,13 @@
 """Attention over the tiers a cache decodes (those whose `answer` was None), masked by
 position where a tier holds tokens some query must not see (TieredCache._needs_mask)."""
 
-from typing import List
+from typing import List, Tuple
 
 import mlx.core as mx
 
 from ..kernels.partials import partial_attention
 from .eviction.scoring import additive
-from .kinds.tier import Tier, decoded_run
+from .kinds.tier import Tier
 
 
 def dense(cache, held: List[Tier], queries, scale, first_q: int, needs: List[bool]):
@@ -43,3 +43,33 @@ def partial(cache, tiers: List[Tier], queries, scale, first_q: int):
     else:
         k, v = (mx.concatenate([p[i] for p in pairs], axis=2) for i in (0, 1))
     return partial_attention(queries, k, v, scale, mask)
+
+
+def decoded_run(tiers: List[Tier], dtype) -> Tuple[mx.array, mx.array]:
+    """K and V of `tiers` (in position order) as one buffer each, for SDPA.
+
+    A tier the dequant kernel takes is decoded straight into its place in the
+    buffer and the others are written around it in place: one 16-bit copy of the
+    layer's tokens instead of a decoded copy plus a concatenated one (prefill's peak)."""
+    if len(tiers) == 1:
+        return tiers[0].decoded(dtype)
+    lead = None
+    for i, t in enumerate(tiers):  # a loop, not a generator: every decode step of every layer
+        if isinstance(t, Tier) and t.dequant_kernel is not None and t.placeable(dtype):
+            lead = i
+            break
+    pairs = {}
+    for i, t in enumerate(tiers):
+        if i != lead:
+            pairs[i] = t.decoded(dtype)
+    if lead is None:
+        keys, values = zip(*pairs.values())
+        return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+    starts = [sum(t.count for t in tiers[:i]) for i in range(len(tiers) + 1)]
+    out = []
+    for s, side in enumerate(("k", "v")):
+        buf = tiers[lead].decoded_side(side, dtype, starts[-1], starts[lead])
+        for i, pair in pairs.items():  # in place: nothing else holds the buffer (MLX donates it)
+            buf[:, :, starts[i] : starts[i + 1], :] = pair[s]
+        out.append(buf)
+    return tuple(out)

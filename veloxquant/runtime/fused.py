@@ -35,12 +35,14 @@ def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: i
     `encoded(side)`: the affine arrays (codes, scales, zeros) the kernel reads; the tier's own by default.
     `hidden`: tokens at the tier's front the queries do not see (Tier.answer)."""
     encoded = encoded or tier.encoded
-    k_enc, v_enc = encoded("k"), encoded("v")
     # Decided once per (tier length, query shape): every layer asks again each step.
     key = (tier.count, queries.shape, queries.dtype, scale, hidden > 0)
     if tier.launch_key != key:
-        tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale, hidden > 0)
-    return None if tier.launch is None else KernelAnswer(tier.launch, queries, k_enc, v_enc, hidden)
+        launch = _launcher(tier, queries, encoded("k"), encoded("v"), scale, hidden > 0)
+        tier.launch_key, tier.launch = key, launch
+    if tier.launch is None:  # decoded (the CPU): the arrays are not asked for
+        return None
+    return KernelAnswer(tier.launch, queries, encoded("k"), encoded("v"), hidden)
 
 
 def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):

@@ -4,7 +4,8 @@ A store encodes x [B, H, L, D] into named arrays whose axis 2 counts token
 units (one token, or a group of tokens), and decodes them back.
 """
 
-from typing import Dict
+from functools import lru_cache
+from typing import Dict, Optional, Tuple
 
 import attrs
 import mlx.core as mx
@@ -103,6 +104,9 @@ class Affine:
         return {"codes": codes, "scales": scale.squeeze(reduce_axis), "zeros": zero.squeeze(reduce_axis)}
 
     def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
+        laid = self.laid_out(enc)
+        if laid is not None:
+            return self.decode_laid(laid, dtype)
         codes = enc["codes"]
         B, H, L, W = codes.shape
         D = W * 32 // self.bits
@@ -112,3 +116,57 @@ class Affine:
         scale = mx.expand_dims(enc["scales"].astype(mx.float32), axis)
         zero = mx.expand_dims(enc["zeros"].astype(mx.float32), axis)
         return (q * scale + zero).reshape(B, H, L, D).astype(dtype)
+
+    def laid_out(self, enc: Dict[str, mx.array]) -> Optional[Tuple[mx.array, ...]]:
+        """codes, scales and zeros reshaped (views, no copy where contiguous) so that `decode_laid`
+        is one broadcast elementwise kernel: the words' codes along one axis, their groups along
+        another. None where groups and words do not nest (3, 5, 6, 7 bits; uneven groups), and off the
+        CPU (GPUs decode through their kernels; there a compiled multiply-add may round once, not twice)."""
+        if mx.default_device() != mx.cpu:
+            return None
+        codes, scales, zeros, g = enc["codes"], enc["scales"], enc["zeros"], self.group
+        B, H, L, W = codes.shape
+        per_word = 32 // self.bits if 32 % self.bits == 0 else 0
+        if not per_word:
+            return None
+        if self.axis == "channel":  # token l = t*g + j, channel d = w*per_word + i
+            if L % g:
+                return None
+            words, meta = (B, H, L // g, g, W, 1), (B, H, L // g, 1, W, per_word)
+        elif g % per_word == 0:  # channel d = (group*(g/per_word) + word)*per_word + i
+            words, meta = (B, H, L, W * per_word // g, g // per_word, 1), (B, H, L, W * per_word // g, 1, 1)
+        elif per_word % g == 0:  # channel d = w*per_word + a*g + b
+            words, meta = (B, H, L, W, 1, 1), (B, H, L, W, per_word // g, 1)
+        else:
+            return None
+        return codes.reshape(words), scales.reshape(meta), zeros.reshape(meta)
+
+    def decode_laid(self, laid: Tuple[mx.array, ...], dtype) -> mx.array:
+        """decode() from `laid_out`'s arrays: the same float32 multiply and add per element, fused
+        (unpack, cast, scale, zero and the cast to `dtype` as one compiled kernel)."""
+        codes, scales, _ = laid
+        per_word = 32 // self.bits
+        split = self.axis == "token" and scales.shape[4] > 1  # a word holds several groups
+        lanes = (scales.shape[4], per_word // scales.shape[4]) if split else (per_word,)
+        out = _dequantize(self.bits, lanes, dtype)(*laid, _shifts(self.bits, lanes))
+        B, H, L = codes.shape[:3]
+        return out.reshape(B, H, L * codes.shape[3] if self.axis == "channel" else L, -1)
+
+
+@lru_cache(maxsize=None)
+def _shifts(bits: int, lanes: tuple) -> mx.array:
+    """Each code's shift in its word, shaped as the last axes of `laid_out`'s words."""
+    shifts = (mx.arange(32 // bits, dtype=mx.uint32) * bits).reshape(lanes)
+    mx.eval(shifts)
+    return shifts
+
+
+@lru_cache(maxsize=None)
+def _dequantize(bits: int, lanes: tuple, dtype):
+    mask = (1 << bits) - 1
+
+    def dequantize(codes, scales, zeros, shifts):
+        q = ((codes >> shifts) & mask).astype(mx.float32)
+        return (q * scales.astype(mx.float32) + zeros.astype(mx.float32)).astype(dtype)
+
+    return mx.compile(dequantize)

@@ -36,7 +36,7 @@ class PlainRun:
         if tier._views:
             tier._views = {}
         if keys.dtype not in SIXTEEN_BIT:  # float32 models: what the stores keep (fp16 rounds, identity not)
-            keys, values = (s.encode(x)["x"] for s, x in zip(self.stores, (keys, values)))
+            keys, values = self.stores[0].encode(keys)["x"], self.stores[1].encode(values)["x"]
         self.keys.append(keys)
         self.values.append(values)
         n = keys.shape[2]

@@ -100,6 +100,7 @@ class KindBase:
     listening = False  # its scorer is fed now
     needs: frozenset = frozenset()  # what its scorer needs gathered
     can_rewind = True  # trim can take tokens back
+    plain = None  # a 16-bit run appending without codec calls (runtime/kinds/plain.py)
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Nothing overflows a kind whose route holds everything it gets (a layer's last tier)."""

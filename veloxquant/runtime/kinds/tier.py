@@ -46,11 +46,18 @@ class Tier(TierRows, KindBase):
         # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
         self.side_state: Dict[str, mx.array] = {}
         self.plain = None
+        self._lays = False
+        self.dequant_kernel = None
         if plan.drops:
             self.codecs: Dict[str, Codec] = {}
             self.buffers: Dict[str, Dict[str, Buffer]] = {}
             return
         self.codecs = {"k": Codec(plan.keys), "v": Codec(plan.values)}
+        # Buffers holding exactly their tokens are contiguous: their reshapes for decode are views, kept.
+        self._lays = self._fusable and (exact or (plan.route is not None and plan.route.bounded))
+        # The dequant kernel's binding (None: not verified here, or VELOXQUANT_KERNELS=off), looked up
+        # once: every decode step of every layer would otherwise ask the kernel table again.
+        self.dequant_kernel = dispatch.dequantizer() if self._fusable else None
         # The key codec scores its codes (runtime/code_attention.py): decided once, asked every step.
         self.codes_attend = code_attention.applies(self, 1)
         self.buffers = {}
@@ -65,7 +72,12 @@ class Tier(TierRows, KindBase):
 
     def __deepcopy__(self, memo):
         # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
-        return copy_sharing(self, memo, shared=("plan", "route", "drops", "launch_key", "launch"), reset={"_views": {}})
+        return copy_sharing(
+            self,
+            memo,
+            shared=("plan", "route", "drops", "launch_key", "launch", "dequant_kernel"),
+            reset={"_views": {}},
+        )
 
     # --- contents -------------------------------------------------------
     @property
@@ -130,19 +142,30 @@ class Tier(TierRows, KindBase):
         """One side's values; with `length`, placed at `offset` of a `length`-token buffer
         (only where `placeable`: the dequant kernel writes it there, in one launch)."""
         enc = self.encoded(side)
-        kernels = self._dequantizer(dtype, (side,))
+        kernels = self._dequantizer(dtype, (side,)) if self.dequant_kernel is not None else None
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
+        laid = self._laid(side, enc) if self._lays else None
+        if laid is not None:  # one compiled kernel over arrays reshaped once per chunk, not per step
+            return self.codecs[side].store.decode_laid(laid, dtype)
         return self.codecs[side].decode(enc, dtype, self.start)
+
+    def _laid(self, side: str, enc: Dict[str, mx.array]):
+        """The affine store's arrays laid out for its one-kernel decode (stages/store.py), kept with
+        the views: reshapes of the contiguous buffers, so they share their storage."""
+        key = side + ".laid"
+        if key not in self._views:
+            self._views[key] = self.codecs[side].store.laid_out(enc)
+        return self._views[key]
 
     def placeable(self, dtype) -> bool:
         """decoded_side can write into a longer buffer (the CUDA dequant kernel takes both sides)."""
-        return self._dequantizer(dtype) is not None
+        return self.dequant_kernel is not None and self._dequantizer(dtype) is not None
 
     def _dequantizer(self, dtype, sides=("k", "v")):
         """The dequant kernel's binding where it decodes these sides, else None."""
-        kernels = dispatch.dequantizer() if self._fusable else None
+        kernels = self.dequant_kernel
         if kernels is None or any(
             kernels.dequant_unsupported(self.encoded(s), self.codecs[s].store, dtype) for s in sides
         ):
@@ -260,25 +283,3 @@ def expire_front(tier, oldest_visible: int) -> None:
     n = min(tier.count, oldest_visible - tier.start) // tier.granularity * tier.granularity
     if tier.count and n > 0:
         tier.drop_front(n)
-
-
-def decoded_run(tiers: List["Tier"], dtype) -> Tuple[mx.array, mx.array]:
-    """K and V of `tiers` (in position order) as one buffer each, for SDPA.
-
-    A tier the dequant kernel takes is decoded straight into its place in the
-    buffer and the others are written around it in place: one 16-bit copy of the
-    layer's tokens instead of a decoded copy plus a concatenated one (prefill's peak)."""
-    if len(tiers) == 1:
-        return tiers[0].decoded(dtype)
-    lead = next((i for i, t in enumerate(tiers) if isinstance(t, Tier) and t.placeable(dtype)), None)
-    pairs = {i: t.decoded(dtype) for i, t in enumerate(tiers) if i != lead}
-    if lead is None:
-        return tuple(mx.concatenate([p[s] for p in pairs.values()], axis=2) for s in (0, 1))
-    starts = [sum(t.count for t in tiers[:i]) for i in range(len(tiers) + 1)]
-    out = []
-    for s, side in enumerate(("k", "v")):
-        buf = tiers[lead].decoded_side(side, dtype, starts[-1], starts[lead])
-        for i, pair in pairs.items():  # in place: nothing else holds the buffer (MLX donates it)
-            buf[:, :, starts[i] : starts[i + 1], :] = pair[s]
-        out.append(buf)
-    return tuple(out)
