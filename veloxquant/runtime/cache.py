@@ -190,7 +190,7 @@ class TieredCache(BatchProtocol, _BaseCache):
 
     def held_in_order(self) -> List:
         """The tiers holding tokens, by position (the order decoded keys are laid out in)."""
-        held = [t for t in self.tiers if t.count and not t.drops]
+        held = self.held()
         if len(held) > 1:
             held.sort(key=_start)
         return held
