@@ -174,6 +174,25 @@ def test_a_chain_batch_equals_alone(recipe, make_model):
     """Each sequence's sinks, window spills, code groups and (Gemma 3's sliding layers) expiry are its own
     in a batch: tokens as alone, logprobs within float tolerance, and the cache it leaves with holds
     what the alone cache holds, tier by tier."""
+    _check_chain(recipe, make_model)
+
+
+@pytest.mark.parametrize("recipe", ["kivi", "kivi_sink"])
+def test_a_chain_batch_attends_codes_through_the_kernel_route(recipe, monkeypatch):
+    """Where a kernel reads an affine tier (CUDA's fused kernel; here MLX's own quantized matmuls, the
+    `qmm` route), a batch's decode step attends every row's codes in one call, each row's span an input
+    (runtime/batch_chain.py `_by_tiers`), instead of decoding the tier: tokens and logprobs as alone."""
+    from veloxquant.runtime import fused
+
+    monkeypatch.setenv("VELOXQUANT_AFFINE_ROUTE", "qmm")
+    answered = []
+    rows_answer = fused.rows_answer
+    monkeypatch.setattr(fused, "rows_answer", lambda *a: answered.append(rows_answer(*a)) or answered[-1])
+    _check_chain(recipe, tiny_llama)
+    assert sum(a is not None for a in answered) > 0
+
+
+def _check_chain(recipe, make_model):
     model = make_model()
     sets = ["window=8"] if "window" in load_recipe(recipe).params else []
     prompts = [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(CHAIN_LENGTHS)]

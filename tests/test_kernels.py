@@ -435,3 +435,72 @@ def test_reference_hides_the_tiers_front():
     k, v = Affine(**ks).decode(ke, mx.float32), Affine(**vs).decode(ve, mx.float32)
     want = on_cpu(partial_attention, q, k[:, :, 17:], v[:, :, 17:], 0.1)
     assert maxerr(on_cpu(reference, q, ke, ve, ks, vs, 0.1, 17), want) < 1e-5
+
+
+SPAN_CASES = [  # (B, Hq, Hkv, D, L, row spans, chunk): a ragged batch's rows over one tier
+    (3, 8, 2, 128, 256, [(0, 256), (0, 96), (0, 0)], 0),  # a full row, a short row, a row holding none
+    (2, 9, 3, 64, 512, [(0, 64), (0, 512)], 64),  # the short row's later chunks skipped
+    (4, 4, 1, 256, 160, [(0, 160), (0, 32), (5, 128), (0, 160)], 0),  # a hidden front with an early end
+]
+
+
+def _spans(rows) -> mx.array:
+    return mx.array(rows, dtype=mx.int32)
+
+
+def _span_err(got, want) -> float:
+    """Largest difference of (out, lse), a row's lse -inf on both sides counting 0 (NaN anywhere: inf)."""
+    (o1, l1), (o2, l2) = got, want
+    both = mx.isneginf(l1) & mx.isneginf(l2)
+    dl = mx.where(both, 0.0, mx.abs(l1 - l2))
+    errs = [mx.abs(o1.astype(mx.float32) - o2), dl]
+    return max(float("inf") if bool(mx.any(mx.isnan(e))) else float(e.max()) for e in errs)
+
+
+def _per_row(q, ke, ve, ks, vs, scale, rows):
+    """Each row's partial attention over its own visible tokens, decoded (a row seeing none: out 0, lse -inf)."""
+    k, v = Affine(**ks).decode(ke, mx.float32), Affine(**vs).decode(ve, mx.float32)
+    outs, lses = [], []
+    for b, (lo, hi) in enumerate(rows):
+        if hi <= lo:
+            outs.append(mx.zeros(q[b : b + 1].shape, mx.float32))
+            lses.append(mx.full(q[b : b + 1].shape[:3], -mx.inf))
+            continue
+        o, lse = partial_attention(q[b : b + 1], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], scale)
+        outs.append(o)
+        lses.append(lse)
+    return mx.concatenate(outs), mx.concatenate(lses)
+
+
+@pytest.mark.parametrize("case", SPAN_CASES[:2])
+def test_reference_and_qmm_take_each_rows_span(case):
+    """hidden as an int32 [B, 2] array: row b sees only its own tokens [lo, hi); the MLX-ops reference and
+    MLX's own kernels (kernels/mlx_affine.py) answer what attention over each row's slice answers."""
+    from veloxquant.kernels import mlx_affine
+
+    B, Hq, Hkv, D, L, rows, _ = case
+    ks, vs = KIVI2
+    q, ke, ve = make(B, Hq, Hkv, 1, D, L, ks, vs)
+    want = on_cpu(_per_row, q, ke, ve, ks, vs, 0.1, rows)
+    for fn in (reference, mlx_affine.partial_attention):
+        got = on_cpu(fn, q, ke, ve, ks, vs, 0.1, _spans(rows))
+        assert _span_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}/{c[2]}-D{c[3]}-L{c[4]}-chunk{c[6]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend")
+def test_cuda_kernel_takes_each_rows_span(case):
+    """A ragged batch's rows (runtime/batch_chain.py) in one launch: each row's visible span an input;
+    chunks past a row's end are skipped and weigh 0, a row seeing none answers out 0, lse -inf."""
+    from veloxquant.kernels import cuda
+
+    B, Hq, Hkv, D, L, rows, chunk = case
+    ks, vs = KIVI2
+    q, ke, ve = make(B, Hq, Hkv, 1, D, L, ks, vs)
+    scale = D**-0.5
+    want = on_cpu(_per_row, q, ke, ve, ks, vs, scale, rows)
+    got = cuda.affine_partial_attention(q, ke, ve, ks, vs, scale, chunk=chunk or None, hidden=_spans(rows))
+    err = _span_err(got, want)
+    _record(f"[v1 spans] B{B} Hq{Hq}/Hkv{Hkv} D{D} L{L} chunk {chunk} spans {rows}", err)
+    assert err <= TOL, err

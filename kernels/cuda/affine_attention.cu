@@ -140,8 +140,10 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
 //@@ attend
   // inputs: q [B*Hkv, ROWS, D] (T), kc/vc uint32 codes [B, Hkv, L, D*B/32],
   //   ks/kz, vs/vz fp16 meta ([B, Hkv, L/G, D] for axis=channel, [B, Hkv, L, D/G] for token),
-  //   lo int32 [1]: tokens [0, lo[0]) are hidden (a sliding window's expired
-  //   tokens still held in their key group; 0 = every token visible)
+  //   lo int32 [1, 2] or [B, 2]: row b sees tokens [lo[b][0], lo[b][1]) (a [1, 2]
+  //   span holds for every row). A front count hides a sliding window's expired
+  //   tokens still held in their key group; an end below L is a batch row that
+  //   holds fewer tokens than the tier's widest row (chunks past it are skipped).
   // outputs: pm, pl [B*Hkv*ROWS, NC] and pacc [B*Hkv*ROWS, NC, D] float32, one
   //   entry per CH-token chunk (NC = ceil(L / CH)): max and sum of 2^score, and
   //   sum of 2^(score - max) v, all relative to the chunk's own max.
@@ -190,7 +192,11 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   const int nsub = (NC + gridDim.x - 1) / gridDim.x;  // chunks per block
   const int cfirst = blockIdx.x * nsub;
   const int cend = min(cfirst + nsub, NC);
-  const int hide = lo[0];
+  const int span = lo_shape[0] > 1 ? 2 * (bh / kc_shape[1]) : 0;
+  const int hide = lo[span];
+  const int vend = min(L, lo[span + 1]);
+  // Chunks from cstop on hold no visible token: written as empty partials (weight 0 in the reduce).
+  const int cstop = max(cfirst, min(cend, (vend + CH - 1) / CH));
 
   // Stage chunk ci into buffer (ci - cfirst) & 1, as one cp.async group.
   auto stage = [&](int ci) {
@@ -211,7 +217,7 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     vq_stage(buf + O_VZ, reinterpret_cast<const unsigned char*>(vz + mo), mn * 2, tid, NT);
     vq_commit();
   };
-  if (cfirst < cend) stage(cfirst);
+  if (cfirst < cstop) stage(cfirst);
 
   // q rows in log2 units (QSCALE = bits of scale * log2(e)): softmax uses exp2.
   float* sq = reinterpret_cast<float*>(vq_smem + O_Q);
@@ -228,9 +234,9 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   const int tm = tid / TPT, li = tid % TPT, c0 = li * C;
   const int warp = tid / 32, lane = tid % 32;
 
-  for (int ci = cfirst; ci < cend; ++ci) {
+  for (int ci = cfirst; ci < cstop; ++ci) {
     const int n = min(CH, L - ci * CH);
-    if (ci + 1 < cend) stage(ci + 1); else vq_commit();  // empty group: uniform wait arithmetic
+    if (ci + 1 < cstop) stage(ci + 1); else vq_commit();  // empty group: uniform wait arithmetic
     vq_wait<1>();
     __syncthreads();
     const unsigned char* buf = vq_smem + ((ci - cfirst) & 1) * STAGE;
@@ -306,7 +312,10 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
           }
         }
         vq_team_reduce<R, TPT>(sc, li);
-        if (t < n && li % (TPT / R) == 0) sp[t * R + li / (TPT / R)] = ci * CH + t < hide ? vq_ninf() : sc[0];
+        if (t < n && li % (TPT / R) == 0) {
+          const int at = ci * CH + t;
+          sp[t * R + li / (TPT / R)] = at < hide || at >= vend ? vq_ninf() : sc[0];
+        }
       }
     }
     __syncthreads();
@@ -443,6 +452,17 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
     // buffer all come after the next iteration's first __syncthreads.
   }
   vq_wait<0>();
+  for (int ci = cstop; ci < cend; ++ci) {  // past the row's end: weight 0 in the reduce
+    for (int e = tid; e < R * D; e += NT) {
+      const int row = rb * R + e / D;
+      if (row < ROWS) pacc[(((size_t)bh * ROWS + row) * NC + ci) * D + e % D] = 0.0f;
+    }
+    if (tid < R && rb * R + tid < ROWS) {
+      const size_t o = ((size_t)bh * ROWS + rb * R + tid) * NC + ci;
+      pm[o] = vq_ninf();
+      pl[o] = 0.0f;
+    }
+  }
 
 //@@ reduce
   // inputs: pm, pl [NROWS, NS], pacc [NROWS, NS, D]; outputs: out [NROWS, D], lse [NROWS]
@@ -455,6 +475,7 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   float M = vq_ninf();
   for (int s = lane; s < NS; s += 32) M = fmaxf(M, m[s]);
   M = vq_warp_max(M);
+  if (M == vq_ninf()) M = 0.0f;  // a batch row holding no token here: weights 0, lse -inf, out 0
   float Ls = 0.0f;
   for (int s = lane; s < NS; s += 32) Ls += l[s] * exp2f(m[s] - M);
   Ls = vq_warp_sum(Ls);
@@ -465,7 +486,8 @@ __device__ __forceinline__ float vq_warp_sum(float v) {
   part[warp][lane] = a;
   __syncthreads();
   if (warp == 0) {
-    out[(size_t)row * D + d] = (part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane]) / Ls;
+    const float sum = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
+    out[(size_t)row * D + d] = Ls > 0.0f ? sum / Ls : 0.0f;
     // natural-log lse of the row's scores: (max + log2(sum)) * ln 2
     if (dc == 0 && lane == 0) lse[row] = (M + log2f(Ls)) * 0.69314718055994531f;
   }

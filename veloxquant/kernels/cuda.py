@@ -84,14 +84,21 @@ def _attend_kernel(smem: int, threads: int):
 
 
 _HIDDEN: Dict[int, mx.array] = {}
+SPAN_END = 2**31 - 1  # a span's end past any tier: the row sees the tier to its last token
 
 
 def hidden_count(n: int) -> mx.array:
-    """The attend kernel's `lo` input: how many tokens at the tier's front are hidden. One
-    array per count, made once (a decode step then passes it without building a node)."""
+    """The attend kernel's `lo` input for every row alike: the first n tokens hidden, the rest seen
+    ([1, 2] span). One array per count, made once (a decode step then passes it without a node)."""
     if n not in _HIDDEN:
-        _HIDDEN[n] = mx.array([n], dtype=mx.int32)
+        _HIDDEN[n] = mx.array([[n, SPAN_END]], dtype=mx.int32)
     return _HIDDEN[n]
+
+
+def visible_span(hidden) -> mx.array:
+    """`lo` for a call's `hidden`: a count hidden at every row's front, or already a [B, 2] int32
+    array of each batch row's visible tokens [first, end) (a ragged batch: runtime/batch_chain.py)."""
+    return hidden if isinstance(hidden, mx.array) else hidden_count(hidden)
 
 
 @lru_cache(maxsize=None)
@@ -205,14 +212,15 @@ def launcher(
 def runner(la: Launch, qshape: tuple, qdtype):
     """The `run` of an attend launch whose partials the reduce (or reduce_tail) merges."""
 
-    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden: int = 0):
-        """(out f32, lse) of this tier, its first `hidden` tokens left out; with `tail` (dense
-        (k, v) tiers, every token visible, `tail_unsupported` empty) the final attention over
-        all of them, in q's dtype."""
+    def run(q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], tail=None, hidden=0):
+        """(out f32, lse) of this tier, its first `hidden` tokens left out (or, an int32 [B, 2]
+        array, each batch row's visible span: `visible_span`); with `tail` (dense (k, v) tiers,
+        every token visible, `tail_unsupported` empty) the final attention over all of them, in
+        q's dtype."""
         inputs = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
         if la.hides:
-            inputs.append(hidden_count(hidden))
-        elif hidden:
+            inputs.append(visible_span(hidden))
+        elif isinstance(hidden, mx.array) or hidden:
             raise ValueError("this launch plan cannot hide tokens: build it with hides=True")
         pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
         return merge(pm, pl, pacc, q, qshape, qdtype, la.scale, tail)
@@ -243,12 +251,13 @@ def affine_partial_attention(
     scale: float,
     chunk: Optional[int] = None,
     impl: Optional[str] = None,
-    hidden: int = 0,
+    hidden=0,
 ) -> Tuple[mx.array, mx.array]:
     """The fused kernel, contract of reference.affine_partial_attention (the caller checked
     `unsupported(...) == ''`): one or two launches and no other op (`launcher`)."""
+    hides = isinstance(hidden, mx.array) or hidden > 0
     return launcher(
-        tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, impl, chunk or 0, hides=hidden > 0
+        tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, impl, chunk or 0, hides=hides
     )(q, k_enc, v_enc, hidden=hidden)
 
 

@@ -24,6 +24,7 @@ from typing import Dict
 
 import mlx.core as mx
 
+from .partials import hide
 from .reference import Spec, spec_fields
 from .table import Binding
 
@@ -103,21 +104,23 @@ def partial_attention(
     k_spec: Spec,
     v_spec: Spec,
     scale: float,
-    hidden: int = 0,
+    hidden=0,
 ):
     """(out [B, Hq, Lq, D] f32, lse [B, Hq, Lq]) of q over one affine-coded tier, its first
-    `hidden` tokens left out: reference.affine_partial_attention's contract."""
+    `hidden` tokens left out (or each batch row's visible span): reference.affine_partial_attention's
+    contract."""
     kb, kg, kax = spec_fields(k_spec)
     vb, vg, vax = spec_fields(v_spec)
     B, Hq, Lq, D = q.shape
     qf = _rows(q, k_enc["codes"].shape[1], scale)
-    s = scores(qf, k_enc, kb, kg, kax)
-    if hidden:
-        s = mx.where(mx.arange(s.shape[-1]) < hidden, -mx.inf, s)
+    s = hide(scores(qf, k_enc, kb, kg, kax), hidden)
     peak = mx.max(s, axis=-1, keepdims=True)
+    spans = isinstance(hidden, mx.array)
+    if spans:  # a batch row holding nothing here: weights 0, lse -inf
+        peak = mx.where(mx.isinf(peak), 0.0, peak)
     weights = mx.exp(s - peak)
     total = mx.sum(weights, axis=-1, keepdims=True)
-    out = weighted_values(weights, v_enc, vb, vg, vax) / total
+    out = weighted_values(weights, v_enc, vb, vg, vax) / (mx.maximum(total, 1e-30) if spans else total)
     lse = mx.log(total) + peak
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 
@@ -140,9 +143,7 @@ def attention_with_tail(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, scale: floa
     L = k_enc["codes"].shape[2]
     kt, vt = tail[0] if len(tail) == 1 else (mx.concatenate([kv[i] for kv in tail], axis=2) for i in (0, 1))
     qf = _rows(q, kt.shape[1], scale)
-    s = coded[0](qf)
-    if hidden:
-        s = mx.where(mx.arange(L) < hidden, -mx.inf, s)
+    s = hide(coded[0](qf), hidden)
     s = mx.concatenate([s, qf @ kt.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
     weights = mx.exp(s - mx.max(s, axis=-1, keepdims=True))
     out = coded[1](weights[..., :L]) + weights[..., L:] @ vt.astype(mx.float32)
@@ -164,12 +165,12 @@ def launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sca
     coded_scores = mx.compile(lambda x, c, s, z: scores(x, enc(c, s, z), *kspec))
     coded_values = mx.compile(lambda p, c, s, z: weighted_values(p, enc(c, s, z), *vspec))
 
-    def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
+    def run(q, k_enc, v_enc, tail=None, hidden=0):
         k, v = ([e[n] for n in ("codes", "scales", "zeros")] for e in (k_enc, v_enc))
         if tail:
             coded = (lambda x: coded_scores(x, *k), lambda p: coded_values(p, *v))
             return attention_with_tail(q, k_enc, v_enc, *fixed, tail, hidden, coded)
-        if hidden:  # a sliding window's count changes every step: not a shape to compile for
+        if isinstance(hidden, mx.array) or hidden:  # counts change every step: not a shape to compile for
             return partial_attention(q, k_enc, v_enc, *fixed, hidden)
         return whole(q, *k, *v)
 

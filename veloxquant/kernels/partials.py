@@ -18,6 +18,16 @@ Partial = Tuple[mx.array, mx.array]  # out [B, Hq, Lq, D] (normalized, f32), lse
 SCORE_ELEMENTS = 1 << 24
 
 
+def hide(scores: mx.array, hidden) -> mx.array:
+    """scores [B, H, R, L] with the tokens `hidden` leaves out at -inf: an int hides the first
+    `hidden` tokens of every row (a sliding window's expired front); an int32 [B, 2] array leaves
+    batch row b only the tokens [hidden[b, 0], hidden[b, 1]) (a ragged batch's rows)."""
+    at = mx.arange(scores.shape[-1])
+    if isinstance(hidden, mx.array):
+        return mx.where((at >= hidden[:, :1, None, None]) & (at < hidden[:, 1:, None, None]), scores, -mx.inf)
+    return mx.where(at < hidden, -mx.inf, scores) if hidden else scores
+
+
 def query_rows(mask: Optional[mx.array], Lq: int, start: int, n: int) -> Optional[mx.array]:
     """The rows [start, start + n) of a mask broadcastable to [..., Lq, Lk] (one without a query axis as is)."""
     if mask is None or mask.ndim < 2 or mask.shape[-2] != Lq:

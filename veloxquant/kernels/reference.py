@@ -21,7 +21,7 @@ from typing import Dict, Mapping, Tuple, Union
 import mlx.core as mx
 
 from .bitpack import unpack
-from .partials import merge_partials, partial_attention
+from .partials import hide, merge_partials, partial_attention
 
 Spec = Union[Mapping, object]
 
@@ -96,10 +96,13 @@ def affine_partial_attention(
     k_spec: Spec,
     v_spec: Spec,
     scale: float,
-    hidden: int = 0,
+    hidden=0,
 ) -> Tuple[mx.array, mx.array]:
     """softmax(scale q K^T) V over one affine-coded tier, every token visible but the
     first `hidden` (a sliding window's expired tokens still held in their key group).
+    `hidden` may instead be an int32 [B, 2] array: batch row b sees tokens [hidden[b, 0],
+    hidden[b, 1]) (a ragged batch's rows hold different counts); a row seeing none gets out 0
+    and lse -inf.
 
     q [B, Hq, Lq, D]; K/V stored as Affine encodings of [B, Hkv, L, D] with
     Hq = Hkv * rep (query head h reads kv head h // rep). Returns out
@@ -113,12 +116,12 @@ def affine_partial_attention(
     # Rows of one kv head: (rep head i, query j) -> i * Lq + j, as in q's memory order.
     qf = q.astype(mx.float32).reshape(B, Hkv, rep * Lq, D) * scale
     scores = _scores(qf, k_enc, kb, kg, kax)  # [B, Hkv, R, L]
-    if hidden:
-        scores = mx.where(mx.arange(scores.shape[-1]) < hidden, -mx.inf, scores)
+    scores = hide(scores, hidden)
     peak = mx.max(scores, axis=-1, keepdims=True)
+    peak = mx.where(mx.isinf(peak), 0.0, peak)  # a row that sees nothing: weights 0
     weights = mx.exp(scores - peak)
     total = mx.sum(weights, axis=-1, keepdims=True)
-    out = _weighted_values(weights, v_enc, vb, vg, vax) / total
+    out = _weighted_values(weights, v_enc, vb, vg, vax) / mx.maximum(total, 1e-30)
     lse = (mx.log(total) + peak).squeeze(-1)
     return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 

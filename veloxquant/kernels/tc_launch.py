@@ -135,8 +135,8 @@ def launcher(
             B * Hq * Lq * np_ * (D + 2) + 8,
         )  # pm, pl, pacc; two runs padded to 16 bytes
 
-    def run(q, k_enc, v_enc, tail=None, hidden: int = 0):
-        if hidden:
+    def run(q, k_enc, v_enc, tail=None, hidden=0):
+        if isinstance(hidden, mx.array) or hidden:
             raise ValueError("attend_tc cannot hide tokens (v1 does)")
         codes = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
         w = sum(k.shape[2] for k, _ in tail) if tail else 0

@@ -61,6 +61,7 @@ def _blank(like):
     for name in ("fingerprint", "plan_root"):
         if hasattr(like, name):
             setattr(fresh, name, getattr(like, name))
+    fresh.lends = like.lends  # Gemma 4's KV-shared layers attend over this batch's tiers too
     return fresh
 
 

@@ -21,6 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import VeloxError
+from ..kernels.partials import merge_partials, partial_attention
+from . import fused, hook
 
 
 class ChainRows:
@@ -32,6 +34,7 @@ class ChainRows:
         self.starts = starts
         self.seen = offset
         self.pending: Optional[np.ndarray] = None  # real tokens left in a right-padded prompt (prepare)
+        self.queries = (offset.copy(), 0)  # the last block's first position per row and its length (attend's mask)
         self.unsettled = True
 
     @property
@@ -168,11 +171,12 @@ def _mask(
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
     settle(cache)
     cache.dtype = keys.dtype
-    first_q = cache.rows.seen.copy()
-    _place(cache, keys, values, _real(cache, keys.shape[2]))
-    cache.offset = mx.array(cache.rows.seen, dtype=mx.int32)
     rows = cache.rows
-    cache._batch_mask = _mask(cache, rows.counts, rows.starts, first_q, keys.shape[2], cache.plan.window)
+    rows.queries = (rows.seen.copy(), keys.shape[2])  # the block's first position per row, its length
+    _place(cache, keys, values, _real(cache, keys.shape[2]))
+    cache.offset = mx.array(rows.seen, dtype=mx.int32)
+    if cache._attend_epoch == hook.EPOCH[0]:
+        return keys, values  # the hook answered the last step: attend() reads the tiers
     return _fetch(cache, keys.dtype)
 
 
@@ -184,8 +188,35 @@ def _fetch(cache, dtype):
 
 
 def attend(cache, queries: mx.array, scale: float):
+    if queries.shape[2] == 1 and cache._unwindowed:
+        out = _by_tiers(cache, queries, scale)
+        if out is not None:
+            return out
+    rows = cache.rows
+    mask = _mask(cache, rows.counts, rows.starts, *rows.queries, cache.plan.window)
     k, v = _fetch(cache, queries.dtype)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=cache._batch_mask)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def _by_tiers(cache, queries: mx.array, scale: float) -> Optional[mx.array]:
+    """One decode query per row and no window: each row sees its own filled columns of every tier.
+    A tier a fused kernel reads answers from its codes for every row in one launch (runtime/fused.py);
+    the others are decoded and attended together, their unfilled columns masked; the partials merge.
+    None where no tier has a kernel (the caller decodes all: one SDPA)."""
+    answers, rest = [], []
+    for tier, counts in zip(cache.tiers, cache.rows.counts):
+        if tier.ragged_width():
+            found = fused.rows_answer(tier, queries, scale, counts) if tier.fusable else None
+            (rest.append((tier, counts)) if found is None else answers.append(found))
+    if not answers:
+        return None
+    parts = [a() for a in answers]
+    if rest:
+        pairs = [t.decoded(queries.dtype) for t, _ in rest]
+        k, v = (mx.concatenate([p[s] for p in pairs], axis=2) if len(pairs) > 1 else pairs[0][s] for s in (0, 1))
+        seen = np.concatenate([np.arange(t.ragged_width())[None] < c[:, None] for t, c in rest], axis=1)
+        parts.append(partial_attention(queries, k, v, scale, mx.array(seen[:, None, None, None, :])))
+    return merge_partials(parts).astype(queries.dtype)
 
 
 def make_mask(cache, n: int, window_size: Optional[int] = None):

@@ -12,13 +12,15 @@ kept on the tier; a decode step only calls them.
 from typing import List, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.tail import TAIL_MAX, tail_unsupported
 
 
 class KernelAnswer:
-    """A tier's answer from the kernel: `()` -> partial (out f32, lse), `(tail)` -> final output."""
+    """A tier's answer from the kernel: `()` -> partial (out f32, lse), `(tail)` -> final output.
+    `hidden`: tokens hidden at the tier's front, or each batch row's visible span (`rows_answer`)."""
 
     __slots__ = ("run", "queries", "k_enc", "v_enc", "hidden")
     folds_tail = True  # TieredCache hands it the layer's 16-bit tiers when they are all it has besides
@@ -43,6 +45,19 @@ def kernel_answer(tier, queries: mx.array, scale: float, encoded=None, hidden: i
     if tier.launch is None:  # decoded (the CPU): the arrays are not asked for
         return None
     return KernelAnswer(tier.launch, queries, encoded("k"), encoded("v"), hidden)
+
+
+def rows_answer(tier, queries: mx.array, scale: float, counts: np.ndarray) -> Optional[KernelAnswer]:
+    """A ragged batch's answer for this plain affine tier (runtime/batch_chain.py): row b sees the
+    first counts[b] of the tier's columns. One launch for every row (each row's span an input: the
+    kernel skips the chunks past it), or None where no kernel takes the call (decoded)."""
+    key = ("rows", tier.ragged_width(), queries.shape, queries.dtype, scale)
+    if tier.launch_key != key:
+        tier.launch_key, tier.launch = key, _launcher(tier, queries, tier.encoded("k"), tier.encoded("v"), scale, True)
+    if tier.launch is None:
+        return None
+    spans = mx.array(np.stack([np.zeros_like(counts), counts], axis=1).astype(np.int32))
+    return KernelAnswer(tier.launch, queries, tier.encoded("k"), tier.encoded("v"), spans)
 
 
 def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
