@@ -21,8 +21,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import VeloxError
-from ..kernels.partials import merge_partials, partial_attention
-from . import fused, hook
+from . import hook
+from .chain_attention import attend, fetch, mask
+
+__all__ = ["attend"]  # mlx-lm's batch methods and the layer's attention (runtime/batch.py routes by name)
 
 
 class ChainRows:
@@ -34,7 +36,8 @@ class ChainRows:
         self.starts = starts
         self.seen = offset
         self.pending: Optional[np.ndarray] = None  # real tokens left in a right-padded prompt (prepare)
-        self.queries = (offset.copy(), 0)  # the last block's first position per row and its length (attend's mask)
+        # the last block's first position per row, its real tokens per row and its length (attend's mask)
+        self.queries = (offset.copy(), np.zeros_like(offset), 0)
         self.unsettled = True
 
     @property
@@ -147,83 +150,25 @@ def _real(cache, n: int, consume: bool = True) -> np.ndarray:
     return real
 
 
-def _mask(
-    cache, counts: np.ndarray, starts: np.ndarray, first_q: np.ndarray, n: int, window: Optional[int] = None
-) -> mx.array:
-    """`window`: mlx-lm's for the layer; each tier's own (TieredCache.windows: a recent(n) whose spill
-    is dropped sees n+1 keys back) narrows it."""
-    """[B, 1, n, keys] over the held tiers in tier order (a tier's width is its longest row): a key is
-    seen by the queries at or after its position (and within the window); a column its row has not
-    filled, by none."""
-    q = first_q[:, None] + np.arange(n)[None]  # [B, n]
-    parts = []
-    for held, start, own in zip(counts, starts, cache.windows):
-        cols = np.arange(int(held.max(initial=0)))[None]
-        k = np.where(cols < held[:, None], start[:, None] + cols, np.iinfo(np.int64).max)[:, None, :]
-        seen = k <= q[:, :, None]
-        reach = min(w for w in (window, own) if w) if (window or own) else None
-        if reach:
-            seen &= q[:, :, None] - k < reach
-        parts.append(seen)
-    return mx.array(np.concatenate(parts, axis=2)[:, None])
-
-
 def update_and_fetch(cache, keys: mx.array, values: mx.array):
     settle(cache)
     cache.dtype = keys.dtype
     rows = cache.rows
-    rows.queries = (rows.seen.copy(), keys.shape[2])  # the block's first position per row, its length
-    _place(cache, keys, values, _real(cache, keys.shape[2]))
+    real = _real(cache, keys.shape[2])
+    rows.queries = (rows.seen.copy(), real, keys.shape[2])
+    _place(cache, keys, values, real)
     cache.offset = mx.array(rows.seen, dtype=mx.int32)
     if cache._attend_epoch == hook.EPOCH[0]:
         return keys, values  # the hook answered the last step: attend() reads the tiers
-    return _fetch(cache, keys.dtype)
-
-
-def _fetch(cache, dtype):
-    pairs = [t.decoded(dtype) for t in cache.tiers if t.ragged_width()]
-    if len(pairs) == 1:
-        return pairs[0]
-    return tuple(mx.concatenate([p[s] for p in pairs], axis=2) for s in (0, 1))
-
-
-def attend(cache, queries: mx.array, scale: float):
-    if queries.shape[2] == 1 and cache._unwindowed:
-        out = _by_tiers(cache, queries, scale)
-        if out is not None:
-            return out
-    rows = cache.rows
-    mask = _mask(cache, rows.counts, rows.starts, *rows.queries, cache.plan.window)
-    k, v = _fetch(cache, queries.dtype)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-
-
-def _by_tiers(cache, queries: mx.array, scale: float) -> Optional[mx.array]:
-    """One decode query per row and no window: each row sees its own filled columns of every tier.
-    A tier a fused kernel reads answers from its codes for every row in one launch (runtime/fused.py);
-    the others are decoded and attended together, their unfilled columns masked; the partials merge.
-    None where no tier has a kernel (the caller decodes all: one SDPA)."""
-    answers, rest = [], []
-    for tier, counts in zip(cache.tiers, cache.rows.counts):
-        if tier.ragged_width():
-            found = fused.rows_answer(tier, queries, scale, counts) if tier.fusable else None
-            (rest.append((tier, counts)) if found is None else answers.append(found))
-    if not answers:
-        return None
-    parts = [a() for a in answers]
-    if rest:
-        pairs = [t.decoded(queries.dtype) for t, _ in rest]
-        k, v = (mx.concatenate([p[s] for p in pairs], axis=2) if len(pairs) > 1 else pairs[0][s] for s in (0, 1))
-        seen = np.concatenate([np.arange(t.ragged_width())[None] < c[:, None] for t, c in rest], axis=1)
-        parts.append(partial_attention(queries, k, v, scale, mx.array(seen[:, None, None, None, :])))
-    return merge_partials(parts).astype(queries.dtype)
+    return fetch(cache, keys.dtype)
 
 
 def make_mask(cache, n: int, window_size: Optional[int] = None):
-    """The mask update_and_fetch will build for an n-token block (mlx-lm's own attention reads it)."""
+    """The mask attend() uses for an n-token block (mlx-lm's own attention reads it)."""
     settle(cache)
-    counts, starts = _placed(cache, _real(cache, n, consume=False))
-    return _mask(cache, counts, starts, cache.rows.seen, n, window_size or cache.plan.window)
+    real = _real(cache, n, consume=False)
+    counts, starts = _placed(cache, real)
+    return mask(cache, counts, starts, cache.rows.seen, real, n, window_size or cache.plan.window)
 
 
 # --- mlx-lm's batch methods -------------------------------------------------
