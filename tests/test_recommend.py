@@ -1,5 +1,7 @@
 """veloxquant recommend: predicted bytes vs measured, and the choice logic on three scenarios."""
 
+import types
+
 import mlx.core as mx
 import pytest
 
@@ -87,6 +89,28 @@ def test_llama3_8b_128k_in_8gb_and_nothing_fits():
     assert tight["choice"] is None and "veloxquant tune" in rec.render(tight, None)
     small = rec.recommend([BOARD], LLAMA3_8B, 131072, memory=int(2e9))  # 0.12 of fp16: only eviction
     assert small["choice"]["family"] == "eviction"
+
+
+def test_a_recipe_that_does_not_compile_for_the_shape_is_named_not_fatal():
+    """A uniform --shape carries no RoPE settings, so a2ats (keys coded before RoPE) cannot compile for it:
+    the recommendation goes on without it and says so."""
+    board = {**BOARD, "rows": BOARD["rows"] + [_row("a2ats", "compression", 0.1, 0.001)]}
+    answer = rec.recommend([board], LLAMA3_8B, 131072, memory=8 * 10**9)
+    assert answer["choice"]["spec"] == "kivi[bits=4]"
+    assert [spec for spec, _ in answer["refused"]] == ["a2ats"] and "RoPE" in answer["refused"][0][1]
+    assert "not for this shape: a2ats (" in rec.render(answer, None)
+
+
+def test_check_runs_the_recommended_recipe_and_measures_its_bytes(llama_model):
+    """--check: the recommended recipe run over the asked context holds the predicted bytes (within 2%)."""
+    words = types.SimpleNamespace(encode=lambda text: [1 + ord(c) % 400 for c in text])
+    answer = rec.recommend([BOARD], ModelShape.from_model(llama_model), 700, ratio=0.5)
+    assert answer["choice"]["spec"] == "kivi[bits=4]"
+    got = rec.check(llama_model, words, "It is a truth universally acknowledged. ", answer, chunk=128)
+    assert got["within"] and got["measured_bytes"] > 0
+    assert "checked: kivi[bits=4] holds" in rec.render_check(got, answer)
+    off = {**answer, "choice": {**answer["choice"], "predicted_bytes": got["measured_bytes"] * 1.05}}
+    assert not rec.check(llama_model, words, "It is a truth universally acknowledged. ", off, chunk=128)["within"]
 
 
 def test_bad_input():

@@ -98,6 +98,13 @@ def add_recommend_args(p) -> None:
     p.add_argument(
         "--board", action="append", metavar="JSON", help="leaderboard files (default: results/leaderboard-*.json)"
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run the recommended recipe on the model over --context tokens of --corpus and compare the bytes "
+        "its caches hold with the prediction (exit 1 if more than 2%% off)",
+    )
+    p.add_argument("--corpus", default="austen", help="text for --check (default: austen)")
 
 
 def cmd_recommend(args) -> int:
@@ -128,4 +135,17 @@ def cmd_recommend(args) -> int:
         name,
     )
     print(render(answer, args.model), end="")
-    return 0 if answer["choice"] else 1
+    if not answer["choice"]:
+        return 1
+    if args.check:
+        if args.shape:
+            raise VeloxError("--check runs the recipe on a model: give --model (or neither), not --shape")
+        from ..data import load_text
+        from ..models import load_model
+        from .recommend import check, render_check
+
+        model, tokenizer = load_model(args.model)
+        got = check(model, tokenizer, load_text(args.corpus), answer)
+        print(render_check(got, answer), end="")
+        return 0 if got["within"] else 1
+    return 0

@@ -4,16 +4,26 @@ Bytes come from each candidate's own plan at that context (board/predict.py);
 quality from the leaderboard files (ΔPPL, KLD, top-1 and passkey measured on
 the model and protocol each file names). Candidates are the rows of the
 board measured on the asked model when there is one, else of every board,
-and the answer says which model the quality was measured on.
+and the answer says which model the quality was measured on. `--check` runs
+the recommended recipe on the model over the asked context of a corpus and
+compares the bytes its caches hold with the prediction.
 """
 
 import re
+import time
 from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
 
 from ..compiler.shape import ModelShape
 from ..errors import VeloxError
+from ..eval.cost import held_bytes
+from ..eval.feed import prefill
 from ..eval.rows import parse_row
+from ..runtime import uninstall
 from . import choosing, predict
+
+CHECK_TOLERANCE = 0.02  # measured bytes within 2% of the prediction
 
 _SIZE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?\s*$", re.I)
 
@@ -66,10 +76,14 @@ def recommend(
         raise VeloxError("--context must be at least 1 token")
     fp16 = predict.fp16_bytes(shape, context)
     budget = memory if memory is not None else ratio * fp16
-    scored, unknown = [], []
+    scored, unknown, refused = [], [], []
     for r in candidates(boards, model):
         row = parse_row(r["spec"])
-        held = predict.held_bytes(row.ref, row.sets, shape, context) if row.kind == "recipe" else None
+        try:
+            held = predict.held_bytes(row.ref, row.sets, shape, context) if row.kind == "recipe" else None
+        except VeloxError as e:  # the recipe does not compile for this shape (e.g. no RoPE settings to undo)
+            refused.append((r["spec"], str(e).splitlines()[0]))
+            continue
         if held is None:
             unknown.append(r["spec"])
             continue
@@ -84,6 +98,7 @@ def recommend(
         "shape": shape.name,
         "fits": len(scored),
         "unpredicted": unknown,
+        "refused": refused,
         "choice": None if pick is None else {**pick[3], "predicted_bytes": pick[2]},
         "runners_up": [{**t[3], "predicted_bytes": t[2]} for t in scored[1:4]],
     }
@@ -122,8 +137,46 @@ def render(answer: Dict, model_arg: Optional[str]) -> str:
         f"  run:   veloxquant run {recipe}{model}{flags}",
         f"  serve: veloxquant serve {recipe}{model}{flags}",
     ]
+    if answer["refused"]:
+        spec, why = answer["refused"][0]
+        more = f" and {len(answer['refused']) - 1} more" if len(answer["refused"]) > 1 else ""
+        lines.append(f"  not for this shape: {spec}{more} ({why})")
     if answer["runners_up"]:
         lines.append(
             "  also fit: " + ", ".join(f"{r['spec']} ({r['delta_ppl_pct']:+.2f}%)" for r in answer["runners_up"])
         )
     return "\n".join(lines) + "\n"
+
+
+def check(model, tokenizer, text: str, answer: Dict, chunk: int = 512) -> Dict:
+    """Run the recommended recipe on `model` over `answer["context"]` tokens of `text` (repeated if
+    shorter), as a prompt fed in `chunk`-token blocks, and measure what its caches hold."""
+    choice = answer["choice"]
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise VeloxError("--check: the corpus has no tokens")
+    context = answer["context"]
+    tokens = mx.array((ids * (context // len(ids) + 1))[:context])[None]
+    row = parse_row(choice["spec"])
+    caches = row.make(model)
+    start = time.perf_counter()
+    try:
+        prefill(model, tokens, caches, chunk)
+        measured = held_bytes(caches)
+    finally:
+        uninstall(model)
+    ratio = measured / choice["predicted_bytes"]
+    return {
+        "measured_bytes": measured,
+        "ratio": ratio,
+        "within": abs(ratio - 1) <= CHECK_TOLERANCE,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def render_check(got: Dict, answer: Dict) -> str:
+    verdict = "within" if got["within"] else "OUTSIDE"
+    return (
+        f"  checked: {answer['choice']['spec']} holds {_gb(got['measured_bytes'])} after {answer['context']:,} "
+        f"tokens, {got['ratio']:.4f} of the prediction ({verdict} {CHECK_TOLERANCE:.0%}; {got['seconds']:.0f} s)\n"
+    )
