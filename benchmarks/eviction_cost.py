@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant.data import load_text
-from veloxquant.eval.rows import recipe_caches
+from veloxquant.eval.rows import spec_caches
 from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
@@ -64,7 +64,7 @@ EVICTION = (
 
 
 def measure(model, prompt: mx.array, recipe: str, decode: int, chunk: int) -> Dict:
-    caches = recipe_caches(model, recipe)
+    caches = spec_caches(model, recipe)
     mx.synchronize()
     start_bytes = mx.get_active_memory()
     mx.reset_peak_memory()

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from veloxquant.bench.e2e import random_model
 from veloxquant.eval.feed import prefill
-from veloxquant.eval.rows import recipe_caches, split_specs
+from veloxquant.eval.rows import spec_caches, split_specs
 
 
 def step_ops(model, cache, y: mx.array) -> Counter:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
     for r in split_specs(args.recipes):
-        rows[r] = recipe_caches(model, r)  # installs the hook (KVCache falls through it: one getattr)
+        rows[r] = spec_caches(model, r)  # installs the hook (KVCache falls through it: one getattr)
     y = mx.array([[1]])
     ops = {}
     for label, cache in rows.items():

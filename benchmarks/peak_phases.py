@@ -15,7 +15,7 @@ import argparse
 import mlx.core as mx
 
 from veloxquant.data import load_text
-from veloxquant.eval.rows import recipe_caches
+from veloxquant.eval.rows import spec_caches
 from veloxquant.models import load_model
 from veloxquant.runtime import uninstall
 
@@ -24,7 +24,7 @@ PHASES = ("chunk 1", "chunk 2", "chunk 3", "chunk 4", "first decode", "16 decode
 
 
 def phases(model, prompt: mx.array, spec: str):
-    caches = recipe_caches(model, spec)
+    caches = spec_caches(model, spec)
     mx.synchronize()
     mx.clear_cache()
     start = mx.get_active_memory()

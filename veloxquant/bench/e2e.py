@@ -42,7 +42,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from ..eval.rows import parse_row, recipe_caches, split_specs
+from ..eval.rows import parse_row, spec_caches, split_specs
 from ..kernels import table as kernel_table
 from ..runtime import uninstall
 from ..runtime.warmup import warmup
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         "| first use ÷ warm | peak memory GiB | cache MiB |"
     )
     rows = [("mlx-lm KVCache", lambda: mlx_prompt_cache(model))]
-    rows += [(r, lambda r=r: recipe_caches(model, r.split("@")[0])) for r in split_specs(args.recipes)]
+    rows += [(r, lambda r=r: spec_caches(model, r.split("@")[0])) for r in split_specs(args.recipes)]
 
     def run(label, make):
         with _impl(label):

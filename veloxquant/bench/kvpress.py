@@ -30,7 +30,7 @@ from ..data import load_text
 from ..eval.config import EvalConfig
 from ..eval.feed import score, settle
 from ..eval.ppl import window_nll, windows
-from ..eval.rows import parse_row, recipe_caches
+from ..eval.rows import parse_row, spec_caches
 from ..models import load_model
 from ..recipe import load_recipe
 from ..runtime import make_prompt_cache
@@ -105,14 +105,14 @@ def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[fl
     import attrs
     import mlx.core as mx
 
-    caches = recipe_caches(model, spec)
+    caches = spec_caches(model, spec)
     held = sum(t.route.n for t in caches[0].tiers if t.route is not None and t.route.stage_name in ("sink", "recent"))
     nll, n = [0.0] * len(budgets), 0
     for w in windows:
         x = mx.array(w)[None]
         for i, b in enumerate(budgets):
             share = retrieval_share(1 - b / cfg.prefix, held, cfg.prefix)
-            mine = recipe_caches(model, spec, (f"retrieval={share:.6f}",))
+            mine = spec_caches(model, spec, (f"retrieval={share:.6f}",))
             model(x[:, : cfg.prefix], cache=mine)
             settle(mine)
             for c in mine:  # the continuation is appended uncompressed, as every row's: the windows stop sliding
@@ -143,7 +143,7 @@ def measure(model, windows, spec: str, budgets: List[int], cfg, where: Path) -> 
     nll, n = [0.0] * len(budgets), 0
     for w in windows:
         x = mx.array(w)[None]
-        caches = recipe_caches(model, spec, (f"budget={max(budgets)}",))
+        caches = spec_caches(model, spec, (f"budget={max(budgets)}",))
         for s in range(0, cfg.prefix, cfg.prefill_chunk):  # the prompt, as generate prefills it
             model(x[:, s : min(s + cfg.prefill_chunk, cfg.prefix)], cache=caches)
             settle(caches)

@@ -24,8 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from ..compiler.batching import refusal
-from ..eval.rows import recipe_caches as row_caches
-from ..eval.rows import split_specs
+from ..eval.rows import spec_caches, split_specs
 from ..runtime import uninstall
 from ..runtime.cache_list import recipe_caches
 from .e2e import random_model
@@ -61,7 +60,7 @@ def _serial(model, prompts, caches, decode):
 
 def measure(model, recipe: str, n: int, context: int, decode: int, vocab: int):
     prompts = mx.random.randint(0, vocab, (n, context)).tolist()
-    caches = [row_caches(model, recipe) for _ in range(n)]
+    caches = [spec_caches(model, recipe) for _ in range(n)]
     batched = refusal(recipe_caches(caches[0])[0].plan_root) is None
     mx.synchronize()
     mx.reset_peak_memory()

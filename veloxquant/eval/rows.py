@@ -86,7 +86,7 @@ def parse_row(spec: str, common_sets: Sequence[str] = ()) -> Row:
     return Row(spec if not common_sets else f"{spec}[{','.join(common_sets)}]", "recipe", ref, sets)
 
 
-def recipe_caches(model, spec: str, sets: Sequence[str] = ()):
+def spec_caches(model, spec: str, sets: Sequence[str] = ()):
     """make_prompt_cache for a row spec (`h2o`, `h2o[slack=32]`, a YAML path): the benches' one way in."""
     row = parse_row(spec)
     if row.kind != "recipe":
