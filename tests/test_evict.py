@@ -342,3 +342,30 @@ def test_shared_heads_keep_one_token_set_per_layer(llama_model, tmp_path):
         assert held[shared].shape[-1] == 24
     assert (held[True] == held[True][:, :1]).all()
     assert not (held[False] == held[False][:, :1]).all()
+
+
+def test_once_routes_append_in_growth_steps_after_deciding(llama_model, tmp_path):
+    """The leaderboard's cpu protocol (640-token prompt, 128 tokens after it): a `once` tier gathers
+    exactly its budget at the decision, then appends into 256-token growth steps, so budgets 192
+    and 256 hold the same 512 slots per head (docs/eviction.md, "Deciding once"); an every-step
+    route holds exactly its budget."""
+    held, slots = {}, {}
+    for name, pipeline in [
+        ("once96", "evict(budget=96, sinks=4, score=keydiff, once=true)"),
+        ("once192", "evict(budget=192, sinks=4, score=keydiff, once=true)"),
+        ("once256", "evict(budget=256, sinks=4, score=keydiff, once=true)"),
+        ("every192", "evict(budget=192, sinks=4, score=keydiff)"),
+    ]:
+        cache = layer_cache(llama_model, tmp_path, pipeline)
+        data = blocks(5, [256, 256, 128, 32, 32, 32, 32])
+        for i, (q, k, v) in enumerate(data):
+            cache.update_and_fetch(mx.array(k), mx.array(v))
+            cache.attend(mx.array(q), SCALE)
+            if i == 2:
+                cache.finish_prompt()  # the prompt ends after 640 tokens, as eval's prefill does
+            cache.state  # settles, as mlx-lm's generate does after each chunk
+        tier = cache.tiers[0]
+        held[name] = tier.count
+        slots[name] = tier.buffers["k"]["x"].data.shape[2]
+    assert held == {"once96": 224, "once192": 320, "once256": 384, "every192": 192}
+    assert slots == {"once96": 256, "once192": 512, "once256": 512, "every192": 192}
