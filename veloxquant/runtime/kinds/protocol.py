@@ -101,6 +101,7 @@ class KindBase:
     needs: frozenset = frozenset()  # what its scorer needs gathered
     can_rewind = True  # trim can take tokens back
     plain = None  # a 16-bit run appending without codec calls (runtime/kinds/plain.py)
+    spill_after = None  # settling calls spill() only while count > spill_after (None: nothing ever moves on)
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Nothing overflows a kind whose route holds everything it gets (a layer's last tier)."""

@@ -32,7 +32,7 @@ class Tier(TierRows, KindBase):
         row-contiguous, and the kernel launch would copy the whole tier every call."""
         self.plan = plan
         self._fusable = fusable(plan)
-        self.route = plan.route
+        self.reroute(plan.route)
         self.drops = plan.drops  # the plan is frozen: these facts are read every decode step
         self.sixteen_bit = not plan.drops and all(
             c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
@@ -78,6 +78,11 @@ class Tier(TierRows, KindBase):
             shared=("plan", "route", "drops", "launch_key", "launch", "dequant_kernel"),
             reset={"_views": {}},
         )
+
+    def reroute(self, route) -> None:
+        """Hold by `route`; what it declares is compiled here once: a decode step asks no route."""
+        self.route = route
+        self.spill_after = route.holds if route is not None and route.spills else None
 
     # --- contents -------------------------------------------------------
     @property
@@ -125,7 +130,8 @@ class Tier(TierRows, KindBase):
         return None
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
-        """What overflows this tier's route now, removed and decoded, with its start; or None."""
+        """What overflows this tier's route now, removed and decoded, with its start; or None.
+        The cache asks only once the tier holds more than `spill_after`."""
         n = self.route.spill(self.count, self.plan.chunk)
         return self.take_front(n, dtype) if n else None
 
