@@ -86,14 +86,15 @@ class TieredCache(BatchProtocol, _BaseCache):
             return batch.update_and_fetch(self, keys, values)
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
-            # KVCache's work, nothing else (runtime/kinds/plain.py); never scored. A window's decode
+            # KVCache's work, nothing else (Tier.append's 16-bit path); never scored. A window's decode
             # step forgets the oldest token first, as _settle would: the query then sees all.
             if not self._unwindowed:
                 plain.expire(self.offset - self.plan.window + 1)
                 self._unsettled = True  # readers (size, state, trim) see the next query's window, as before
             self.dtype = keys.dtype
-            self.offset += plain.append(keys, values, self.offset)
-            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.fetch(keys.dtype)
+            plain.append(keys, values, self.offset)
+            self.offset += keys.shape[2]
+            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.decoded(keys.dtype)
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
         self._awaiting_attend = self.scored
@@ -207,9 +208,8 @@ class TieredCache(BatchProtocol, _BaseCache):
         n = keys.shape[2]
         for i, s, e in self._routing(start, n, first):
             scored = (self.saliency.scores_for(s, e - s),) if self.saliency and i == self.saliency.index else ()
-            if e - s == n:  # the whole block (every decode step): no slice ops; a 16-bit tier's run appends
-                tier = self.tiers[i]
-                (tier.plain if tier.plain is not None and not scored else tier).append(keys, values, s, *scored)
+            if e - s == n:  # the whole block (every decode step): no slice ops
+                self.tiers[i].append(keys, values, s, *scored)
             else:
                 self.tiers[i].append(keys[:, :, s - start : e - start], values[:, :, s - start : e - start], s, *scored)
 

@@ -61,7 +61,7 @@ def plain(cache, queries: mx.array, scale: float, mask, observe: bool) -> mx.arr
     Lq = queries.shape[2]
     if cache._unwindowed or Lq == 1:
         # holds every position up to the last query (a window's: those it sees): causal or no mask
-        k, v = cache._plain.fetch(queries.dtype)
+        k, v = cache._plain.decoded(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal" if Lq > 1 else None)
     return tier_partials(cache, queries, scale, mask, observe)
 
