@@ -4,7 +4,8 @@ and the attention over the tiers it decodes.
 `TieredCache.attend` calls its route and nothing else. A route takes (cache, queries, scale,
 mask, observe) and returns the attention output for the newest queries over everything held:
 - `tier_partials`: every tier answers its own partial (codes, kernels, latents) or asks to be
-  decoded (`Tier.answer` returns None); the cache only merges. The general route.
+  decoded (`Tier.answer` returns None; a tier that `decodes_only` is not asked); the cache only
+  merges. The general route.
 - `plain`: the fp16 recipe's one 16-bit tier (KVCache's work): SDPA over the buffer where no
   query needs a mask, else the general route.
 - `per_head`: tiers whose kv heads keep different tokens (eviction, `KindBase.per_head`);
@@ -84,15 +85,17 @@ def tier_partials(cache, queries: mx.array, scale: float, mask, observe: bool) -
     seen = Lq == 1 and cache._unwindowed
     needs = [False] * len(tiers) if seen else [cache._needs_mask(t, first_q, Lq) for t in tiers]
     if len(tiers) == 1 and not needs[0]:
-        answer = tiers[0].answer(queries, scale)
+        answer = None if tiers[0].decodes_only else tiers[0].answer(queries, scale)
         if answer is None:  # one tier, every token visible, decoded (fp16): straight to SDPA
             k, v = tiers[0].decoded(queries.dtype)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         return merge_partials([answer()]).astype(queries.dtype)
-    answered = [
-        masked_answer(cache, t, queries, scale, first_q, Lq) if n else t.answer(queries, scale)
-        for t, n in zip(tiers, needs)
-    ]
+    answered = []
+    for t, n in zip(tiers, needs):
+        if t.decodes_only:
+            answered.append(None)
+        else:
+            answered.append(masked_answer(cache, t, queries, scale, first_q, Lq) if n else t.answer(queries, scale))
     rest = [t for t, a in zip(tiers, answered) if a is None]
     if len(rest) == len(tiers):  # every tier decoded: one SDPA over them all
         return dense(cache, tiers, queries, scale, first_q, needs)

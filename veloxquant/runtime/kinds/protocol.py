@@ -102,6 +102,7 @@ class KindBase:
     needs: frozenset = frozenset()  # what its scorer needs gathered
     can_rewind = True  # trim can take tokens back
     spill_after = None  # settling calls spill() only while count > spill_after (None: nothing ever moves on)
+    decodes_only = False  # answer() is always None (a plain 16-bit Tier): routes decode it without asking
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Nothing overflows a kind whose route holds everything it gets (a layer's last tier)."""

@@ -70,6 +70,8 @@ class Tier(TierRows, TierArrays, KindBase):
             }
         if self.sixteen_bit:  # what the stores hold float32 activations as, read once (fp16 narrows, identity not)
             self.narrows = (plan.keys.store.narrows_to, plan.values.store.narrows_to)
+        # Neither a kernel nor its codes answer for it (windows, sinks): decided once, not asked every step.
+        self.decodes_only = type(self) is Tier and self.sixteen_bit and not (self._fusable or self.codes_attend)
 
     def __deepcopy__(self, memo):
         # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
