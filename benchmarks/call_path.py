@@ -7,7 +7,10 @@ through the attention hook, then one token is decoded under `sys.setprofile`. Fo
 given (`--layer`, default 0) it records every call into a veloxquant module between the layer's
 `update_and_fetch` and the end of its attention, and reports: the files entered (in order),
 the calls per file, and the re-entries: calls into a file the path had already left (A → B → A,
-counted where B called back into A, or a later call went back to a file left before).
+counted where B called back into A, or a later call went back to a file left before). Of those,
+the call-backs: calls into a file that is still on the call stack below the caller (B, called
+from A, calls A). mlx-lm enters the cache twice per layer (`update_and_fetch`, then attention
+through the hook), so a file both halves use is re-entered without any call-back.
 """
 
 import argparse
@@ -41,7 +44,8 @@ def trace_step(model, caches, token: mx.array, layer: int) -> list:
             state["attend"] = frame
         if state["on"]:
             caller = frame.f_back.f_code.co_filename if frame.f_back else ""
-            events.append((_rel(frame.f_code.co_filename), name, _rel(caller)))
+            back = _calls_back(frame) if caller != frame.f_code.co_filename else False
+            events.append((_rel(frame.f_code.co_filename), name, _rel(caller), back))
 
     sys.setprofile(profile)
     try:
@@ -52,6 +56,16 @@ def trace_step(model, caches, token: mx.array, layer: int) -> list:
     return events
 
 
+def _calls_back(frame) -> bool:
+    """The called file has a frame below its caller on the stack (within veloxquant)."""
+    path, up = frame.f_code.co_filename, frame.f_back.f_back if frame.f_back else None
+    while up is not None and up.f_code.co_filename.startswith(PACKAGE):
+        if up.f_code.co_filename == path:
+            return True
+        up = up.f_back
+    return False
+
+
 def _rel(path: str) -> str:
     return path[len(PACKAGE) + 1 :] if path.startswith(PACKAGE) else "(outside)"
 
@@ -59,7 +73,7 @@ def _rel(path: str) -> str:
 def reentries(events: list) -> int:
     """Calls that enter a file the path had entered and then left for another file before."""
     left, count, current = set(), 0, None
-    for path, _, caller in events:
+    for path, _, caller, _ in events:
         if path != caller and path in left:
             count += 1
         if current is not None and path != current:
@@ -84,15 +98,17 @@ def main(argv=None) -> None:
     for _ in range(2):  # the prompt ends at the first single token; the second is an ordinary step
         mx.eval(model(mx.array([[1]]), cache=caches))
     events = trace_step(model, caches, mx.array([[2]]), args.layer)
-    files = list(dict.fromkeys(p for p, _, _ in events))
-    per_file = Counter(p for p, _, _ in events)
+    files = list(dict.fromkeys(p for p, *_ in events))
+    per_file = Counter(p for p, *_ in events)
+    backs = sum(back for *_, back in events)
     print(f"{args.recipe} {' '.join(args.sets)}: one decode token at {args.context}, layer {args.layer}")
-    print(f"| files | calls | re-entries |\n|---|---|---|\n| {len(files)} | {len(events)} | {reentries(events)} |")
+    print("| files | calls | re-entries | call-backs |\n|---|---|---|---|")
+    print(f"| {len(files)} | {len(events)} | {reentries(events)} | {backs} |")
     for f in files:
         print(f"  {per_file[f]:3d}  {f}")
     if args.calls:
-        for path, name, caller in events:
-            print(f"    {path}:{name}  <- {caller}")
+        for path, name, caller, back in events:
+            print(f"    {path}:{name}  <- {caller}{'  (call-back)' if back else ''}")
     veloxquant.uninstall(model)
 
 

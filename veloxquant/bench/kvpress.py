@@ -118,7 +118,7 @@ def measure_heads(model, windows, spec: str, budgets: List[int], cfg) -> List[fl
             for c in mine:  # the continuation is appended uncompressed, as every row's: the windows stop sliding
                 for t in c.tiers:
                     if t.route is not None and t.route.stage_name == "recent":
-                        t.route = attrs.evolve(t.route, n=t.route.n + cfg.score_tokens + 1)
+                        t.reroute(attrs.evolve(t.route, n=t.route.n + cfg.score_tokens + 1))
             if not n:  # once: the fraction of the prefix's (token, head) pairs really let go
                 kept = sum(len(c.tiers[-1].kept) * c.tiers[-1].count + c.tiers[-1].n_kv_heads * held for c in mine)
                 removed = 1 - kept / sum(c.tiers[-1].n_kv_heads * cfg.prefix for c in mine)

@@ -215,14 +215,15 @@ def _update_plain(cache, keys: mx.array, values: mx.array):
     if cache.plan.window and rows.right is None:
         plain.expire(rows.end - cache.plan.window + 1)
     cache.dtype = keys.dtype
-    n = plain.append(keys, values, rows.end)
+    plain.append(keys, values, rows.end)
+    n = keys.shape[2]
     rows.end += n
     cache.offset = cache.offset + n
-    return plain.fetch(keys.dtype)
+    return plain.decoded(keys.dtype)
 
 
 def _attend_plain(cache, queries: mx.array, scale: float, mask):
-    k, v = cache._plain.fetch(queries.dtype)
+    k, v = cache._plain.decoded(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 

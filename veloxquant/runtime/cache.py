@@ -6,7 +6,6 @@ itself exactly); overflow moves on between tiers lazily, when the cache is
 next touched ("settling"), so a block never loses its own context mid-chunk.
 """
 
-from operator import attrgetter
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -18,13 +17,10 @@ from ..errors import VeloxError
 from . import batch, hook, kinds, layer_attention, trimming
 from .batch_protocol import BatchProtocol
 from .copying import copy_sharing
-from .decoded_attention import decoded_run
 from .eviction import deferred, per_head
 from .eviction.saliency import Saliency
 from .eviction.scoring import position_mask
 from .kinds.tier import Tier
-
-_start = attrgetter("start")
 
 
 def _min(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -43,6 +39,8 @@ class TieredCache(BatchProtocol, _BaseCache):
         # A recent(n) tier whose overflow is dropped acts as a sliding window of
         # n+1 keys (n settled + the newest), also for queries inside one block.
         self.horizons = [kinds.horizon(plan, i) for i in range(len(plan.tiers))]
+        # Positions each tier takes end below this (a sink's n; None: every token offered), compiled once.
+        self._takes_below = [None if t.route is None else t.route.takes_below for t in plan.tiers]
         self.windows = [_min(plan.window, h) for h in self.horizons]  # how far back each tier's tokens are seen
         self._unwindowed = all(w is None for w in self.windows)
         self._tail_layouts = {}  # (query shape, dtype, dense tier count) -> reduce_tail's verdict on their layout
@@ -68,7 +66,18 @@ class TieredCache(BatchProtocol, _BaseCache):
         # alike); frozen plan, dtype and layout verdicts are shared, tiers/arrays/coordinator copied.
         self._settle() or [t.settle_group() for t in self.tiers]
         return copy_sharing(
-            self, memo, shared=("plan", "plan_root", "fingerprint", "dtype", "horizons", "windows", "_tail_layouts")
+            self,
+            memo,
+            shared=(
+                "plan",
+                "plan_root",
+                "fingerprint",
+                "dtype",
+                "horizons",
+                "windows",
+                "_takes_below",
+                "_tail_layouts",
+            ),
         )
 
     # --- mlx-lm protocol ------------------------------------------------
@@ -77,14 +86,15 @@ class TieredCache(BatchProtocol, _BaseCache):
             return batch.update_and_fetch(self, keys, values)
         plain = self._plain
         if plain is not None and (self._unwindowed or keys.shape[2] == 1):
-            # KVCache's work, nothing else (runtime/kinds/plain.py); never scored. A window's decode
+            # KVCache's work, nothing else (Tier.append's 16-bit path); never scored. A window's decode
             # step forgets the oldest token first, as _settle would: the query then sees all.
             if not self._unwindowed:
                 plain.expire(self.offset - self.plan.window + 1)
                 self._unsettled = True  # readers (size, state, trim) see the next query's window, as before
             self.dtype = keys.dtype
-            self.offset += plain.append(keys, values, self.offset)
-            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.fetch(keys.dtype)
+            plain.append(keys, values, self.offset)
+            self.offset += keys.shape[2]
+            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.decoded(keys.dtype)
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
         self._awaiting_attend = self.scored
@@ -186,14 +196,11 @@ class TieredCache(BatchProtocol, _BaseCache):
                 tier.finish_prompt()
 
     def held(self) -> List:
-        return [t for t in self.tiers if t.count and not t.drops]
+        return layer_attention.held(self.tiers)
 
     def held_in_order(self) -> List:
         """The tiers holding tokens, by position (the order decoded keys are laid out in)."""
-        held = self.held()
-        if len(held) > 1:
-            held.sort(key=_start)
-        return held
+        return layer_attention.held_in_order(self.tiers)
 
     # --- routing ----------------------------------------------------------
     def _place(self, first: int, keys: mx.array, values: mx.array, start: int) -> None:
@@ -201,9 +208,8 @@ class TieredCache(BatchProtocol, _BaseCache):
         n = keys.shape[2]
         for i, s, e in self._routing(start, n, first):
             scored = (self.saliency.scores_for(s, e - s),) if self.saliency and i == self.saliency.index else ()
-            if e - s == n:  # the whole block (every decode step): no slice ops; a 16-bit tier's run appends
-                tier = self.tiers[i]
-                (tier.plain if tier.plain is not None and not scored else tier).append(keys, values, s, *scored)
+            if e - s == n:  # the whole block (every decode step): no slice ops
+                self.tiers[i].append(keys, values, s, *scored)
             else:
                 self.tiers[i].append(keys[:, :, s - start : e - start], values[:, :, s - start : e - start], s, *scored)
 
@@ -216,7 +222,8 @@ class TieredCache(BatchProtocol, _BaseCache):
         if self.per_head:  # only per-head layers hold decode queries: scored before a cut (evict(slack))
             per_head.settle_held(self)
         for i, tier in enumerate(self.tiers):
-            if tier.route is None or tier.drops:
+            after = tier.spill_after  # declared by the kind (a Tier: compiled from its route)
+            if after is None or tier.count <= after:
                 continue
             moved = tier.spill(self.offset, self.dtype)
             if moved:
@@ -231,7 +238,7 @@ class TieredCache(BatchProtocol, _BaseCache):
 
     # --- attention helpers --------------------------------------------------
     def _fetch(self) -> Tuple[mx.array, mx.array]:
-        return decoded_run(self.held_in_order(), self.dtype)
+        return layer_attention.decoded_run(self.held_in_order(), self.dtype)
 
     def _routing(self, start: int, n: int, first: int = 0) -> List[Tuple[int, int, int]]:
         """Which tier takes which positions of a block: (tier index, start, end)."""
@@ -240,7 +247,8 @@ class TieredCache(BatchProtocol, _BaseCache):
             tier = self.tiers[i]
             if n == 0 or tier.drops:
                 break
-            take = n if tier.route is None else tier.route.take(start, n, tier.count)
+            below = self._takes_below[i]
+            take = n if below is None else max(0, min(n, below - start))
             if take:
                 spans.append((i, start, start + take))
             start, n = start + take, n - take

@@ -126,11 +126,9 @@ class Duo:
     runtime_params = ("retrieval",)  # the head ranking is the artifact's; the share is chosen at run time
     bounded = False
     spills = False
+    takes_below = None
     per_head = False
     tier_kind = "heads"
-
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
 
     def spill(self, held: int, chunk: int) -> int:
         return 0

@@ -27,11 +27,9 @@ class _PerHeadRoute:
 
     bounded = False
     spills = False
+    takes_below = None
     per_head = True
     slack = 0  # tokens past the budget before a cut; `evict` makes it a field (the others cut exactly)
-
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
 
     def spill(self, held: int, chunk: int) -> int:
         return 0

@@ -2,6 +2,11 @@
 
 Tiers are listed newest first. A new block of tokens is offered to each tier
 in order; what a tier declines or spills continues to the next.
+
+A route declares what the runtime compiles into its tier once, when the cache is built:
+`takes_below` (the tier takes only positions below it; None: every token offered) and, for a
+route that `spills`, `holds` (nothing moves on while the tier holds at most that many). `spill`
+is asked only past `holds`: a decode step calls no route.
 """
 
 import attrs
@@ -19,9 +24,9 @@ class Sink:
     bounded = True
     spills = False
 
-    def take(self, start: int, count: int, held: int) -> int:
-        """How many of the tokens at positions start.. this tier takes."""
-        return max(0, min(count, self.n - start))
+    @property
+    def takes_below(self) -> int:
+        return self.n
 
     def spill(self, held: int, chunk: int) -> int:
         return 0
@@ -36,9 +41,11 @@ class Recent:
 
     bounded = True
     spills = True
+    takes_below = None
 
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
+    @property
+    def holds(self) -> int:
+        return self.n
 
     def spill(self, held: int, chunk: int) -> int:
         # Spill whole chunks so the next tier's groups are complete: enough to keep
@@ -57,9 +64,7 @@ class Drop:
 
     bounded = False
     spills = False
-
-    def take(self, start: int, count: int, held: int) -> int:
-        return count
+    takes_below = None
 
     def spill(self, held: int, chunk: int) -> int:
         return 0

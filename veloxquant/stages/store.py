@@ -4,8 +4,8 @@ A store encodes x [B, H, L, D] into named arrays whose axis 2 counts token
 units (one token, or a group of tokens), and decodes them back.
 """
 
-from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from functools import lru_cache, partial
+from typing import Callable, Dict, Optional, Tuple
 
 import attrs
 import mlx.core as mx
@@ -23,6 +23,9 @@ class Fp16:
 
     codes = False
     token_multiple = 1
+    # What wider activations (float32) are held as; 16-bit ones are held as they come. A 16-bit tier
+    # reads this once and casts itself (runtime/kinds/tier.py): its decode steps call no store.
+    narrows_to = mx.float16
 
     def units(self) -> Dict[str, int]:
         return {"x": 1}
@@ -31,7 +34,7 @@ class Fp16:
         return 16.0
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        return {"x": x if x.dtype in SIXTEEN_BIT else x.astype(mx.float16)}
+        return {"x": x if self.narrows_to is None or x.dtype in SIXTEEN_BIT else x.astype(self.narrows_to)}
 
     def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
         return enc["x"].astype(dtype)
@@ -42,11 +45,10 @@ class Fp16:
 class Identity(Fp16):
     """Uncompressed storage in the dtype the model computes in (bit-exact)."""
 
+    narrows_to = None
+
     def bits_per_element(self, head_dim: int) -> float:
         return float("nan")  # depends on the model's dtype; measured at run time
-
-    def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        return {"x": x}
 
 
 @stage("affine", "store")
@@ -104,9 +106,10 @@ class Affine:
         return {"codes": codes, "scales": scale.squeeze(reduce_axis), "zeros": zero.squeeze(reduce_axis)}
 
     def decode(self, enc: Dict[str, mx.array], dtype) -> mx.array:
-        laid = self.laid_out(enc)
-        if laid is not None:
-            return self.decode_laid(laid, dtype)
+        prepared = self.prepared_decode(enc, dtype)
+        if prepared is not None:
+            run, shape = prepared
+            return run().reshape(shape)
         codes = enc["codes"]
         B, H, L, W = codes.shape
         D = W * 32 // self.bits
@@ -118,7 +121,7 @@ class Affine:
         return (q * scale + zero).reshape(B, H, L, D).astype(dtype)
 
     def laid_out(self, enc: Dict[str, mx.array]) -> Optional[Tuple[mx.array, ...]]:
-        """codes, scales and zeros reshaped (views, no copy where contiguous) so that `decode_laid`
+        """codes, scales and zeros reshaped (views, no copy where contiguous) so that the decode
         is one broadcast elementwise kernel: the words' codes along one axis, their groups along
         another. None where groups and words do not nest (3, 5, 6, 7 bits; uneven groups), and off the
         CPU (GPUs decode through their kernels; there a compiled multiply-add may round once, not twice)."""
@@ -141,16 +144,22 @@ class Affine:
             return None
         return codes.reshape(words), scales.reshape(meta), zeros.reshape(meta)
 
-    def decode_laid(self, laid: Tuple[mx.array, ...], dtype) -> mx.array:
-        """decode() from `laid_out`'s arrays: the same float32 multiply and add per element, fused
-        (unpack, cast, scale, zero and the cast to `dtype` as one compiled kernel)."""
+    def prepared_decode(self, enc: Dict[str, mx.array], dtype) -> Optional[Tuple[Callable[[], mx.array], tuple]]:
+        """decode(enc, dtype) prepared once for arrays that change only when a chunk arrives (a tier
+        keeps it with its views, so its decode steps call no store): `run()` is one compiled kernel
+        over `laid_out`'s arrays (unpack, cast, scale, zero and the cast to `dtype`: the same float32
+        multiply and add per element), and its output reshaped to `shape` is the decode. None where
+        `laid_out` is."""
+        laid = self.laid_out(enc)
+        if laid is None:
+            return None
         codes, scales, _ = laid
         per_word = 32 // self.bits
         split = self.axis == "token" and scales.shape[4] > 1  # a word holds several groups
         lanes = (scales.shape[4], per_word // scales.shape[4]) if split else (per_word,)
-        out = _dequantize(self.bits, lanes, dtype)(*laid, _shifts(self.bits, lanes))
         B, H, L = codes.shape[:3]
-        return out.reshape(B, H, L * codes.shape[3] if self.axis == "channel" else L, -1)
+        shape = (B, H, L * codes.shape[3] if self.axis == "channel" else L, -1)
+        return partial(_dequantize(self.bits, lanes, dtype), *laid, _shifts(self.bits, lanes)), shape
 
 
 @lru_cache(maxsize=None)

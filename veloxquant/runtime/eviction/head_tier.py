@@ -35,6 +35,7 @@ class HeadTier(HeadArrays, KindBase):
     protected = None  # image tokens it never drops (runtime/eviction/protected.py)
     fusable = False
     granularity = 1
+    spill_after = -1  # its route keeps every token offered; the tier cuts by score at every settle (spill)
 
     def __init__(self, plan: TierPlan, window: Optional[int] = None):
         self.plan = plan

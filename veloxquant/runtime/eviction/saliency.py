@@ -22,7 +22,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ...errors import VeloxError
-from .. import decoded_attention
+from .. import layer_attention
 from ..copying import copy_owned
 from .scoring import position_mask
 
@@ -57,7 +57,7 @@ class Saliency:
         outs = []
         for s in range(0, Lq, QUERY_BLOCK):
             q = queries[:, :, s : s + QUERY_BLOCK]
-            out, lse = decoded_attention.partial(cache, held, q, scale, first_q + s)
+            out, lse = layer_attention.partial(cache, held, q, scale, first_q + s)
             outs.append(out)
             if observe:
                 self._observe(q, lse, scale, first_q + s)

@@ -15,7 +15,6 @@ from typing import Optional
 from ...compiler.plan import LayerPlan, TierPlan
 from ...errors import VeloxError
 from ..eviction.head_tier import HeadTier
-from .plain import PlainRun
 from .protocol import HEAD_KINDS, KINDS, TierKind
 from .protocol import KindBase as KindBase  # re-exported, with kind and head_kind: what a kind registers with
 from .protocol import head_kind as head_kind
@@ -47,11 +46,11 @@ def build(plan: TierPlan, layer: LayerPlan, exact: bool) -> TierKind:
     return KINDS[name](plan, layer.n_kv_heads, layer.head_dim)
 
 
-def plain_tier(tiers) -> Optional[PlainRun]:
-    """A layer's one tier, wrapped for KVCache's work (runtime/kinds/plain.py), when it is plain
-    16-bit storage and nothing else: unrouted, read by SDPA (the fp16 recipe). The cache asks
-    only for a layer nothing scores, and then skips its routing (a sliding-window layer: at
-    decode, where no query needs a mask)."""
+def plain_tier(tiers) -> Optional[Tier]:
+    """A layer's one tier when it is plain 16-bit storage and nothing else: unrouted, read by
+    SDPA (the fp16 recipe); the cache then does KVCache's work with it (append, decoded). The
+    cache asks only for a layer nothing scores, and then skips its routing (a sliding-window
+    layer: at decode, where no query needs a mask)."""
     if len(tiers) != 1:
         return None
     tier = tiers[0]
@@ -62,7 +61,7 @@ def plain_tier(tiers) -> Optional[PlainRun]:
         and not tier.codes_attend
         and all(c.trivial for c in tier.codecs.values())
     )
-    return tier.plain if plain else None
+    return tier if plain else None
 
 
 def fed_in_chunks(layer: LayerPlan, i: int) -> bool:

@@ -52,6 +52,7 @@ class TierKind(Protocol):
 
     route: object  # the plan's route (None: unrouted), read by the cache's routing
     drops: bool  # the tier drops what reaches it (nothing is held)
+    spill_after: Optional[int]  # settling calls spill() only while count > spill_after (None: never)
     start: int
     count: int
 
@@ -100,7 +101,8 @@ class KindBase:
     listening = False  # its scorer is fed now
     needs: frozenset = frozenset()  # what its scorer needs gathered
     can_rewind = True  # trim can take tokens back
-    plain = None  # a 16-bit run appending without codec calls (runtime/kinds/plain.py)
+    spill_after = None  # settling calls spill() only while count > spill_after (None: nothing ever moves on)
+    decodes_only = False  # answer() is always None (a plain 16-bit Tier): routes decode it without asking
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Nothing overflows a kind whose route holds everything it gets (a layer's last tier)."""

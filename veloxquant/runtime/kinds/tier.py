@@ -1,17 +1,18 @@
 """A tier: a contiguous run of positions held with one codec for K and one for V."""
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
 from ...compiler.plan import TierPlan
 from ...kernels import dispatch
+from ...stages.store import SIXTEEN_BIT
 from .. import code_attention, fused
 from ..buffer import UNBOUNDED_STEP, Buffer
 from ..codec import Codec
 from ..copying import copy_sharing
-from .plain import PlainRun
 from .protocol import KindBase
+from .tier_arrays import TierArrays
 from .tier_rows import TierRows
 
 # UNBOUNDED_STEP (runtime/buffer.py) is the growth step of tiers that keep everything they get.
@@ -23,7 +24,7 @@ def fusable(plan: TierPlan) -> bool:
     return plan.plain_affine
 
 
-class Tier(TierRows, KindBase):
+class Tier(TierRows, TierArrays, KindBase):
     scorer = None  # only per-head tiers rank their tokens (head_tier.py)
 
     def __init__(self, plan: TierPlan, exact: bool = False):
@@ -32,7 +33,7 @@ class Tier(TierRows, KindBase):
         row-contiguous, and the kernel launch would copy the whole tier every call."""
         self.plan = plan
         self._fusable = fusable(plan)
-        self.route = plan.route
+        self.reroute(plan.route)
         self.drops = plan.drops  # the plan is frozen: these facts are read every decode step
         self.sixteen_bit = not plan.drops and all(
             c.store.stage_name in ("fp16", "identity") and not c.transforms and not c.residuals
@@ -45,7 +46,7 @@ class Tier(TierRows, KindBase):
         self._views: Dict[str, Dict[str, mx.array]] = {}  # encoded(side), until the buffers change
         # running sums a tier keeps for its codec (runtime/eviction/saliency.py)
         self.side_state: Dict[str, mx.array] = {}
-        self.plain = None
+        self.narrows = None
         self._lays = False
         self.dequant_kernel = None
         if plan.drops:
@@ -67,17 +68,24 @@ class Tier(TierRows, KindBase):
                 name: Buffer(None if bounded or exact else max(1, UNBOUNDED_STEP // per_unit))
                 for name, per_unit in codec.units().items()
             }
-        # 16-bit tiers (fp16 windows and sinks, the fp16 recipe) append without codec calls: every step of every layer
-        self.plain = PlainRun(self) if self.sixteen_bit and type(self) is Tier else None
+        if self.sixteen_bit:  # what the stores hold float32 activations as, read once (fp16 narrows, identity not)
+            self.narrows = (plan.keys.store.narrows_to, plan.values.store.narrows_to)
+        # Neither a kernel nor its codes answer for it (windows, sinks): decided once, not asked every step.
+        self.decodes_only = type(self) is Tier and self.sixteen_bit and not (self._fusable or self.codes_attend)
 
     def __deepcopy__(self, memo):
         # The kernel choice is keyed by shapes and dtypes, valid for a copy too; views are rebuilt on use.
         return copy_sharing(
             self,
             memo,
-            shared=("plan", "route", "drops", "launch_key", "launch", "dequant_kernel"),
+            shared=("plan", "route", "drops", "narrows", "launch_key", "launch", "dequant_kernel"),
             reset={"_views": {}},
         )
+
+    def reroute(self, route) -> None:
+        """Hold by `route`; what it declares is compiled here once: a decode step asks no route."""
+        self.route = route
+        self.spill_after = route.holds if route is not None and route.spills else None
 
     # --- contents -------------------------------------------------------
     @property
@@ -86,14 +94,23 @@ class Tier(TierRows, KindBase):
 
     def append(self, keys: mx.array, values: mx.array, start: int, scores: Optional[mx.array] = None) -> None:
         """`scores` [B, H, L]: per-token scores for stores that route by them (salient)."""
-        if self.plain is not None and scores is None:
-            self.plain.append(keys, values, start)
-            return
         if self.drops:
             return
         if self.count == 0:
             self.start = start
         self._views = {}
+        if self.sixteen_bit and scores is None:
+            # 16-bit storage (fp16 windows and sinks, the fp16 recipe): KVCache's work, no codec calls
+            if keys.dtype not in SIXTEEN_BIT:
+                k_to, v_to = self.narrows
+                keys = keys if k_to is None else keys.astype(k_to)
+                values = values if v_to is None else values.astype(v_to)
+            k_held, v_held = self.buffers["k"]["x"], self.buffers["v"]["x"]
+            k_held.append(keys)
+            v_held.append(values)
+            self.count += keys.shape[2]
+            self._views = {"k": {"x": k_held.view()}, "v": {"x": v_held.view()}}  # what decoded() reads
+            return
         for side, x in (("k", keys), ("v", values)):
             for name, arr in self.codecs[side].encode(x, start, scores).items():
                 self.buffers[side][name].append(arr)
@@ -125,16 +142,22 @@ class Tier(TierRows, KindBase):
         return None
 
     def spill(self, offset: int, dtype) -> Optional[Tuple[mx.array, mx.array, int]]:
-        """What overflows this tier's route now, removed and decoded, with its start; or None."""
+        """What overflows this tier's route now, removed and decoded, with its start; or None.
+        The cache asks only once the tier holds more than `spill_after`."""
         n = self.route.spill(self.count, self.plan.chunk)
         return self.take_front(n, dtype) if n else None
 
     def expire(self, oldest_visible: int) -> None:
+        if self.sixteen_bit:  # granularity 1: a sliding layer's 16-bit tier forgets a token every decode step
+            n = min(self.count, oldest_visible - self.start)
+            if n > 0:
+                self.drop_front(n)
+            return
         expire_front(self, oldest_visible)
 
     def decoded(self, dtype) -> Tuple[mx.array, mx.array]:
         if self.sixteen_bit:  # the stored arrays themselves (a cast only if dtypes differ)
-            k, v = self.buffers["k"]["x"].view(), self.buffers["v"]["x"].view()
+            k, v = self.encoded("k")["x"], self.encoded("v")["x"]
             return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
         return self.decoded_side("k", dtype), self.decoded_side("v", dtype)
 
@@ -146,17 +169,18 @@ class Tier(TierRows, KindBase):
         if kernels is not None:
             return kernels.dequantize(enc, self.codecs[side].store, dtype, length, offset)  # no float32 copies
         assert length is None, "decoded_side(length=...) needs placeable(dtype)"
-        laid = self._laid(side, enc) if self._lays else None
-        if laid is not None:  # one compiled kernel over arrays reshaped once per chunk, not per step
-            return self.codecs[side].store.decode_laid(laid, dtype)
+        prepared = self._prepared(side, enc, dtype) if self._lays else None
+        if prepared is not None:  # one compiled kernel over arrays reshaped once per chunk, not per step
+            run, shape = prepared
+            return run().reshape(shape)
         return self.codecs[side].decode(enc, dtype, self.start)
 
-    def _laid(self, side: str, enc: Dict[str, mx.array]):
-        """The affine store's arrays laid out for its one-kernel decode (stages/store.py), kept with
-        the views: reshapes of the contiguous buffers, so they share their storage."""
-        key = side + ".laid"
+    def _prepared(self, side: str, enc: Dict[str, mx.array], dtype):
+        """The affine store's one-kernel decode (stages/store.py: `prepared_decode`), kept with the
+        views: it reads reshapes of the contiguous buffers, so they share their storage."""
+        key = (side, "decode", dtype)
         if key not in self._views:
-            self._views[key] = self.codecs[side].store.laid_out(enc)
+            self._views[key] = self.codecs[side].store.prepared_decode(enc, dtype)
         return self._views[key]
 
     def placeable(self, dtype) -> bool:
@@ -232,44 +256,6 @@ class Tier(TierRows, KindBase):
         fitted = sum(a.nbytes for c in self.codecs.values() for a in getattr(c, "fitted", {}).values())
         fitted += sum(a.nbytes for a in self.side_state.values())
         return sum(b.nbytes for bufs in self.buffers.values() for b in bufs.values()) + fitted
-
-    # --- persistence ----------------------------------------------------
-    def arrays(self) -> Dict[str, mx.array]:
-        out = {
-            f"{side}.{name}": buf.view()
-            for side, bufs in self.buffers.items()
-            for name, buf in bufs.items()
-            if buf.view() is not None
-        }
-        for side, c in self.codecs.items():
-            out.update({f"{side}.fit.{name}": a for name, a in getattr(c, "fitted", {}).items()})
-        out.update({f"state.{name}": a for name, a in self.side_state.items()})
-        return out
-
-    def expected_names(self) -> List[str]:
-        return [f"{side}.{name}" for side, bufs in self.buffers.items() for name in bufs]
-
-    def restore(self, start: int, count: int, arrays: Dict[str, mx.array]) -> Optional[str]:
-        """Load saved arrays; returns a problem description instead of raising."""
-        self._views = {}
-        self.start, self.count = start, count
-        self.side_state = {k[len("state.") :]: v for k, v in arrays.items() if k.startswith("state.")}
-        for side, codec in self.codecs.items():
-            for name, per_unit in codec.units().items():
-                arr = arrays.get(f"{side}.{name}")
-                if count == 0:
-                    self.buffers[side][name].set(None)
-                    continue
-                if arr is None:
-                    return f"missing array {side}.{name}"
-                if arr.ndim != 4 or arr.shape[2] * per_unit != count:
-                    return f"array {side}.{name} has shape {tuple(arr.shape)}, which does not hold {count} tokens"
-                self.buffers[side][name].set(arr)
-            if getattr(codec, "fits", False):  # a fitted store's arrays (nuq's levels), held since its first block
-                codec.fitted = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"{side}.fit.")}
-                if count and not codec.fitted:
-                    return f"missing the fitted arrays {side}.fit.*"
-        return None
 
 
 def front_mask(count: int, hidden: int) -> mx.array:
