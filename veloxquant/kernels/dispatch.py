@@ -41,17 +41,24 @@ def backend() -> str:
 
 
 def choice(
-    q: mx.array, k_enc: Dict[str, mx.array], v_enc: Dict[str, mx.array], k_spec: Spec, v_spec: Spec, scale: float = 1.0
+    q: mx.array,
+    k_enc: Dict[str, mx.array],
+    v_enc: Dict[str, mx.array],
+    k_spec: Spec,
+    v_spec: Spec,
+    scale: float = 1.0,
+    batch_rows: bool = False,
 ) -> Tuple[str, str]:
     """(implementation, reason): 'cuda', an attend-mlx kernel ('qmm': MLX's own quantized matmul,
-    where no fused kernel is verified) or 'reference' (decode), and why (for `explain`)."""
+    where no fused kernel is verified) or 'reference' (decode), and why (for `explain`).
+    `batch_rows`: the call is a ragged batch's rows (table.MLX_ATTEND_ROWS_BACKENDS)."""
     if kernels_off():
         return "reference", f"{OFF_ENV}=off"
     be = backend()
     if not scale > 0:
         return "reference", "non-positive scale"
     if be != "cuda" or not verified("v1", be):
-        return _mlx_choice(q, k_enc, v_enc, k_spec, v_spec, be)
+        return _mlx_choice(q, k_enc, v_enc, k_spec, v_spec, be, batch_rows)
     # The answer depends only on shapes, dtypes and specs: decided once per
     # signature (a decode step asks the same question for every layer).
     try:
@@ -84,9 +91,9 @@ def choice(
 _CHOICES: Dict[tuple, Tuple[str, str]] = {}
 
 
-def _mlx_choice(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, be: str) -> Tuple[str, str]:
+def _mlx_choice(q, k_enc, v_enc, k_spec: Spec, v_spec: Spec, be: str, batch_rows: bool = False) -> Tuple[str, str]:
     """Where no fused kernel of ours is verified: MLX's own kernels (table.mlx_attend), else decode."""
-    name = mlx_attend(be)
+    name = mlx_attend(be, batch_rows)
     if not name:
         return "reference", f"no fused kernel for the {be} backend"
     B, Hq, Lq, D = q.shape

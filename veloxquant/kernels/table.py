@@ -115,6 +115,9 @@ ATTEND_ORDER = ("tc", "mma", "v1")
 # kernels runs. Not the CPU: it moves the recorded CPU logits, and end to end it did not pay there
 # (docs/kernels.md, "Metal: MLX's own kernels").
 MLX_ATTEND_BACKENDS = frozenset({"metal"})
+# A ragged batch's rows (runtime/chain_attention.py) take MLX's kernels on the CPU too: decoding every
+# row's tier each step measured slower there (docs/serving.md, "On this CPU"); no recorded logits are a batch's.
+MLX_ATTEND_ROWS_BACKENDS = frozenset({"metal", "cpu"})
 
 
 def register(kernel: Kernel) -> Kernel:
@@ -137,14 +140,16 @@ def family(name: str) -> Tuple[Kernel, ...]:
     return tuple(k for k in KERNELS.values() if k.family == name)
 
 
-def mlx_attend(backend: str) -> str:
-    """The attend-mlx kernel affine tiers take on `backend` where no fused kernel does ('' = decode)."""
+def mlx_attend(backend: str, batch_rows: bool = False) -> str:
+    """The attend-mlx kernel affine tiers take on `backend` where no fused kernel does ('' = decode);
+    `batch_rows`: for a ragged batch's rows (MLX_ATTEND_ROWS_BACKENDS)."""
     forced = os.environ.get(ROUTE_ENV, "").lower()
     rows = family("attend-mlx")
     if forced == "decode" or not rows:
         return ""
     named = next((k.name for k in rows if k.name == forced), "")
-    return named or (rows[0].name if backend in MLX_ATTEND_BACKENDS else "")
+    default = MLX_ATTEND_ROWS_BACKENDS if batch_rows else MLX_ATTEND_BACKENDS
+    return named or (rows[0].name if backend in default else "")
 
 
 def forced_attend() -> str:

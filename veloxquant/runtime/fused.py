@@ -53,17 +53,18 @@ def rows_answer(tier, queries: mx.array, scale: float, counts: np.ndarray) -> Op
     kernel skips the chunks past it), or None where no kernel takes the call (decoded)."""
     key = ("rows", tier.ragged_width(), queries.shape, queries.dtype, scale)
     if tier.launch_key != key:
-        tier.launch_key, tier.launch = key, _launcher(tier, queries, tier.encoded("k"), tier.encoded("v"), scale, True)
+        k_enc, v_enc = tier.encoded("k"), tier.encoded("v")
+        tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale, True, batch_rows=True)
     if tier.launch is None:
         return None
     spans = mx.array(np.stack([np.zeros_like(counts), counts], axis=1).astype(np.int32))
     return KernelAnswer(tier.launch, queries, tier.encoded("k"), tier.encoded("v"), spans)
 
 
-def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool):
+def _launcher(tier, queries, k_enc, v_enc, scale, hides: bool, batch_rows: bool = False):
     """The launch (`run`) for this call's shapes, or None (the tier is decoded)."""
     k_spec, v_spec = tier.plan.keys.store, tier.plan.values.store
-    impl = dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale)[0]
+    impl = dispatch.choice(queries, k_enc, v_enc, k_spec, v_spec, scale, batch_rows)[0]
     shapes = (tuple(queries.shape), queries.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale)
     if impl == "cuda":
         return dispatch.cuda_launcher(*shapes, hides=hides)
