@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..paths import kernels_dir
 from . import variants
 from .geometry import MAX_ROWS, SM_COUNT, SMEM_MAX, blocks_per_sm, choose_chunk, float_bits, plan, smem_bytes  # noqa: F401 -- part of this module's interface (tests, bench)
+from .partials import hides_tokens
 from .reference import Spec, spec_fields
 from .source import split_sections
 from .source import strip as _strip
@@ -220,7 +221,7 @@ def runner(la: Launch, qshape: tuple, qdtype):
         inputs = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
         if la.hides:
             inputs.append(visible_span(hidden))
-        elif isinstance(hidden, mx.array) or hidden:
+        elif hides_tokens(hidden):
             raise ValueError("this launch plan cannot hide tokens: build it with hides=True")
         pm, pl, pacc = la.attend(inputs=inputs, **la.a_kw)
         return merge(pm, pl, pacc, q, qshape, qdtype, la.scale, tail)
@@ -255,9 +256,16 @@ def affine_partial_attention(
 ) -> Tuple[mx.array, mx.array]:
     """The fused kernel, contract of reference.affine_partial_attention (the caller checked
     `unsupported(...) == ''`): one or two launches and no other op (`launcher`)."""
-    hides = isinstance(hidden, mx.array) or hidden > 0
     return launcher(
-        tuple(q.shape), q.dtype, tuple(k_enc["codes"].shape), k_spec, v_spec, scale, impl, chunk or 0, hides=hides
+        tuple(q.shape),
+        q.dtype,
+        tuple(k_enc["codes"].shape),
+        k_spec,
+        v_spec,
+        scale,
+        impl,
+        chunk or 0,
+        hides=hides_tokens(hidden),
     )(q, k_enc, v_enc, hidden=hidden)
 
 

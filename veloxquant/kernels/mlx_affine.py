@@ -24,7 +24,7 @@ from typing import Dict
 
 import mlx.core as mx
 
-from .partials import hide
+from .partials import hide, hides_tokens
 from .reference import Spec, spec_fields
 from .table import Binding
 
@@ -170,7 +170,7 @@ def launch(qshape: tuple, qdtype, cshape: tuple, kspec: tuple, vspec: tuple, sca
         if tail:
             coded = (lambda x: coded_scores(x, *k), lambda p: coded_values(p, *v))
             return attention_with_tail(q, k_enc, v_enc, *fixed, tail, hidden, coded)
-        if isinstance(hidden, mx.array) or hidden:  # counts change every step: not a shape to compile for
+        if hides_tokens(hidden):  # counts change every step: not a shape to compile for
             return partial_attention(q, k_enc, v_enc, *fixed, hidden)
         return whole(q, *k, *v)
 

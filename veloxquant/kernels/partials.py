@@ -18,6 +18,12 @@ Partial = Tuple[mx.array, mx.array]  # out [B, Hq, Lq, D] (normalized, f32), lse
 SCORE_ELEMENTS = 1 << 24
 
 
+def hides_tokens(hidden) -> bool:
+    """`hidden` (a front count, or an int32 [B, 2] array of each batch row's visible span) leaves
+    some token out: the launches that take it then need a kernel that reads it."""
+    return isinstance(hidden, mx.array) or hidden > 0
+
+
 def hide(scores: mx.array, hidden) -> mx.array:
     """scores [B, H, R, L] with the tokens `hidden` leaves out at -inf: an int hides the first
     `hidden` tokens of every row (a sliding window's expired front); an int32 [B, 2] array leaves

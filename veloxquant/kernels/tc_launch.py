@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from . import tc, variants
 from .cuda import merge
+from .partials import hides_tokens
 from .source import strip
 from .table import Binding
 
@@ -136,7 +137,7 @@ def launcher(
         )  # pm, pl, pacc; two runs padded to 16 bytes
 
     def run(q, k_enc, v_enc, tail=None, hidden=0):
-        if isinstance(hidden, mx.array) or hidden:
+        if hides_tokens(hidden):
             raise ValueError("attend_tc cannot hide tokens (v1 does)")
         codes = [q, k_enc["codes"], k_enc["scales"], k_enc["zeros"], v_enc["codes"], v_enc["scales"], v_enc["zeros"]]
         w = sum(k.shape[2] for k, _ in tail) if tail else 0
