@@ -54,7 +54,12 @@ def _rows_alike(cache, counts, first_q: np.ndarray, real: np.ndarray, n: int, wi
 
 def fetch(cache, dtype):
     """Every held tier decoded, in tier order: [B, H, keys, D] each of K and V."""
-    pairs = [t.decoded(dtype) for t in cache.tiers if t.ragged_width()]
+    return _decoded([t for t in cache.tiers if t.ragged_width()], dtype)
+
+
+def _decoded(tiers, dtype):
+    """K and V of `tiers` decoded and joined along the key axis, in the order given."""
+    pairs = [t.decoded(dtype) for t in tiers]
     if len(pairs) == 1:
         return pairs[0]
     return tuple(mx.concatenate([p[s] for p in pairs], axis=2) for s in (0, 1))
@@ -85,8 +90,7 @@ def _by_tiers(cache, queries: mx.array, scale: float) -> Optional[mx.array]:
         return None
     parts = [a() for a in answers]
     if rest:
-        pairs = [t.decoded(queries.dtype) for t, _ in rest]
-        k, v = (mx.concatenate([p[s] for p in pairs], axis=2) if len(pairs) > 1 else pairs[0][s] for s in (0, 1))
+        k, v = _decoded([t for t, _ in rest], queries.dtype)
         seen = np.concatenate([np.arange(t.ragged_width())[None] < c[:, None] for t, c in rest], axis=1)
         parts.append(partial_attention(queries, k, v, scale, mx.array(seen[:, None, None, None, :])))
     return merge_partials(parts).astype(queries.dtype)
