@@ -109,18 +109,20 @@ def add_recommend_args(p) -> None:
 
 def cmd_recommend(args) -> int:
     from ..compiler import SMOLLM2_135M, ModelShape
+    from ..data import load_text
     from ..errors import VeloxError
+    from ..models import load_model
     from . import choosing
-    from .recommend import parse_shape, parse_size, recommend, render
+    from .recommend import check, parse_shape, parse_size, recommend, render, render_check
 
+    if args.check and args.shape:
+        raise VeloxError("--check runs the recipe on a model: give --model (or neither), not --shape")
     paths = args.board or sorted(str(p) for p in Path("results").glob("leaderboard-*.json"))
     if not paths:
         raise VeloxError("no leaderboard files: run `veloxquant leaderboard` or pass --board JSON")
     if args.shape:
         shape = parse_shape(args.shape)
     elif args.model:
-        from ..models import load_model
-
         shape = ModelShape.from_model(load_model(args.model, lazy=True)[0], Path(args.model).name)
     else:
         shape = SMOLLM2_135M
@@ -138,12 +140,6 @@ def cmd_recommend(args) -> int:
     if not answer["choice"]:
         return 1
     if args.check:
-        if args.shape:
-            raise VeloxError("--check runs the recipe on a model: give --model (or neither), not --shape")
-        from ..data import load_text
-        from ..models import load_model
-        from .recommend import check, render_check
-
         model, tokenizer = load_model(args.model)
         got = check(model, tokenizer, load_text(args.corpus), answer)
         print(render_check(got, answer), end="")
