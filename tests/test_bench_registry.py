@@ -116,6 +116,31 @@ def test_e2e_batches_sequences_through_batch_generator(capsys):
     assert mib["kivi"] < mib["fp16"], out  # the coded tier's bytes, all sequences
 
 
+def test_e2e_batch_times_decode_only_once_every_sequence_decodes(monkeypatch):
+    """BatchGenerator decodes the prefilled sequences between the next prompt's prefill chunks: the
+    measured decode steps start once all of them are in the batch, and each decodes every row."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant.bench import e2e_batch
+    from veloxquant.bench.e2e import random_model
+
+    rows_per_step = []
+
+    class Counting(e2e_batch.BatchGenerator):
+        def next_generated(self):
+            got = super().next_generated()
+            rows_per_step.append(len(got))
+            return got
+
+    monkeypatch.setattr(e2e_batch, "BatchGenerator", Counting)
+    model, _ = random_model("llama", (1, 4, 2, 32, 300, mx.float32, 64, 128))
+    prompt = mx.random.randint(0, 300, (2100,))  # two prefill chunks of 2048: decode starts mid-fill
+    *_, held = e2e_batch.measure_batch(model, prompt, lambda: make_prompt_cache(model), 3, 4)
+    assert rows_per_step == [3] * 4
+    assert held > 3 * 2100 * 2 * 2 * 32 * 4  # every sequence's prompt is held (float32 K and V)
+
+
 @pytest.mark.parametrize("argv", [["--list"], ["--help"], []])
 def test_list_and_help_name_every_bench_with_its_purpose(argv, capsys):
     assert cli(["bench", *argv]) == 0

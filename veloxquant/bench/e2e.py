@@ -19,8 +19,9 @@ quantized matmul / decoded (VELOXQUANT_AFFINE_ROUTE): A/B rows of one recipe in 
 
 `--batch N` decodes N copies of the prompt together through mlx-lm's BatchGenerator (prefilled one
 at a time: e2e_batch.PREFILL_BATCH), each with its own caches (runtime/batch.py merges veloxquant's
-into one per layer); rates are aggregate over the N sequences, as mlx-lm's stats give them, peak
-memory is the process's, cache MiB all N's.
+into one per layer). Decode is timed once all N sequences are in the decode batch (`--decode` steps
+of N rows each); rates are aggregate over the N sequences, as mlx-lm's stats give them, peak memory
+is the process's, cache MiB all N's.
 
 `--preset llama3-8b` takes Llama-3-8B's shapes; `--weights-bits 4` (or 8) quantizes the random
 weights (nn.quantize, group 64) as users run them. The "first use" column is each row's first run
