@@ -12,6 +12,12 @@ interleaving the caches round by round so machine noise hits them alike.
 `--ops-table` adds, per layer, each primitive whose count differs between the caches.
 Reported: ops and build µs per step and per layer, and the build time as a
 ratio to mlx-lm's KVCache (the fp16 recipe's target: <= 1.0).
+
+`--batch N` steps N sequences together, as mlx-lm's BatchGenerator does: N caches of each kind
+prefilled alone with prompts of `--context` minus 7 tokens per row (ragged), merged by the caches'
+own `merge` (mlx-lm's KVCache into its BatchKVCache, ours into one cache per layer holding N rows).
+
+    python -m benchmarks.host_step --batch 8 --context 1024 --layers 8 --heads 32/8 --head-dim 128
 """
 
 import argparse
@@ -84,6 +90,20 @@ def build_us(model, cache, y: mx.array, n: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def prefilled(model, prompt: mx.array, make, batch: int) -> list:
+    """One sequence's caches prefilled with the prompt; or `batch` sequences' (row i's prompt 7 x i
+    tokens shorter), each prefilled alone, merged per layer by the caches' own merge."""
+    if batch == 1:
+        cache = make()
+        prefill(model, prompt, cache, 2048)
+        return cache
+    alone = []
+    for i in range(batch):
+        alone.append(make())
+        prefill(model, prompt[:, : prompt.shape[1] - 7 * i], alone[-1], 2048)
+    return [layer[0].merge(list(layer)) for layer in zip(*alone)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host_step", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2048)
@@ -98,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per cache and round")
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--batch", type=int, default=1, help="sequences stepped together (merged caches)")
     ap.add_argument(
         "--ops-table",
         action="store_true",
@@ -112,13 +133,13 @@ def main(argv=None) -> int:
         args.window,
     )
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
-    rows = {"mlx-lm KVCache": mlx_prompt_cache(model)}
+    makers = {"mlx-lm KVCache": lambda: mlx_prompt_cache(model)}
     for r in split_specs(args.recipes):
-        rows[r] = spec_caches(model, r)  # installs the hook (KVCache falls through it: one getattr)
-    y = mx.array([[1]])
+        makers[r] = lambda r=r: spec_caches(model, r)  # installs the hook (KVCache falls through it)
+    rows = {label: prefilled(model, prompt, make, args.batch) for label, make in makers.items()}
+    y = mx.ones((args.batch, 1), dtype=mx.int32)
     ops = {}
     for label, cache in rows.items():
-        prefill(model, prompt, cache, 2048)
         build_us(model, cache, y, 4)  # warm: first-use work
         ops[label] = step_ops(model, cache, y)
         ops[label]["(Python calls)"] = python_calls(model, cache, y)
@@ -128,7 +149,8 @@ def main(argv=None) -> int:
             samples[label].append(build_us(model, cache, y, args.steps))
     base = statistics.median(samples["mlx-lm KVCache"])
     print(
-        f"{name}: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
+        f"{name}: ctx={args.context} batch={args.batch} layers={args.layers} heads={heads}/{kv_heads} "
+        f"D={args.head_dim}; "
         f"device {mx.default_device()}; {args.rounds} interleaved rounds x {args.steps} steps, medians"
     )
     print("| cache | ops/step | ops/layer | build µs/step | build µs/layer | range µs/step | vs KVCache |")
