@@ -360,3 +360,16 @@ def test_launch_cost_builds_its_empty_kernels_where_cuda_is():
     if backend() != "cuda":
         return  # mx.fast.cuda_kernel exists only on the CUDA backend; the module must still import
     assert launch_cost.empty_kernel("vq_lc_test", 3, 2, True, 2, 300)() is not None
+
+
+def test_host_step_steps_a_merged_batch(capsys):
+    """`--batch 3`: three prefilled caches of each kind merged into one batch cache per layer, one token
+    per row each step."""
+    from benchmarks import host_step
+
+    argv = ["--context", "80", "--layers", "1", "--heads", "4/2", "--head-dim", "64", "--vocab", "300"]
+    argv += ["--dtype", "float32", "--recipes", "fp16,kivi", "--rounds", "1", "--steps", "2", "--batch", "3"]
+    assert host_step.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch=3" in out
+    assert {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")} >= {"fp16", "kivi"}
