@@ -16,6 +16,12 @@ renders the output a session recorded under KEY (a bench's printed table) as it 
 `<!-- kvpress: results/A.json -->` block renders `veloxquant bench kvpress --json`'s ΔPPL by fraction,
 kvpress's published rows beside ours. A block
 
+    <!-- kvpress-reference: results/A.json :: results/B.json [results/C.json ...] -->
+
+renders kvpress's own presses as `benchmarks/kvpress_reference.py` measured them (A), each followed by our
+namesake row (A's `namesakes`) from `bench kvpress --json` files B, C... (a later file's row wins), with
+ours − kvpress in points at each fraction and whether ours is within 0.2 points or better everywhere. A block
+
     <!-- ranks: results/A.json [results/B.json ...] :: results/C.json [results/D.json ...] -->
 
 compares two corpora: the rows of the `eval --json` files before `::` (one corpus; rows matched by
@@ -39,7 +45,9 @@ from veloxquant.eval import report
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(
-    r"(<!-- (?P<kind>table|printed|kvpress|ranks): (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S
+    r"(<!-- (?P<kind>table|printed|kvpress-reference|kvpress|ranks): (?P<spec>[^>]+?) -->\n)"
+    r"(?P<body>.*?)(<!-- /table -->)",
+    re.S,
 )
 
 
@@ -119,6 +127,40 @@ def kvpress(spec: str, root: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:+.2f}%"
+
+
+def kvpress_reference(spec: str, root: Path = ROOT, slack: float = 0.2) -> str:
+    first, rest = (x.split() for x in spec.split("::", 1))
+    ref = json.loads((root / first[0]).read_text())
+    ours: Dict[str, List] = {}
+    for p in rest:
+        ours.update(json.loads((root / p).read_text())["delta_ppl_percent"])
+    fractions, v = ref["fractions"], ref["versions"]
+    lines = [
+        f"`{first[0]}` (kvpress {v['kvpress']}, torch {v['torch']}, transformers {v['transformers']}; "
+        f"{ref['dtype']} on the {ref['device']}; baseline PPL {ref['baseline_ppl']:.3f}, {ref['windows']} windows); "
+        f"ours from {', '.join(f'`{p}`' for p in rest)}. ΔPPL at the fraction of the prefix removed; "
+        f"gap = ours − kvpress in points; a gap ≤ +{slack:g} at every fraction both measured is within or better:",
+        "",
+        "| row | " + " | ".join(str(f) for f in fractions) + " | gap (points) | within 0.2 or better |",
+        "|---|" + "---|" * (len(fractions) + 2),
+    ]
+    for press, theirs in ref["delta_ppl_percent"].items():
+        lines.append(f"| kvpress {press} | " + " | ".join(_pct(x) for x in theirs) + " | | |")
+        mine = ours.get(ref["namesakes"].get(press) or "")
+        if mine is None:
+            continue
+        gaps = [None if a is None or b is None else a - b for a, b in zip(mine, theirs)]
+        known = [g for g in gaps if g is not None]
+        verdict = "–" if not known else "yes" if max(known) <= slack else "no"
+        cells = [_pct(x) for x in mine] + [" / ".join("–" if g is None else f"{g:+.2f}" for g in gaps), verdict]
+        lines.append(f"| ours {ref['namesakes'][press]} | " + " | ".join(cells) + " |")
+    lines += ["", *(f"- kvpress {k} could not run here: {e}" for k, e in ref.get("errors", {}).items())]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
 POINTS = (0.0625, 0.083, 0.125, 0.20, 0.25)  # held / fp16 bytes: the frontier issue's points
 
 
@@ -190,6 +232,8 @@ def _body(m, root: Path) -> str:
         return ranks(m.group("spec"), root)
     if m.group("kind") == "printed":
         return printed(m.group("spec"), root)
+    if m.group("kind") == "kvpress-reference":
+        return kvpress_reference(m.group("spec"), root)
     if m.group("kind") == "kvpress":
         return kvpress(m.group("spec"), root)
     return render(m.group("spec").split(), root)

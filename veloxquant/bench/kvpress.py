@@ -13,7 +13,7 @@ heads that removes the same fraction (the others keep sinks + window), its prefi
 block so that nothing leaves before the prefix ends, and its windows grow by the continuation
 (appended uncompressed, as for every row). kvpress's own figures (issue 14: kvpress
 0.5.5, transformers 5.2.0, H200, float32, same windows) are printed beside
-ours; they are not re-measured here.
+ours; they are not re-measured here (benchmarks/kvpress_reference.py runs kvpress itself on these windows).
 """
 
 import argparse
