@@ -93,15 +93,11 @@ def build_us(model, cache, y: mx.array, n: int) -> float:
 def prefilled(model, prompt: mx.array, make, batch: int) -> list:
     """One sequence's caches prefilled with the prompt; or `batch` sequences' (row i's prompt 7 x i
     tokens shorter), each prefilled alone, merged per layer by the caches' own merge."""
-    if batch == 1:
-        cache = make()
-        prefill(model, prompt, cache, 2048)
-        return cache
     alone = []
     for i in range(batch):
         alone.append(make())
         prefill(model, prompt[:, : prompt.shape[1] - 7 * i], alone[-1], 2048)
-    return [layer[0].merge(list(layer)) for layer in zip(*alone)]
+    return alone[0] if batch == 1 else [layer[0].merge(list(layer)) for layer in zip(*alone)]
 
 
 def main(argv=None) -> int:

@@ -237,9 +237,9 @@ def measure(argv) -> int:
             ppls, seen = [], {}  # a press equal at two fractions (ThinK alone) is measured once
             try:
                 for f in fractions:
-                    key = repr(make(f))
+                    press = make(f)
+                    key = repr(press)
                     if key not in seen:
-                        press = make(f)
                         seen[key] = (
                             None if press is None else pooled_ppl(model(attention), wins, prefix, lambda: make(f))
                         )

@@ -106,6 +106,10 @@ def printed(spec: str, root: Path = ROOT) -> str:
     return "\n".join(out + tabular) + "\n"
 
 
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:+.2f}%"
+
+
 def kvpress(spec: str, root: Path = ROOT) -> str:
     path = spec.strip()
     data = json.loads((root / path).read_text())
@@ -123,12 +127,8 @@ def kvpress(spec: str, root: Path = ROOT) -> str:
         "| row | " + " | ".join(str(f) for f in fractions) + " |",
         "|---|" + "---|" * len(fractions),
     ]
-    lines += [f"| {name} | " + " | ".join(f"{x:+.2f}%" for x in vals) + " |" for name, vals in rows + best]
+    lines += [f"| {name} | " + " | ".join(_pct(x) for x in vals) + " |" for name, vals in rows + best]
     return "\n".join(lines) + "\n"
-
-
-def _pct(x) -> str:
-    return "–" if x is None else f"{x:+.2f}%"
 
 
 def kvpress_reference(spec: str, root: Path = ROOT, slack: float = 0.2) -> str:
@@ -144,7 +144,7 @@ def kvpress_reference(spec: str, root: Path = ROOT, slack: float = 0.2) -> str:
         f"ours from {', '.join(f'`{p}`' for p in rest)}. ΔPPL at the fraction of the prefix removed; "
         f"gap = ours − kvpress in points; a gap ≤ +{slack:g} at every fraction both measured is within or better:",
         "",
-        "| row | " + " | ".join(str(f) for f in fractions) + " | gap (points) | within 0.2 or better |",
+        "| row | " + " | ".join(str(f) for f in fractions) + f" | gap (points) | within {slack:g} or better |",
         "|---|" + "---|" * (len(fractions) + 2),
     ]
     for press, theirs in ref["delta_ppl_percent"].items():
