@@ -164,7 +164,10 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
 
 
 def make_mask(cache, n: int, window_size: Optional[int] = None):
-    """The mask attend() uses for an n-token block (mlx-lm's own attention reads it)."""
+    """The mask attend() uses for an n-token block, for mlx-lm's own attention; None where the hook
+    answered the last step (attend() masks by the rows' own counts: the mask would never be read)."""
+    if cache._attend_epoch == hook.EPOCH[0]:
+        return None
     settle(cache)
     real = _real(cache, n, consume=False)
     counts, starts = _placed(cache, real)

@@ -11,6 +11,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import dynamic_roll
 
+from .. import row_index
+
 
 class TierRows:
     """Mixed into Tier: needs `buffers` ({side: {name: Buffer}}), `codecs`, `start`, `count`, `_views`."""
@@ -87,11 +89,17 @@ class TierRows:
         width = int((held + take).max(initial=0))
         enc = {"k": self.codecs["k"].encode(keys), "v": self.codecs["v"].encode(values)}
         self._views = {}
+        # Every row taking the same columns (a decode step): one scatter at each row's own column.
+        alike = bool((take == take[0]).all() and (source == source[0]).all())
         for side, name, per in self._unit_items():
             if (held % per).any() or (take % per).any() or (source % per).any():
                 raise AssertionError(f"a {per}-token unit split across rows' columns")
-            buf = self.buffers[side][name]
-            buf.set(_ragged_join(buf.data, enc[side][name], held // per, take // per, source // per, width // per))
+            buf, new = self.buffers[side][name], enc[side][name]
+            if alike and buf.data is not None and buf.data.dtype == new.dtype:
+                first, n = int(source[0]) // per, int(take[0]) // per
+                buf.set(_scatter_join(buf.data, new, held // per, n, first, width // per))
+            else:
+                buf.set(_ragged_join(buf.data, new, held // per, take // per, source // per, width // per))
 
     def ragged_drop_front(self, held: np.ndarray, n: np.ndarray) -> None:
         """Row i forgets its first n_i columns; the rest move to column 0."""
@@ -102,10 +110,13 @@ class TierRows:
             if not width:
                 buf.set(None)
                 continue
-            cols = mx.arange(width // per)[None] + mx.array(n // per)[:, None]
-            kept = mx.arange(width // per)[None] < mx.array((held - n) // per)[:, None]
-            moved = _take_cols(buf.data, mx.minimum(cols, buf.data.shape[2] - 1))
-            buf.set(mx.where(_widen(kept, moved.ndim), moved, mx.zeros((), moved.dtype)))
+            data = buf.data
+            key = ("drop", held // per, n // per, width // per, data.shape[2], data.ndim)
+            cols, kept = row_index.shared(
+                (*key[:1], key[1].tobytes(), key[2].tobytes(), *key[3:]), lambda: _drop_index(*key[1:])
+            )
+            moved = mx.take_along_axis(data, cols, axis=2)
+            buf.set(mx.where(kept, moved, mx.zeros((), moved.dtype)))
 
     def ragged_stack(self, tiers) -> None:
         """One row per one-sequence tier (each holding `count` tokens from its own start)."""
@@ -144,13 +155,11 @@ class TierRows:
         }
 
 
-def _widen(cond: mx.array, ndim: int) -> mx.array:
-    """[B, W] -> [B, 1, W, 1, ...] against [B, H, W, ...] arrays."""
-    return cond.reshape(cond.shape[0], 1, cond.shape[1], *([1] * (ndim - 3)))
-
-
-def _take_cols(arr: mx.array, cols: mx.array) -> mx.array:
-    return mx.take_along_axis(arr, _widen(cols, arr.ndim), axis=2)
+def _drop_index(held: np.ndarray, n: np.ndarray, width: int, held_cols: int, ndim: int):
+    """ragged_drop_front's arrays: each kept column's column now, and which columns a row keeps."""
+    cols = mx.arange(width)[None] + mx.array(n)[:, None]
+    kept = mx.arange(width)[None] < mx.array(held - n)[:, None]
+    return row_index.widen(mx.minimum(cols, held_cols - 1), ndim), row_index.widen(kept, ndim)
 
 
 def _pad_cols(arr, like: mx.array, width: int, rows: Optional[int] = None) -> mx.array:
@@ -168,10 +177,35 @@ def _ragged_join(
     """Per row: old's first held columns, then new's columns source .. source + take, then zeros."""
     if not width:
         return None
+    fresh_cols, kept, filled = row_index.shared(
+        ("join", held.tobytes(), take.tobytes(), source.tobytes(), width, new.shape[2], new.ndim),
+        lambda: _join_index(held, take, source, width, new.shape[2], new.ndim),
+    )
+    fresh = mx.take_along_axis(new, fresh_cols, axis=2)
+    old = _pad_cols(old, new, width, new.shape[0]) if old is not None else mx.zeros_like(fresh)
+    return mx.where(filled, mx.where(kept, old.astype(fresh.dtype), fresh), mx.zeros((), fresh.dtype))
+
+
+def _join_index(held: np.ndarray, take: np.ndarray, source: np.ndarray, width: int, new_cols: int, ndim: int):
+    """_ragged_join's arrays: each column's source column in new, and where old's / anything's columns lie."""
     cols = mx.arange(width)[None]
     h, t = mx.array(held)[:, None], mx.array(take)[:, None]
-    fresh = _take_cols(new, mx.clip(cols - h + mx.array(source)[:, None], 0, new.shape[2] - 1))
-    kept = _pad_cols(old, new, width, new.shape[0]) if old is not None else mx.zeros_like(fresh)
-    nd = fresh.ndim
-    out = mx.where(_widen(cols < h, nd), kept.astype(fresh.dtype), fresh)
-    return mx.where(_widen(cols < h + t, nd), out, mx.zeros((), fresh.dtype))
+    fresh_cols = mx.clip(cols - h + mx.array(source)[:, None], 0, new_cols - 1)
+    return row_index.widen(fresh_cols, ndim), row_index.widen(cols < h, ndim), row_index.widen(cols < h + t, ndim)
+
+
+def _scatter_join(old: mx.array, new: mx.array, held: np.ndarray, take: int, source: int, width: int) -> mx.array:
+    """_ragged_join where every row takes new's same `take` columns from `source`: old widened to
+    `width`, those columns written at each row's held column (what lies past a row's count is
+    already zeros, and every written column is the row's own)."""
+    if old.shape[2] > width:
+        old = old[:, :, :width]
+    elif old.shape[2] < width:
+        old = mx.pad(old, [(0, 0), (0, 0), (0, width - old.shape[2])] + [(0, 0)] * (old.ndim - 3))
+    idx = row_index.shared(("scatter", held.tobytes(), take, old.ndim), lambda: _scatter_index(held, take, old.ndim))
+    return mx.put_along_axis(old, idx, new[:, :, source : source + take], axis=2)
+
+
+def _scatter_index(held: np.ndarray, take: int, ndim: int) -> mx.array:
+    cols = (held[:, None] + np.arange(take)[None]).astype(np.int32)
+    return mx.array(cols.reshape(cols.shape[0], 1, take, *([1] * (ndim - 3))))
