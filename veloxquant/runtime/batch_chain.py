@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import VeloxError
-from . import hook
+from . import hook, row_index
 from .chain_attention import attend, fetch, mask
 
 __all__ = ["attend"]  # mlx-lm's batch methods and the layer's attention (runtime/batch.py routes by name)
@@ -39,6 +39,7 @@ class ChainRows:
         # the last block's first position per row, its real tokens per row and its length (attend's mask)
         self.queries = (offset.copy(), np.zeros_like(offset), 0)
         self.unsettled = True
+        self.roles = None  # roles(cache), once: a chain's tiers do not change
 
     @property
     def end(self) -> int:
@@ -48,10 +49,12 @@ class ChainRows:
 
 def roles(cache):
     """(sink index or None, recent index or None, the rest's index) of the cache's chain."""
-    names = [t.route.stage_name if t.route is not None else None for t in cache.tiers]
-    sink = names.index("sink") if "sink" in names else None
-    recent = names.index("recent") if "recent" in names else None
-    return sink, recent, len(names) - 1
+    if cache.rows.roles is None:
+        names = [t.route.stage_name if t.route is not None else None for t in cache.tiers]
+        sink = names.index("sink") if "sink" in names else None
+        recent = names.index("recent") if "recent" in names else None
+        cache.rows.roles = (sink, recent, len(names) - 1)
+    return cache.rows.roles
 
 
 def _sink_n(cache) -> int:
@@ -90,7 +93,10 @@ def settle(cache) -> None:
 
 def _spill_rows(cache, tier, recent: int, rest: int) -> None:
     rows = cache.rows
-    moved = _spill(tier.route, tier.plan.chunk, rows.counts[recent])
+    held = rows.counts[recent]
+    moved = row_index.shared(
+        ("spill", held.tobytes(), tier.route.n, tier.plan.chunk), lambda: _spill(tier.route, tier.plan.chunk, held)
+    )
     widest = int(moved.max()) if moved.size else 0
     if not widest:
         return

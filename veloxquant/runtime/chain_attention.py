@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.partials import merge_partials, partial_attention
-from . import fused
+from . import fused, row_index
 
 FAR = 2**31 - 1  # the position of a column its row has not filled: no query reaches it
 
@@ -91,6 +91,14 @@ def _by_tiers(cache, queries: mx.array, scale: float) -> Optional[mx.array]:
     parts = [a() for a in answers]
     if rest:
         k, v = _decoded([t for t, _ in rest], queries.dtype)
-        seen = np.concatenate([np.arange(t.ragged_width())[None] < c[:, None] for t, c in rest], axis=1)
-        parts.append(partial_attention(queries, k, v, scale, mx.array(seen[:, None, None, None, :])))
+        widths = tuple(t.ragged_width() for t, _ in rest)
+        key = ("seen", widths, *(c.tobytes() for _, c in rest))
+        seen = row_index.shared(key, lambda: _filled(widths, [c for _, c in rest]))
+        parts.append(partial_attention(queries, k, v, scale, seen))
     return merge_partials(parts).astype(queries.dtype)
+
+
+def _filled(widths, counts) -> mx.array:
+    """[B, 1, 1, 1, keys]: which columns of the tiers (these widths, in order) each row has filled."""
+    seen = np.concatenate([np.arange(w)[None] < c[:, None] for w, c in zip(widths, counts)], axis=1)
+    return mx.array(seen[:, None, None, None, :])

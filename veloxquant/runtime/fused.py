@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.tail import TAIL_MAX, tail_unsupported
+from . import row_index
 
 
 class KernelAnswer:
@@ -57,7 +58,10 @@ def rows_answer(tier, queries: mx.array, scale: float, counts: np.ndarray) -> Op
         tier.launch_key, tier.launch = key, _launcher(tier, queries, k_enc, v_enc, scale, True, batch_rows=True)
     if tier.launch is None:
         return None
-    spans = mx.array(np.stack([np.zeros_like(counts), counts], axis=1).astype(np.int32))
+    spans = row_index.shared(
+        ("spans", counts.tobytes()),
+        lambda: mx.array(np.stack([np.zeros_like(counts), counts], axis=1).astype(np.int32)),
+    )
     return KernelAnswer(tier.launch, queries, tier.encoded("k"), tier.encoded("v"), spans)
 
 

@@ -67,7 +67,12 @@ class TierRows:
 
     # --- ragged rows (runtime/batch_chain.py): every row from column 0, each filling its own count ---
     def _unit_items(self):
-        return [(side, name, per) for side, c in self.codecs.items() for name, per in c.units().items()]
+        """[(side, name, tokens per column)] of the held arrays (asked several times a step: kept per codecs)."""
+        kept = self.__dict__.get("_unit_list")
+        if kept is None or kept[0] is not self.codecs:
+            items = [(side, name, per) for side, c in self.codecs.items() for name, per in c.units().items()]
+            kept = self.__dict__["_unit_list"] = (self.codecs, items)
+        return kept[1]
 
     def ragged_width(self) -> int:
         """Columns (tokens) of the held arrays: the longest row's count."""
