@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 
 FRACTIONS = (0.5, 0.75, 0.85)
-# Our row (`veloxquant bench kvpress` spec) beside each kvpress row, where we have one.
+# Our rows (`veloxquant bench kvpress` specs) beside each kvpress row, where we have them: the
+# recipe by its defaults, then the press's own configuration where it differs.
 NAMESAKES = {
     "ObservedAttention": "observed_attention",
     "StreamingLLM": "streaming",
-    "TOVA": "tova[once=true]",
+    "TOVA": ["tova[once=true]", "tova[once=true,shared_heads=true]"],
     "ExpectedAttention": "expected_attention",
     "SnapKV (window 64, pool 5)": "snapkv[window=64,pool=5]",
     "KeyDiff": "keydiff",
@@ -43,7 +44,7 @@ NAMESAKES = {
     "ThinK 0.5 (key channels only)": "think",
     "AdaKV(ObservedAttention)": "adakv",
     "AdaKV(ExpectedAttention)": "adakv[score=expected]",
-    "DuoAttention (on the fly)": "duo_attention",
+    "DuoAttention (on the fly)": ["duo_attention", "duo_attention[sinks=128,window=256]"],
     "KVzap": "kvzap",
 }
 DUO_HELD = 128 + 256  # kvpress's on-the-fly DuoAttention: streaming heads keep 128 sinks + 256 recent tokens

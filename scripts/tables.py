@@ -149,14 +149,16 @@ def kvpress_reference(spec: str, root: Path = ROOT, slack: float = 0.2) -> str:
     ]
     for press, theirs in ref["delta_ppl_percent"].items():
         lines.append(f"| kvpress {press} | " + " | ".join(_pct(x) for x in theirs) + " | | |")
-        mine = ours.get(ref["namesakes"].get(press) or "")
-        if mine is None:
-            continue
-        gaps = [None if a is None or b is None else a - b for a, b in zip(mine, theirs)]
-        known = [g for g in gaps if g is not None]
-        verdict = "–" if not known else "yes" if max(known) <= slack else "no"
-        cells = [_pct(x) for x in mine] + [" / ".join("–" if g is None else f"{g:+.2f}" for g in gaps), verdict]
-        lines.append(f"| ours {ref['namesakes'][press]} | " + " | ".join(cells) + " |")
+        names = ref["namesakes"].get(press) or []
+        for name in [names] if isinstance(names, str) else names:  # one of ours, or several configurations
+            mine = ours.get(name)
+            if mine is None:
+                continue
+            gaps = [None if a is None or b is None else a - b for a, b in zip(mine, theirs)]
+            known = [g for g in gaps if g is not None]
+            verdict = "–" if not known else "yes" if max(known) <= slack else "no"
+            cells = [_pct(x) for x in mine] + [" / ".join("–" if g is None else f"{g:+.2f}" for g in gaps), verdict]
+            lines.append(f"| ours {name} | " + " | ".join(cells) + " |")
     lines += ["", *(f"- kvpress {k} could not run here: {e}" for k, e in ref.get("errors", {}).items())]
     return "\n".join(lines).rstrip("\n") + "\n"
 
