@@ -6,6 +6,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import attrs
 
 from ..errors import Location, RecipeError, nearest
+from ..kernels import dispatch
+from ..kernels.table import mlx_attend, verified
 from ..recipe import Recipe
 from ..recipe.ast import Call, Pipeline, Tier
 from ..recipe.params import coerce, parse_set
@@ -264,8 +266,6 @@ def _with_impl(tier: TierPlan) -> TierPlan:
     """Pick how the tier's attention runs: a fused kernel where one is verified."""
     if tier.drops or getattr(tier.route, "per_head", False):
         return tier  # per-head tiers attend with masks by position: no fused kernel yet
-    from ..kernels import dispatch
-    from ..kernels.table import mlx_attend, verified
 
     plain_affine = all(
         not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (tier.keys, tier.values)

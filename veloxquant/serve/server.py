@@ -17,6 +17,8 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 
 from ..compiler.batching import refusal as batch_refusal
+from ..models import load_model
+from ..models.default import default_model_path
 from ..recipe import load_recipe
 from ..run import cache_report
 from ..runtime import hook, plan_for
@@ -196,7 +198,6 @@ class RecipeHandler(APIHandler):
 
 def check_recipe(recipe_ref, sets, model_path: str):
     """Load and compile the recipe for the model (its weights left lazy): errors before the server starts."""
-    from ..models import load_model
 
     recipe = load_recipe(recipe_ref)
     model, _ = load_model(model_path, lazy=True)
@@ -205,7 +206,6 @@ def check_recipe(recipe_ref, sets, model_path: str):
 
 
 def serve(args) -> int:
-    from ..models.default import default_model_path
 
     model_path = str(args.model or default_model_path())
     recipe = check_recipe(args.recipe, args.sets, model_path)
