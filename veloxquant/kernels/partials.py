@@ -78,33 +78,19 @@ def partial_from_scores(
     tier's own way to that sum (latents: (Σ a·z)·Pᵀ). Output as [B, Hkv*rep, Lq, D]."""
     B, Hkv, R, Lk = scores.shape
     rep = R // Lq
-    if mask is None:
-        peak = mx.max(scores, axis=-1, keepdims=True)
-        weights = mx.exp(scores - peak)
-        total = mx.sum(weights, axis=-1, keepdims=True)
-    else:
-        weights, total, peak = _masked_weights(scores.reshape(B, Hkv, rep, Lq, Lk), mask)
-        weights, total, peak = weights.reshape(B, Hkv, R, Lk), total.reshape(B, Hkv, R, 1), peak.reshape(B, Hkv, R, 1)
-    out, lse = _normalized(combine(weights), total, peak)
-    return out.reshape(B, Hkv * rep, Lq, -1), lse.reshape(B, Hkv * rep, Lq)
-
-
-# A masked tier's softmax runs at every decode step of every layer in a batch (each row's own
-# columns): compiled, its elementwise work is a few fused kernels instead of ~20 primitives.
-@partial(mx.compile, shapeless=True)
-def _masked_weights(scores: mx.array, mask: mx.array):
-    """exp(scores - peak) where the mask allows (0 elsewhere), their sum and the peak. A row that may
-    attend to nothing here gets peak 0 and total 1e-30: lse -inf, weight 0 in the merge."""
-    scores = mx.where(mask, scores, -mx.inf)
+    if mask is not None:
+        scores = mx.where(mask, scores.reshape(B, Hkv, rep, Lq, Lk), -mx.inf).reshape(B, Hkv, R, Lk)
     peak = mx.max(scores, axis=-1, keepdims=True)
-    peak = mx.where(mx.isinf(peak), 0.0, peak)
+    if mask is not None:
+        # A row that may attend to nothing here gets lse=-inf and weight 0 in the merge.
+        peak = mx.where(mx.isinf(peak), 0.0, peak)
     weights = mx.exp(scores - peak)
-    return weights, mx.maximum(mx.sum(weights, axis=-1, keepdims=True), 1e-30), peak
-
-
-@partial(mx.compile, shapeless=True)
-def _normalized(combined: mx.array, total: mx.array, peak: mx.array):
-    return combined / total, mx.log(total) + peak
+    total = mx.sum(weights, axis=-1, keepdims=True)
+    if mask is not None:
+        total = mx.maximum(total, 1e-30)
+    out = combine(weights) / total
+    lse = mx.log(total) + peak
+    return out.reshape(B, Hkv * rep, Lq, -1), lse.reshape(B, Hkv * rep, Lq)
 
 
 @partial(mx.compile, shapeless=True)

@@ -5,7 +5,6 @@ axis the rows share (left-padded to a common end); padding columns are zeros the
 runtime/batch.py routes mlx-lm's batch methods here; compiler/batching.py says which plans batch.
 """
 
-from functools import partial
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -121,7 +120,8 @@ class TierRows:
             cols, kept = row_index.shared(
                 (*key[:1], key[1].tobytes(), key[2].tobytes(), *key[3:]), lambda: _drop_index(*key[1:])
             )
-            buf.set(_moved(data, cols, kept))
+            moved = mx.take_along_axis(data, cols, axis=2)
+            buf.set(mx.where(kept, moved, mx.zeros((), moved.dtype)))
 
     def ragged_stack(self, tiers) -> None:
         """One row per one-sequence tier (each holding `count` tokens from its own start)."""
@@ -186,29 +186,9 @@ def _ragged_join(
         ("join", held.tobytes(), take.tobytes(), source.tobytes(), width, new.shape[2], new.ndim),
         lambda: _join_index(held, take, source, width, new.shape[2], new.ndim),
     )
-    if old is None:
-        return _fresh_only(new, fresh_cols, filled)
-    return _joined(_pad_cols(old, new, width), new, fresh_cols, kept, filled)
-
-
-# Spills run these for every held array of every layer: compiled, each is one gather and one fused
-# select (shapeless: the widths change at every spill).
-@partial(mx.compile, shapeless=True)
-def _joined(old: mx.array, new: mx.array, fresh_cols: mx.array, kept: mx.array, filled: mx.array) -> mx.array:
     fresh = mx.take_along_axis(new, fresh_cols, axis=2)
+    old = _pad_cols(old, new, width) if old is not None else mx.zeros_like(fresh)
     return mx.where(filled, mx.where(kept, old.astype(fresh.dtype), fresh), mx.zeros((), fresh.dtype))
-
-
-@partial(mx.compile, shapeless=True)
-def _fresh_only(new: mx.array, fresh_cols: mx.array, filled: mx.array) -> mx.array:
-    fresh = mx.take_along_axis(new, fresh_cols, axis=2)
-    return mx.where(filled, fresh, mx.zeros((), fresh.dtype))
-
-
-@partial(mx.compile, shapeless=True)
-def _moved(data: mx.array, cols: mx.array, kept: mx.array) -> mx.array:
-    moved = mx.take_along_axis(data, cols, axis=2)
-    return mx.where(kept, moved, mx.zeros((), moved.dtype))
 
 
 def _join_index(held: np.ndarray, take: np.ndarray, source: np.ndarray, width: int, new_cols: int, ndim: int):
