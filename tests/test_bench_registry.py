@@ -190,3 +190,28 @@ def test_the_private_name_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from veloxquant.kernels import cuda\nfrom veloxquant.artifacts import _SLOTS\ncuda._launch_mma()\n")
     assert sorted(_private_reaches(bad)) == ["cuda._launch_mma (line 3)", "veloxquant.artifacts._SLOTS"]
+
+
+def test_e2e_reports_a_row_the_device_cannot_hold_and_runs_the_others(monkeypatch, capsys):
+    """A row that runs out of device memory (8 x 32k of fp16 on an 80 GB card) is that row's result,
+    not a traceback: the other rows are measured, without a ratio to a baseline that did not fit."""
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant.bench import e2e
+
+    real = e2e.measure
+
+    def measure(model, prompt, cache, decode):
+        if isinstance(cache[0], KVCache):
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return real(model, prompt, cache, decode)
+
+    monkeypatch.setattr(e2e, "measure", measure)
+    assert cli(["bench", "e2e", *TINY["e2e"][0]]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert "out of memory" in rows["mlx-lm KVCache"], out
+    assert rows["fp16"].split("|")[4].strip() == "–" and float(rows["fp16"].split("|")[3].replace(",", "")) > 0, out
+    monkeypatch.setattr(e2e, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("another error")))
+    with pytest.raises(RuntimeError, match="another error"):
+        cli(["bench", "e2e", *TINY["e2e"][0]])

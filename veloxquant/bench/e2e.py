@@ -222,6 +222,13 @@ def main(argv=None) -> int:
                     got = measure_batch(model, prompt, make, args.batch, args.decode)
                 else:
                     got = measure(model, prompt, make(), args.decode)
+            except RuntimeError as e:
+                if not out_of_memory(e):
+                    raise
+                # A row the device cannot hold is that row's result: the others still run.
+                mx.clear_cache()
+                print(f"  {label}: out of device memory ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+                return None
             finally:
                 uninstall(model)
         # Each run as it ends, on stderr: a long run cut short keeps what it measured.
@@ -252,18 +259,29 @@ def main(argv=None) -> int:
             runs[label].append(run(label, make))
     base = runs["mlx-lm KVCache"]
     for label, got in runs.items():
+        if first[label] is None or None in got:
+            print(f"| {label} | out of memory | – | – | – | – | – | – |", flush=True)
+            continue
         pre, dec = (statistics.median(r[i] for r in got) for i in range(2))
         peak = max(r[2] for r in got)
         spread = f" ({min(r[1] for r in got):,.1f}–{max(r[1] for r in got):,.1f})" if len(got) > 1 else ""
-        paired = statistics.median(r[1] / b[1] for r, b in zip(got, base))  # same round: drift cancels
+        # Same round: drift cancels (no ratio where the baseline did not fit).
+        ratios = [r[1] / b[1] for r, b in zip(got, base) if b is not None]
+        paired = f"{statistics.median(ratios):.3f}×" if ratios else "–"
         cold = first[label][1]
         print(
-            f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired:.3f}× | {cold:,.1f} | {cold / dec:.3f}× "
+            f"| {label} | {pre:,.0f} | {dec:,.1f}{spread} | {paired} | {cold:,.1f} | {cold / dec:.3f}× "
             f"| {peak / 2**30:.2f} "
             f"| {got[0][3] / 2**20:,.1f} |",
             flush=True,
         )
     return 0
+
+
+def out_of_memory(error: Exception) -> bool:
+    """MLX's allocation failures (CUDA's cudaMalloc*, Metal's) read 'out of memory' / 'Insufficient Memory'."""
+    text = str(error).lower()
+    return "out of memory" in text or "insufficient memory" in text
 
 
 if __name__ == "__main__":
