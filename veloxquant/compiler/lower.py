@@ -266,7 +266,6 @@ def _with_impl(tier: TierPlan) -> TierPlan:
     """Pick how the tier's attention runs: a fused kernel where one is verified."""
     if tier.drops or getattr(tier.route, "per_head", False):
         return tier  # per-head tiers attend with masks by position: no fused kernel yet
-
     plain_affine = all(
         not c.transforms and not c.residuals and c.store.stage_name == "affine" for c in (tier.keys, tier.values)
     )

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import VeloxError
-from . import hook, row_index
+from . import row_index
 from .chain_attention import attend, fetch, mask
 
 __all__ = ["attend"]  # mlx-lm's batch methods and the layer's attention (runtime/batch.py routes by name)
@@ -164,7 +164,7 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
     rows.queries = (rows.seen.copy(), real, keys.shape[2])
     _place(cache, keys, values, real)
     cache.offset = mx.array(rows.seen, dtype=mx.int32)
-    if cache._attend_epoch == hook.EPOCH[0]:
+    if cache.hook_answers():
         return keys, values  # the hook answered the last step: attend() reads the tiers
     return fetch(cache, keys.dtype)
 
@@ -172,7 +172,7 @@ def update_and_fetch(cache, keys: mx.array, values: mx.array):
 def make_mask(cache, n: int, window_size: Optional[int] = None):
     """The mask attend() uses for an n-token block, for mlx-lm's own attention; None where the hook
     answered the last step (attend() masks by the rows' own counts: the mask would never be read)."""
-    if cache._attend_epoch == hook.EPOCH[0]:
+    if cache.hook_answers():
         return None
     settle(cache)
     real = _real(cache, n, consume=False)

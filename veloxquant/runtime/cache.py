@@ -94,7 +94,7 @@ class TieredCache(BatchProtocol, _BaseCache):
             self.dtype = keys.dtype
             plain.append(keys, values, self.offset)
             self.offset += keys.shape[2]
-            return (keys, values) if self._attend_epoch == hook.EPOCH[0] else plain.decoded(keys.dtype)
+            return (keys, values) if self.hook_answers() else plain.decoded(keys.dtype)
         if self.scored and (self._awaiting_attend or not hook.any_installed()):
             raise VeloxError(hook.NOT_ROUTED.format(recipe=getattr(getattr(self, "plan_root", None), "recipe", "?")))
         self._awaiting_attend = self.scored
@@ -108,11 +108,16 @@ class TieredCache(BatchProtocol, _BaseCache):
         self._place(0, keys, values, self.offset)
         self.offset += keys.shape[2]
         self._unsettled = True
-        if self._attend_epoch == hook.EPOCH[0]:
+        if self.hook_answers():
             # The hook answered the last step and is unchanged: attend() will read the
             # tiers, so skip building the decoded K/V (they would never be computed).
             return keys, values
         return self._fetch()  # lazy: never computed when the hook routes to attend()
+
+    def hook_answers(self) -> bool:
+        """The hook answered the last step and is unchanged since: attend() will read the tiers, so the
+        decoded K/V and mlx-lm's mask of a step would never be read."""
+        return self._attend_epoch == hook.EPOCH[0]
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None, observe: bool = True) -> mx.array:
         """Attention for the newest queries over everything held: the layer's route answers

@@ -198,7 +198,6 @@ class RecipeHandler(APIHandler):
 
 def check_recipe(recipe_ref, sets, model_path: str):
     """Load and compile the recipe for the model (its weights left lazy): errors before the server starts."""
-
     recipe = load_recipe(recipe_ref)
     model, _ = load_model(model_path, lazy=True)
     plan_for(model, recipe, sets)  # the --set values are checked as the plan applies them
@@ -206,7 +205,6 @@ def check_recipe(recipe_ref, sets, model_path: str):
 
 
 def serve(args) -> int:
-
     model_path = str(args.model or default_model_path())
     recipe = check_recipe(args.recipe, args.sets, model_path)
     cli_args = server_args(

@@ -115,10 +115,10 @@ class TierRows:
             if not width:
                 buf.set(None)
                 continue
-            data = buf.data
-            key = ("drop", held // per, n // per, width // per, data.shape[2], data.ndim)
+            data, h, m, w = buf.data, held // per, n // per, width // per
             cols, kept = row_index.shared(
-                (*key[:1], key[1].tobytes(), key[2].tobytes(), *key[3:]), lambda: _drop_index(*key[1:])
+                ("drop", h.tobytes(), m.tobytes(), w, data.shape[2], data.ndim),
+                lambda: _drop_index(h, m, w, data.shape[2], data.ndim),
             )
             moved = mx.take_along_axis(data, cols, axis=2)
             buf.set(mx.where(kept, moved, mx.zeros((), moved.dtype)))
@@ -171,7 +171,9 @@ def _pad_cols(arr, like: mx.array, width: int, rows: Optional[int] = None) -> mx
     """arr cut or zero-padded to `width` columns; None: zeros of like's other axes (`rows` rows)."""
     if arr is None:
         return mx.zeros((rows or 1, like.shape[1], width, *like.shape[3:]), like.dtype)
-    if arr.shape[2] >= width:
+    if arr.shape[2] == width:
+        return arr
+    if arr.shape[2] > width:
         return arr[:, :, :width]
     return mx.pad(arr, [(0, 0), (0, 0), (0, width - arr.shape[2])] + [(0, 0)] * (arr.ndim - 3))
 
@@ -203,14 +205,12 @@ def _scatter_join(old: mx.array, new: mx.array, held: np.ndarray, take: int, sou
     """_ragged_join where every row takes new's same `take` columns from `source`: old widened to
     `width`, those columns written at each row's held column (what lies past a row's count is
     already zeros, and every written column is the row's own)."""
-    if old.shape[2] > width:
-        old = old[:, :, :width]
-    elif old.shape[2] < width:
-        old = mx.pad(old, [(0, 0), (0, 0), (0, width - old.shape[2])] + [(0, 0)] * (old.ndim - 3))
+    old = _pad_cols(old, old, width)
     idx = row_index.shared(("scatter", held.tobytes(), take, old.ndim), lambda: _scatter_index(held, take, old.ndim))
     return mx.put_along_axis(old, idx, new[:, :, source : source + take], axis=2)
 
 
 def _scatter_index(held: np.ndarray, take: int, ndim: int) -> mx.array:
+    """[B, 1, take, 1, ...] int32: row b's columns held_b .. held_b + take, widened on the host (no graph node)."""
     cols = (held[:, None] + np.arange(take)[None]).astype(np.int32)
     return mx.array(cols.reshape(cols.shape[0], 1, take, *([1] * (ndim - 3))))
