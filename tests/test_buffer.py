@@ -42,3 +42,17 @@ def test_unstepped_buffers_copy_what_stays():
     assert buf.data.shape[2] == buf.used == 7 and np.array(buf.view()).ravel()[0] == 3
     buf.drop_front(7)
     assert buf.data is None and buf.used == 0
+
+
+def test_an_exact_buffer_holds_its_first_chunk_row_contiguous():
+    """The fused kernels read a head's rows in place and give NaN for any other layout: a
+    buffer that keeps its first chunk as is must not keep a transposed or sliced view."""
+    base = mx.arange(2 * 3 * 8 * 4, dtype=mx.float32).reshape(2, 3, 4, 8)
+    for view in (base.swapaxes(2, 3), base.swapaxes(2, 3)[:, :, :5]):
+        buf = Buffer(None)
+        buf.append(view)
+        mx.eval(buf.data)
+        B, H, L, D = view.shape
+        itemsize = buf.data.itemsize
+        assert tuple(s // itemsize for s in memoryview(buf.data).strides) == (H * L * D, L * D, D, 1)
+        assert mx.array_equal(buf.view(), view)

@@ -18,10 +18,10 @@ def model():
     return random_llama(2, 8, 2, 64, 500, mx.float32)
 
 
-def _run(model, recipe, tokens, decode):
+def _run(model, recipe, tokens, decode, chunk=100):
     caches = make_prompt_cache(model, recipe)
     try:
-        outs = [model(tokens[:, s : s + 100], cache=caches) for s in range(0, tokens.shape[1], 100)]
+        outs = [model(tokens[:, s : s + chunk], cache=caches) for s in range(0, tokens.shape[1], chunk)]
         mx.eval(outs)
         for t in range(decode):
             outs.append(model(mx.array([[t + 7]]), cache=caches))
@@ -159,16 +159,19 @@ def test_compiled_merge_is_exact_across_shapes():
 @pytest.mark.gpu
 @pytest.mark.skipif(dispatch.backend() != "cuda", reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("recipe,heads,dim", [("kivi", (8, 2), 128), ("kivi_sink", (9, 3), 64)])
-def test_cuda_decode_matches_reference_path(recipe, heads, dim, monkeypatch):
+@pytest.mark.parametrize("chunk", [100, 300])
+def test_cuda_decode_matches_reference_path(recipe, heads, dim, chunk, monkeypatch):
     """Decode with the real kernels (window folded into reduce_tail) against the same
-    recipe with kernels off, both on the GPU in float16."""
+    recipe with kernels off, both on the GPU in float16. chunk=300: the prompt in one block
+    (as generate_step feeds it), so the first decode step spills and attends codes encoded
+    in the same graph."""
     mx.random.seed(5)
     model = random_llama(2, *heads, dim, 500, mx.float16)
     tokens = mx.random.randint(0, 500, (1, 300), key=mx.random.key(1))
-    fused, caches = _run(model, recipe, tokens, decode=40)
+    fused, caches = _run(model, recipe, tokens, decode=40, chunk=chunk)
     assert any(t.launch is not None for t in caches[0].tiers), "no tier took the kernel"
     monkeypatch.setenv("VELOXQUANT_KERNELS", "off")
-    ref, _ = _run(model, recipe, tokens, decode=40)
+    ref, _ = _run(model, recipe, tokens, decode=40, chunk=chunk)
     scale = float(mx.abs(ref).max())
     err = float(mx.abs(fused.astype(mx.float32) - ref.astype(mx.float32)).max())
     assert err <= 1e-2 * scale, (err, scale)

@@ -34,7 +34,9 @@ class Buffer:
     def append(self, x: mx.array) -> None:
         n = x.shape[2]
         if self.step is None:
-            self.data = x if self.data is None else mx.concatenate([self.view(), x], axis=2)
+            # Row-contiguous from the first chunk on (a concatenation is): the fused kernels read a head's
+            # rows in place and refuse (NaN) any other layout, and an op's output on the GPU need not be.
+            self.data = mx.contiguous(x) if self.data is None else mx.concatenate([self.view(), x], axis=2)
             self.used += n
             return
         # A sliding window (it forgets at its front) moves to a fresh buffer when the end is
