@@ -1,14 +1,21 @@
-"""Where a decode token's time goes: building the graph on the host vs evaluating it.
+"""Where a decode step's time goes: building the graph on the host, encoding its launches, and
+the device; and how much of the device's share the cache's attention is.
 
     python -m benchmarks.decode_split --context 8192 --layers 30 --heads 9/3 --head-dim 64
+    python -m benchmarks.decode_split --preset llama3-8b --weights-bits 4 --batch 8 --context 8192
 
-Prefills a random-init Llama, then decodes with a sync after every token and
-times three parts: `model(token)` (Python + MLX graph building), `mx.async_eval`
-(the backend encoding the graph's launches on the calling thread) and the wait
-for the device to finish. Decode is host-bound when build + encode exceeds
-the device's share (generate_step overlaps a token's host work with the last one's device work). mlx-lm's
-KVCache, the fp16 recipe, kivi and kivi with the fused kernel switched off
-(VELOXQUANT_KERNELS=off), in one run; then a cProfile of kivi's host half.
+Prefills a random-init model, then decodes with a sync after every step and times three parts:
+`model(token)` (Python + MLX graph building), `mx.async_eval` (the backend encoding the graph's
+launches on the calling thread) and the wait for the device to finish. Decode is host-bound when
+build + encode exceeds the device's share (generate_step and BatchGenerator overlap a step's host
+work with the last one's device work). Rows: mlx-lm's KVCache holding `--short` tokens (the step
+with next to no attention: weights, norms, sampling), mlx-lm's KVCache, then each recipe
+(`kivi@off`: kivi with VELOXQUANT_KERNELS=off), interleaved over `--rounds`, medians.
+
+`--batch N` steps N sequences together: N caches of each kind prefilled alone (row i's prompt 7 x i
+tokens shorter), merged by the caches' own `merge` (mlx-lm's KVCache into its BatchKVCache, ours into
+one cache per layer holding N rows), as mlx-lm's BatchGenerator holds them. `--profile` adds a
+cProfile of the last recipe's host half.
 """
 
 import argparse
@@ -16,19 +23,22 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from veloxquant.bench.e2e import random_llama
-from veloxquant.eval.feed import prefill
-from veloxquant.runtime import make_prompt_cache, uninstall
+from benchmarks.host_step import prefilled
+from veloxquant.bench.e2e import PRESETS, random_model
+from veloxquant.eval.rows import spec_caches, split_specs
+from veloxquant.runtime import uninstall
 
 
-def decode(model, cache, n: int, profile=None):
-    """ms per token, of which host build, host encode and device wait, over n synced steps."""
-    y = mx.array([[1]])
+def decode(model, cache, n: int, batch: int, profile=None):
+    """ms per step, of which host build, host encode and device wait, over n synced steps."""
+    y = mx.ones((batch, 1), dtype=mx.int32)
     build = encode = wait = 0.0
     mx.synchronize()
     start = time.perf_counter()
@@ -49,50 +59,80 @@ def decode(model, cache, n: int, profile=None):
     return tuple(x / n * 1e3 for x in (time.perf_counter() - start, build, encode, wait))
 
 
+def recipe_caches(model, spec: str):
+    """A maker of one sequence's caches for a row spec (`kivi[bits=2]`), and VELOXQUANT_KERNELS for
+    it: `spec@off` runs with the kernels off."""
+    recipe = spec.removesuffix("@off")
+    kernels = "off" if recipe != spec else ""
+    return (lambda: spec_caches(model, recipe)), kernels
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_split", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--heads", default="9/3")
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=0)
+    ap.add_argument("--intermediate", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
+    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16))
+    ap.add_argument("--recipes", default="fp16,kivi,kivi@off")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--short", type=int, default=16, help="tokens the short-context KVCache row holds")
+    ap.add_argument("--steps", type=int, default=16, help="synced decode steps per row and round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
+    for k, v in PRESETS.get(args.preset, {}).items():
+        setattr(args, k.replace("-", "_"), v)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model = random_llama(args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    model, name = random_model("llama", shape + (args.hidden, args.intermediate))
+    if args.weights_bits < 16:
+        nn.quantize(model, group_size=64, bits=args.weights_bits)
+        mx.eval(model.parameters())
+        name += f", {args.weights_bits}-bit weights"
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
-    print(
-        f"random Llama: ctx={args.context} layers={args.layers} heads={heads}/{kv_heads} D={args.head_dim}; "
-        f"{args.steps} decode steps, sync every step; device {mx.default_device()}"
-    )
-    print("| cache | ms/token | host build ms | host encode ms | device wait ms | tok/s |")
-    print("|---|---|---|---|---|---|")
-    rows = [
-        ("mlx-lm KVCache", lambda: mlx_prompt_cache(model), ""),
-        ("fp16", lambda: make_prompt_cache(model, "fp16"), ""),
-        ("kivi", lambda: make_prompt_cache(model, "kivi"), ""),
-        ("kivi kernels off", lambda: make_prompt_cache(model, "kivi"), "off"),
-    ]
-    for label, make, kernels in rows:
+    short = prompt[:, : args.short + 7 * (args.batch - 1)]
+    kv_cache = lambda: mlx_prompt_cache(model)  # noqa: E731
+    rows = {f"mlx-lm KVCache, {args.short} tokens": (prefilled(model, short, kv_cache, args.batch), "")}
+    rows["mlx-lm KVCache"] = (prefilled(model, prompt, kv_cache, args.batch), "")
+    for spec in split_specs(args.recipes):
+        make, kernels = recipe_caches(model, spec)
         os.environ["VELOXQUANT_KERNELS"] = kernels
-        cache = make()
-        prefill(model, prompt, cache, 2048)
-        decode(model, cache, 8)  # warm: first-use compiles
-        ms, build, encode, wait = decode(model, cache, args.steps)
-        print(f"| {label} | {ms:.2f} | {build:.2f} | {encode:.2f} | {wait:.2f} | {1e3 / ms:.1f} |", flush=True)
-        uninstall(model)
-        del cache
+        rows[spec] = (prefilled(model, prompt, make, args.batch), kernels)
+    samples = {label: [] for label in rows}
+    for label, (cache, kernels) in rows.items():  # warm: first-use compiles
+        os.environ["VELOXQUANT_KERNELS"] = kernels
+        decode(model, cache, 4, args.batch)
+    for _ in range(args.rounds):
+        for label, (cache, kernels) in rows.items():
+            os.environ["VELOXQUANT_KERNELS"] = kernels
+            samples[label].append(decode(model, cache, args.steps, args.batch))
     os.environ["VELOXQUANT_KERNELS"] = ""
-    cache = make_prompt_cache(model, "kivi")
-    prefill(model, prompt, cache, 2048)
-    decode(model, cache, 8)
-    profile = cProfile.Profile()
-    decode(model, cache, 32, profile)
-    out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(15)
-    print(out.getvalue())
+    print(
+        f"{name}: context {args.context}, batch {args.batch}, {args.layers} layers, {heads}/{kv_heads} heads, "
+        f"D={args.head_dim}, {args.dtype}; {args.rounds} rounds x {args.steps} synced steps, medians; "
+        f"device {mx.default_device()}"
+    )
+    print("| cache | ms/step | host build ms | host encode ms | device wait ms | tok/s (all rows) |")
+    print("|---|---|---|---|---|---|")
+    for label, runs in samples.items():
+        ms, build, encode, wait = (statistics.median(r[i] for r in runs) for i in range(4))
+        print(f"| {label} | {ms:.2f} | {build:.2f} | {encode:.2f} | {wait:.2f} | {args.batch * 1e3 / ms:.1f} |")
+    if args.profile:
+        cache, kernels = rows[label]
+        os.environ["VELOXQUANT_KERNELS"] = kernels
+        profile = cProfile.Profile()
+        decode(model, cache, 16, args.batch, profile)
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(15)
+        print(out.getvalue())
+    uninstall(model)
     return 0
 
 
