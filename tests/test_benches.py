@@ -11,11 +11,27 @@ from veloxquant.bench import decode_ops
 
 def test_decode_split_prints_its_table(capsys):
     assert (
-        decode_split.main(["--context", "64", "--layers", "2", "--vocab", "300", "--steps", "2", "--dtype", "float32"])
+        decode_split.main(
+            [
+                "--context",
+                "64",
+                "--layers",
+                "2",
+                "--vocab",
+                "300",
+                "--steps",
+                "2",
+                "--rounds",
+                "1",
+                "--dtype",
+                "float32",
+            ]
+            + ["--batch", "2", "--recipes", "fp16,kivi[bits=2],kivi@off"]
+        )
         == 0
     )
     out = capsys.readouterr().out
-    for row in ("| mlx-lm KVCache |", "| fp16 |", "| kivi |", "| kivi kernels off |"):
+    for row in ("| mlx-lm KVCache, 16 tokens |", "| mlx-lm KVCache |", "| fp16 |", "| kivi[bits=2] |", "| kivi@off |"):
         assert row in out
 
 
