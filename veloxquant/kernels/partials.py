@@ -61,6 +61,24 @@ def partial_attention(
     return mx.concatenate([o for o, _ in parts], axis=2), mx.concatenate([l for _, l in parts], axis=2)
 
 
+# An additive mask's value for a key no query of the row may see: far below any score, finite so that a
+# row seeing nothing gets a finite partial whose lse (about MASKED) weighs nothing in the merge.
+MASKED = -1e30
+
+
+def biased_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float, bias: mx.array) -> Partial:
+    """partial_attention for a short tier under an additive float32 mask `bias` (0 seen, MASKED not),
+    broadcastable to [B, 1, 1, Lk]: one LogSumExp instead of the guarded max/sum/log of a boolean
+    mask, about half the primitives (a batch's decode step runs it for every layer)."""
+    B, Hq, Lq, D = queries.shape
+    Hkv = keys.shape[1]
+    q = queries.reshape(B, Hkv, (Hq // Hkv) * Lq, D).astype(mx.float32) * scale
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2) + bias
+    lse = mx.logsumexp(scores, axis=-1, keepdims=True)
+    out = mx.exp(scores - lse) @ values.astype(mx.float32)
+    return out.reshape(B, Hq, Lq, -1), lse.reshape(B, Hq, Lq)
+
+
 def _partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, Hkv: int) -> Partial:
     B, Hq, Lq, D = queries.shape
     # The rep query heads of a kv head become rows of one matmul (no broadcast K/V).
@@ -102,6 +120,19 @@ def _merge2(o1: mx.array, l1: mx.array, o2: mx.array, l2: mx.array):
     total = w1 + w2
     out = (w1[..., None] * o1 + w2[..., None] * o2) / mx.maximum(total, 1e-30)[..., None]
     return out, mx.log(total) + peak
+
+
+@partial(mx.compile, shapeless=True)
+def _blend(o1: mx.array, l1: mx.array, o2: mx.array, l2: mx.array) -> mx.array:
+    # softmax weights of two partials: w1 / (w1 + w2) = sigmoid(l1 - l2)
+    return o2 + mx.sigmoid(l1 - l2)[..., None] * (o1 - o2)
+
+
+def blend_two(first: Partial, second: Partial) -> mx.array:
+    """The output of exactly two partials (no lse): fewer primitives than merge_partials, for a
+    batch's decode step. Every row must see some token in one of them (a row seeing nothing in
+    both gives NaN where merge_partials gives 0; a decode query always sees itself)."""
+    return _blend(*first, *second)
 
 
 def merge_partials(parts: List[Partial]) -> mx.array:

@@ -11,7 +11,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.partials import merge_partials, partial_attention
+from ..kernels.partials import MASKED, biased_partial, blend_two, merge_partials
 from . import fused, row_index
 
 FAR = 2**31 - 1  # the position of a column its row has not filled: no query reaches it
@@ -93,12 +93,14 @@ def _by_tiers(cache, queries: mx.array, scale: float) -> Optional[mx.array]:
         k, v = _decoded([t for t, _ in rest], queries.dtype)
         widths = tuple(t.ragged_width() for t, _ in rest)
         key = ("seen", widths, *(c.tobytes() for _, c in rest))
-        seen = row_index.shared(key, lambda: _filled(widths, [c for _, c in rest]))
-        parts.append(partial_attention(queries, k, v, scale, seen))
-    return merge_partials(parts).astype(queries.dtype)
+        bias = row_index.shared(key, lambda: _unfilled_bias(widths, [c for _, c in rest]))
+        parts.append(biased_partial(queries, k, v, scale, bias))
+    out = blend_two(*parts) if len(parts) == 2 else merge_partials(parts)  # the window holds each row's query
+    return out.astype(queries.dtype)
 
 
-def _filled(widths, counts) -> mx.array:
-    """[B, 1, 1, 1, keys]: which columns of the tiers (these widths, in order) each row has filled."""
+def _unfilled_bias(widths, counts) -> mx.array:
+    """[B, 1, 1, keys] float32: 0 on the columns of the tiers (these widths, in order) each row has
+    filled, MASKED on the others."""
     seen = np.concatenate([np.arange(w)[None] < c[:, None] for w, c in zip(widths, counts)], axis=1)
-    return mx.array(seen[:, None, None, None, :])
+    return mx.array(np.where(seen, 0.0, MASKED).astype(np.float32)[:, None, None, :])
