@@ -27,11 +27,10 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from benchmarks.host_step import prefilled
-from veloxquant.bench.e2e import PRESETS, random_model
+from veloxquant.bench.e2e import PRESETS, quantized, random_model
 from veloxquant.eval.rows import spec_caches, split_specs
 from veloxquant.runtime import uninstall
 
@@ -87,15 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     for k, v in PRESETS.get(args.preset, {}).items():
-        setattr(args, k.replace("-", "_"), v)
+        setattr(args, k, v)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
     shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
     model, name = random_model("llama", shape + (args.hidden, args.intermediate))
-    if args.weights_bits < 16:
-        nn.quantize(model, group_size=64, bits=args.weights_bits)
-        mx.eval(model.parameters())
-        name += f", {args.weights_bits}-bit weights"
+    model, name = quantized(model, args.weights_bits, name)
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
     short = prompt[:, : args.short + 7 * (args.batch - 1)]
     kv_cache = lambda: mlx_prompt_cache(model)  # noqa: E731

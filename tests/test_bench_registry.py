@@ -80,6 +80,8 @@ TINY = {
             "1",
             "--dtype",
             "float32",
+            "--weights-bits",
+            "4",
         ],
         "| fp16 |",
     ),

@@ -72,6 +72,15 @@ def random_llama(
     return _ready(llama.Model(args), dtype)
 
 
+def quantized(model, bits: int, name: str):
+    """The model with its weights quantized to `bits` (group 64; 16: as is), and its name in a table's title."""
+    if bits >= 16:
+        return model, name
+    nn.quantize(model, group_size=64, bits=bits)
+    mx.eval(model.parameters())
+    return model, f"{name}, {bits}-bit weights"
+
+
 def random_gemma3(
     layers: int,
     heads: int,
@@ -198,10 +207,7 @@ def main(argv=None) -> int:
         args.intermediate,
     )
     model, name = random_model(args.arch, shape, args.window, args.sliding_pattern)
-    if args.weights_bits < 16:
-        nn.quantize(model, group_size=64, bits=args.weights_bits)
-        mx.eval(model.parameters())
-        name += f", {args.weights_bits}-bit weights"
+    model, name = quantized(model, args.weights_bits, name)
     prompt = mx.random.randint(0, args.vocab, (args.context,))
     print(
         f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}, "

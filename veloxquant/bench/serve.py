@@ -27,7 +27,7 @@ from ..compiler.batching import refusal
 from ..eval.rows import spec_caches, split_specs
 from ..runtime import uninstall
 from ..runtime.cache_list import recipe_caches
-from .e2e import random_model
+from .e2e import PRESETS, quantized, random_model
 from .registry import bench
 
 
@@ -95,12 +95,17 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
+    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16), help="quantize the random weights")
     args = ap.parse_args(argv)
+    shapes = PRESETS.get(args.preset, {})
+    for k, v in shapes.items():
+        setattr(args, k, v)
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    model, name = random_model(
-        "llama", (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), 0, 0)
-    )
+    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
+    model, name = random_model("llama", shape + (shapes.get("hidden", 0), shapes.get("intermediate", 0)))
+    model, name = quantized(model, args.weights_bits, name)
     budget = args.budget_mib * 2**20
     print(
         f"{name}: {args.layers} layers, {heads}/{kv_heads} heads, D={args.head_dim}, {args.dtype}; context "
