@@ -96,9 +96,11 @@ class TierRows:
         self._views = {}
         # Every row taking the same columns (a decode step): one scatter at each row's own column.
         alike = bool((take == take[0]).all() and (source == source[0]).all())
-        for side, name, per in self._unit_items():
+        items = self._unit_items()
+        for per in {per for _, _, per in items} - {1}:  # once per unit size, not per array
             if (held % per).any() or (take % per).any() or (source % per).any():
                 raise AssertionError(f"a {per}-token unit split across rows' columns")
+        for side, name, per in items:
             buf, new = self.buffers[side][name], enc[side][name]
             if alike and buf.data is not None and buf.data.dtype == new.dtype:
                 first, n = int(source[0]) // per, int(take[0]) // per
