@@ -30,7 +30,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from benchmarks.host_step import prefilled
-from veloxquant.bench.e2e import PRESETS, quantized, random_model
+from veloxquant.bench.e2e import random_model
+from veloxquant.bench.presets import add_preset_args, apply_preset, quantized
 from veloxquant.eval.rows import spec_caches, split_specs
 from veloxquant.runtime import uninstall
 
@@ -75,8 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=0)
     ap.add_argument("--intermediate", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
-    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16))
+    add_preset_args(ap)
     ap.add_argument("--recipes", default="fp16,kivi,kivi@off")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--short", type=int, default=16, help="tokens the short-context KVCache row holds")
@@ -84,9 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args(argv)
-    for k, v in PRESETS.get(args.preset, {}).items():
-        setattr(args, k, v)
+    args = apply_preset(ap.parse_args(argv))
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
     shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))

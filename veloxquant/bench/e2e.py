@@ -38,7 +38,6 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
@@ -48,10 +47,10 @@ from ..kernels import table as kernel_table
 from ..runtime import uninstall
 from ..runtime.warmup import warmup
 from .e2e_batch import measure_batch
+from .presets import add_preset_args, apply_preset, quantized
 from .registry import bench
 
 # Model shapes by name: layers, heads/kv heads, head_dim, hidden, intermediate, vocab.
-PRESETS = {"llama3-8b": dict(layers=32, heads="32/8", head_dim=128, hidden=4096, intermediate=14336, vocab=128256)}
 
 
 def random_llama(
@@ -70,15 +69,6 @@ def random_llama(
         head_dim=head_dim,
     )
     return _ready(llama.Model(args), dtype)
-
-
-def quantized(model, bits: int, name: str):
-    """The model with its weights quantized to `bits` (group 64; 16: as is), and its name in a table's title."""
-    if bits >= 16:
-        return model, name
-    nn.quantize(model, group_size=64, bits=bits)
-    mx.eval(model.parameters())
-    return model, f"{name}, {bits}-bit weights"
 
 
 def random_gemma3(
@@ -179,21 +169,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sliding-pattern", type=int, default=6, help="gemma3: every n-th layer is global")
     ap.add_argument("--recipes", default="fp16,kivi", help="comma-separated row specs: kivi, kivi[bits=2], kivi@tc")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the table shows medians")
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
-    ap.add_argument(
-        "--weights-bits",
-        type=int,
-        default=16,
-        choices=(4, 8, 16),
-        help="quantize the random weights (group 64) to this width",
-    )
+    add_preset_args(ap)
     ap.add_argument("--warmup", action="store_true", help="runtime.warmup each recipe before its first-use row")
     ap.add_argument(
         "--batch", type=int, default=1, help="sequences decoded together through mlx-lm's BatchGenerator (aggregate)"
     )
-    args = ap.parse_args(argv)
-    for k, v in PRESETS.get(args.preset, {}).items():
-        setattr(args, k, v)
+    args = apply_preset(ap.parse_args(argv))
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
     shape = (

@@ -27,7 +27,8 @@ from ..compiler.batching import refusal
 from ..eval.rows import spec_caches, split_specs
 from ..runtime import uninstall
 from ..runtime.cache_list import recipe_caches
-from .e2e import PRESETS, quantized, random_model
+from .e2e import random_model
+from .presets import add_preset_args, apply_preset, quantized
 from .registry import bench
 
 
@@ -95,16 +96,14 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--preset", choices=sorted(PRESETS), help="a model's shapes (overrides the shape options)")
-    ap.add_argument("--weights-bits", type=int, default=16, choices=(4, 8, 16), help="quantize the random weights")
-    args = ap.parse_args(argv)
-    shapes = PRESETS.get(args.preset, {})
-    for k, v in shapes.items():
-        setattr(args, k, v)
+    ap.add_argument("--hidden", type=int, default=0, help="model width (default heads x head_dim)")
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 x hidden)")
+    add_preset_args(ap)
+    args = apply_preset(ap.parse_args(argv))
     heads, kv_heads = map(int, args.heads.split("/"))
     mx.random.seed(0)
-    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype))
-    model, name = random_model("llama", shape + (shapes.get("hidden", 0), shapes.get("intermediate", 0)))
+    shape = (args.layers, heads, kv_heads, args.head_dim, args.vocab, getattr(mx, args.dtype), args.hidden)
+    model, name = random_model("llama", shape + (args.intermediate,))
     model, name = quantized(model, args.weights_bits, name)
     budget = args.budget_mib * 2**20
     print(
