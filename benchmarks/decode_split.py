@@ -29,7 +29,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-from benchmarks.host_step import prefilled
+from benchmarks.host_step import RAGGED, prefilled
 from veloxquant.bench.e2e import random_model
 from veloxquant.bench.presets import add_preset_args, apply_preset, quantized
 from veloxquant.eval.rows import spec_caches, split_specs
@@ -59,7 +59,7 @@ def decode(model, cache, n: int, batch: int, profile=None):
     return tuple(x / n * 1e3 for x in (time.perf_counter() - start, build, encode, wait))
 
 
-def recipe_caches(model, spec: str):
+def row_maker(model, spec: str):
     """A maker of one sequence's caches for a row spec (`kivi[bits=2]`), and VELOXQUANT_KERNELS for
     it: `spec@off` runs with the kernels off."""
     recipe = spec.removesuffix("@off")
@@ -91,12 +91,12 @@ def main(argv=None) -> int:
     model, name = random_model("llama", shape + (args.hidden, args.intermediate))
     model, name = quantized(model, args.weights_bits, name)
     prompt = mx.random.randint(0, args.vocab, (1, args.context))
-    short = prompt[:, : args.short + 7 * (args.batch - 1)]
+    short = prompt[:, : args.short + RAGGED * (args.batch - 1)]  # the shortest row holds --short
     kv_cache = lambda: mlx_prompt_cache(model)  # noqa: E731
     rows = {f"mlx-lm KVCache, {args.short} tokens": (prefilled(model, short, kv_cache, args.batch), "")}
     rows["mlx-lm KVCache"] = (prefilled(model, prompt, kv_cache, args.batch), "")
     for spec in split_specs(args.recipes):
-        make, kernels = recipe_caches(model, spec)
+        make, kernels = row_maker(model, spec)
         os.environ["VELOXQUANT_KERNELS"] = kernels
         rows[spec] = (prefilled(model, prompt, make, args.batch), kernels)
     samples = {label: [] for label in rows}

@@ -90,13 +90,16 @@ def build_us(model, cache, y: mx.array, n: int) -> float:
     return statistics.median(times) * 1e6
 
 
+RAGGED = 7  # tokens each batch row's prompt is shorter than the row before it
+
+
 def prefilled(model, prompt: mx.array, make, batch: int) -> list:
     """One sequence's caches prefilled with the prompt; or `batch` sequences' (row i's prompt 7 x i
     tokens shorter), each prefilled alone, merged per layer by the caches' own merge."""
     alone = []
     for i in range(batch):
         alone.append(make())
-        prefill(model, prompt[:, : prompt.shape[1] - 7 * i], alone[-1], 2048)
+        prefill(model, prompt[:, : prompt.shape[1] - RAGGED * i], alone[-1], 2048)
     return alone[0] if batch == 1 else [layer[0].merge(list(layer)) for layer in zip(*alone)]
 
 

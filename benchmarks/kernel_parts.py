@@ -13,9 +13,9 @@ import traceback
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 
 import veloxquant
+from veloxquant.bench.e2e import random_llama
 from veloxquant.kernels.partials import merge_partials, partial_attention
 from veloxquant.runtime import fused
 from veloxquant.runtime import layer_attention as la
@@ -25,20 +25,7 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 
 def model(dtype):
     mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=HEADS * HEAD_DIM,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        rms_norm_eps=1e-5,
-        vocab_size=500,
-        head_dim=HEAD_DIM,
-    )
-    m = llama.Model(args)
-    m.set_dtype(dtype)
-    return m
+    return random_llama(2, HEADS, KV_HEADS, HEAD_DIM, 500, dtype, intermediate=256)
 
 
 def broken(x) -> bool:
